@@ -1,0 +1,44 @@
+"""`MLP`: the gated (SwiGLU) feed-forward block of Llama, Mixtral and DeepSeek.
+
+``down(silu(gate(x)) * up(x))``. Legend: B batch, L length, D embed, F mlp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.linear import Linear, default_kernel_init
+from zoo.partitioning import Partitioner, resolve
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP with kernels ``gate``/``up`` ``[D, F]`` and ``down`` ``[F, D]``.
+
+    Override `activation` in a subclass to change the non-linearity.
+    """
+
+    def __init__(self, *, embed_dim: int, mlp_dim: int, partitioner: Partitioner | None = None,
+                 scope: str | None = None, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
+        self.embed_dim, self.mlp_dim = embed_dim, mlp_dim
+        self.partitioner, self.scope = resolve(partitioner), scope
+        kw = dict(partitioner=partitioner, scope=scope, dtype=dtype, param_dtype=param_dtype,
+                  kernel_init=kernel_init, rngs=rngs)
+        self.gate = Linear(embed_dim, mlp_dim, in_axes=("embed",), out_axes=("mlp",), **kw)
+        self.up = Linear(embed_dim, mlp_dim, in_axes=("embed",), out_axes=("mlp",), **kw)
+        self.down = Linear(mlp_dim, embed_dim, in_axes=("mlp",), out_axes=("embed",), **kw)
+
+    def activation(self, x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        with jax.named_scope("mlp"):
+            h = self.activation(self.gate(x)) * self.up(x)
+            if x.ndim == 3:  # [B, L, D] activations; other ranks (e.g. inside shard_map) as-is
+                h = self.partitioner.constrain(h, ("batch", "length", "act_mlp"), self.scope)
+            y = self.down(h)
+            if x.ndim == 3:
+                y = self.partitioner.constrain(y, ("batch", "length", "act_embed"), self.scope)
+            return y
