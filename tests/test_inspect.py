@@ -60,3 +60,16 @@ def test_table_unsharded():
     table = sharding_table(RMSNorm(8, rngs=nnx.Rngs(0)))
     (row,) = table.rows
     assert row.spec == P() and row.shard_shape == (8,) and table.mesh is None
+
+
+def test_activation_table_follows_the_strategy(devices):
+    from zoo.inspect import activation_table
+
+    p = Partitioner(make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
+    table = activation_table(p, batch=8, length=256, embed=64, heads=4, kv_heads=2, head_dim=32,
+                             mlp=128, vocab=264)
+    rows = {r.path: r for r in table}
+    assert rows["residual stream [default]"].shard_shape == (4, 64, 64)
+    assert rows["attention k/v [attention]"].shard_shape == (4, 64, 2, 32)
+    assert rows["moe tokens [moe]"].shard_shape == (4, 128, 64)  # only context shards it in MoE
+    assert rows["logits [default]"].bytes_per_device == 4 * 64 * 264 * 4

@@ -147,3 +147,36 @@ def sharding_table(module_or_state: nnx.Module | nnx.State,
         if mesh is not None:
             meshes.add(mesh)
     return ShardingTable(rows, next(iter(meshes)) if len(meshes) == 1 else None)
+
+
+# (name, scope, logical axes, shape keys): the activations the layers constrain.
+_ACTIVATIONS = (
+    ("residual stream", None, ("batch", "length", "act_embed"), ("batch", "length", "embed")),
+    ("attention q", "attention", ("batch", "length", "act_heads", "act_head_dim"),
+     ("batch", "length", "heads", "head_dim")),
+    ("attention k/v", "attention", ("batch", "length", "act_kv_heads", "act_head_dim"),
+     ("batch", "length", "kv_heads", "head_dim")),
+    ("moe tokens", "moe", ("batch", "length", "act_embed"), ("batch", "length", "embed")),
+    ("mlp hidden", None, ("batch", "length", "act_mlp"), ("batch", "length", "mlp")),
+    ("logits", None, ("batch", "length", "act_vocab"), ("batch", "length", "vocab")),
+)
+
+
+def activation_table(partitioner: Any, *, batch: int, length: int, embed: int, heads: int = 1,
+                     kv_heads: int = 1, head_dim: int = 1, mlp: int = 1, vocab: int = 1,
+                     dtype: Any = np.float32) -> ShardingTable:
+    """How the partitioner cuts the activations the layers constrain, for given sizes."""
+    sizes = dict(batch=batch, length=length, embed=embed, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, mlp=mlp, vocab=vocab)
+    mesh = partitioner.mesh
+    rows = []
+    for name, scope, axes, keys in _ACTIVATIONS:
+        shape = tuple(sizes[k] for k in keys)
+        spec = partitioner.spec(axes, scope)
+        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+        shard = tuple(-(-d // _axes_size(mesh, e)) for d, e in zip(shape, entries))
+        rows.append(Row(path=f"{name} [{scope or 'default'}]", kind="activation", shape=shape,
+                        dtype=str(np.dtype(dtype)), logical_axes=axes, spec=spec,
+                        shard_shape=shard,
+                        bytes_per_device=math.prod(shard) * np.dtype(dtype).itemsize))
+    return ShardingTable(rows, mesh)
