@@ -37,7 +37,7 @@ def test_mlp_forward_and_grad_match_numpy():
     x = jax.random.normal(jax.random.key(3), (2, 3, 8))
     g, u, d = (_np(m.kernel[...]) for m in (mlp.gate, mlp.up, mlp.down))
     xn = _np(x)
-    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    silu = lambda z: z / (1 + np.exp(-z))
     h = silu(xn @ g) * (xn @ u)
     np.testing.assert_allclose(_np(mlp(x)), h @ d, rtol=1e-5, atol=1e-6)
     # d(sum y)/d down = h^T @ ones: the gradient goes through the parameters too

@@ -96,7 +96,7 @@ class ShardingTable:
     def __str__(self) -> str:
         header, body = self._cells()
         widths = [max(len(c) for c in col) for col in zip(header, *body)]
-        fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+        fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
         lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body), self._footer()]
         return "\n".join(lines)
 
@@ -132,7 +132,7 @@ def _row(path: tuple, var: nnx.Variable) -> Row:
 
 
 def sharding_table(module_or_state: nnx.Module | nnx.State,
-                   filter: Any = nnx.Variable) -> ShardingTable:  # noqa: A002
+                   filter: Any = nnx.Variable) -> ShardingTable:
     """One row per variable (default: all; pass ``nnx.Param`` for parameters only)."""
     state = (nnx.state(module_or_state, filter) if isinstance(module_or_state, nnx.Module)
              else module_or_state)
