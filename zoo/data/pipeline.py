@@ -1,0 +1,245 @@
+"""`text_dataset`: text files -> packed, shifted, load-balanced, per-process batches (Grain).
+
+Stages, each a Grain dataset so the whole chain is checkpointable::
+
+    byte ranges of files (stat only)        MapDataset.source   (corpus.index_ranges)
+      -> shuffle per epoch, repeat           .shuffle(seed).repeat(num_epochs)
+      -> read + tokenize on demand           .map(_ReadTokenize), threads via ReadOptions
+      -> cut into pieces of <= L tokens      FlatMapIterDataset(_SplitPieces)
+      -> shuffle pieces in windows           WindowShuffleIterDataset
+      -> first-fit packing into rows of L    grain.experimental.FirstFitPackIterDataset
+      -> global batch (last one padded)      .batch(batch_size) + _Finish
+      -> this process's rows, shift, weights, load-balanced reorder
+      -> a background thread keeps batches ready  (Grain's ThreadPrefetchDatasetIterator)
+
+Conventions of one row of ``L`` tokens (all arrays ``[batch_size // process_count, L]``):
+
+* ``inputs`` -- the packed tokens. A document (a file; a ``.jsonl`` line) is ``[bos] +
+  tokens + [eos]``, each special only if the tokenizer has it (`ByteTokenizer`: 1 and 2); a
+  text file above 8 MiB is read in line-aligned ranges, bos before the first, eos after the
+  last. Empty documents are skipped. A document longer than ``L`` is cut into consecutive
+  pieces of ``L`` tokens (the last shorter) *before* packing, so Grain never truncates and no
+  token is dropped.
+* ``segment_ids`` -- 1..n for the pieces in the row, in order; 0 marks padding.
+* ``positions`` -- 0, 1, 2, ... restarting at every piece.
+* ``targets`` -- ``targets[j] = inputs[j+1]`` when position ``j+1`` belongs to the same piece
+  (same non-zero segment id), else ``pad_id``. The last token of each piece has no target.
+* ``loss_weights`` -- float32, 1.0 exactly where a target exists, else 0.0.
+
+With ``context_parallel=cp > 1`` and ``load_balance=True`` all five arrays are finally
+reordered along the length axis by `zoo.data.load_balance` (chunks ``r`` and ``2cp-1-r`` for
+context shard ``r``); attention masks come from ``positions``/``segment_ids``, so the model
+never un-permutes and the loss (a weighted mean) needs no inverse.
+
+Every process builds the same global batch stream (same seed, same files) and keeps rows
+``[i*b, (i+1)*b)``, ``b = batch_size // process_count``. ``num_epochs=1`` visits every token
+once; the final batch is padded with empty rows (``segment_ids`` 0, weights 0), never dropped.
+``it.get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator built with the
+same arguments repeats exactly the batches that followed.
+
+Legend: B rows per process, L ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+from grain import experimental as gx
+
+from zoo.data import corpus
+from zoo.data.reorder import check_length, load_balance as _load_balance
+from zoo.data.tokenizer import ByteTokenizer
+
+__all__ = ["text_dataset", "PACKING_BINS", "SHUFFLE_WINDOW"]
+
+# First-fit packs this many rows at once: more rows, fuller rows (fill is measured by
+# benchmarks/data.py and asserted >= 97% on the built-in corpus by the tests).
+PACKING_BINS = 64
+# Pieces are shuffled in windows of this many, so one large file's pieces do not fill
+# consecutive batches. Resuming re-reads at most one window.
+SHUFFLE_WINDOW = 256
+_READ_THREADS = 4
+_READ_BUFFER = 64
+_PREFETCH_BATCHES = 8
+
+
+# Iterators still open at exit are closed by atexit, while the interpreter is whole: Grain's
+# prefetch iterator otherwise closes itself in __del__ during teardown and prints an ignored
+# AttributeError (google/grain#1196).
+_OPEN_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_iterators() -> None:
+    for it in list(_OPEN_ITERATORS):
+        it.close()
+
+
+class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
+    """Grain's thread prefetch, with a `close` that is safe to call twice (atexit, then __del__)."""
+
+    def close(self) -> None:
+        if not self._closed:
+            super().close()
+
+
+class _ReadTokenize:
+    """Byte range -> list of token arrays, ``[bos] + encode(text) + [eos]`` per document."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos = getattr(tokenizer, "bos_id", None)
+        self.eos = getattr(tokenizer, "eos_id", None)
+
+    def __call__(self, rng: corpus.Range) -> list[np.ndarray]:
+        out = []
+        for text, starts, ends in corpus.read_documents(*rng):
+            parts = [np.asarray(self.tokenizer.encode(text), dtype=np.int32).reshape(-1)]
+            if not parts[0].size:
+                continue  # an empty document ({"text": ""}) has nothing to learn from
+            if starts and self.bos is not None:
+                parts.insert(0, np.array([self.bos], np.int32))
+            if ends and self.eos is not None:
+                parts.append(np.array([self.eos], np.int32))
+            out.append(np.concatenate(parts))
+        return out
+
+
+class _SplitPieces(gx.FlatMapTransform):
+    """Documents -> pieces of at most ``seq_len`` tokens, in order; nothing is dropped."""
+
+    max_fan_out = 1 << 30  # only used by MapDataset flat maps; the iterator version is unbounded
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def flat_map(self, docs: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return [{"tokens": doc[i:i + self.seq_len]}
+                for doc in docs for i in range(0, len(doc), self.seq_len)]
+
+
+class _Finish:
+    """Global packed batch -> this process's rows with targets, weights, reorder (all int32)."""
+
+    def __init__(self, *, global_batch, process_index, process_count, pad_id, cp, balance):
+        self.global_batch = global_batch
+        self.rows = slice(process_index * (global_batch // process_count),
+                          (process_index + 1) * (global_batch // process_count))
+        self.pad_id = pad_id
+        self.cp = cp
+        self.balance = balance and cp > 1
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tokens = batch["tokens"].astype(np.int32)  # [rows<=global, L]
+        segments = batch["tokens_segment_ids"].astype(np.int32)
+        positions = batch["tokens_positions"].astype(np.int32)
+        missing = self.global_batch - tokens.shape[0]
+        if missing:  # the last batch of a finite run: pad with empty rows, drop nothing
+            def pad(x, value):
+                return np.concatenate([x, np.full((missing, x.shape[1]), value, x.dtype)])
+            tokens = pad(tokens, self.pad_id)
+            segments, positions = pad(segments, 0), pad(positions, 0)
+        tokens, segments, positions = tokens[self.rows], segments[self.rows], positions[self.rows]
+
+        # j has a target iff j+1 is in the same piece: same non-zero segment id.
+        has_next = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)  # [B, L-1]
+        targets = np.full_like(tokens, self.pad_id)
+        targets[:, :-1] = np.where(has_next, tokens[:, 1:], self.pad_id)
+        weights = np.zeros(tokens.shape, np.float32)
+        weights[:, :-1] = has_next
+        out = {"inputs": tokens, "targets": targets, "positions": positions,
+               "segment_ids": segments, "loss_weights": weights}
+        if self.balance:
+            out = {k: _load_balance(v, self.cp, axis=1) for k, v in out.items()}
+        return out
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"text_dataset: {name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
+                 seq_len: int, batch_size: int, context_parallel: int = 1,
+                 load_balance: bool = True, tokenizer=None, seed: int = 0,
+                 shuffle: bool = True, num_epochs: int | None = None,
+                 process_index: int | None = None,
+                 process_count: int | None = None) -> grain.DatasetIterator:
+    """A checkpointable iterator of packed batches; see the module docstring for conventions.
+
+    Args:
+      paths: files, globs or folders of ``.txt``/``.md``/``.py``/``.jsonl`` (``"text"`` field)
+        text; ``None`` is the built-in corpus (the Python standard library's sources).
+      seq_len: row length ``L``.
+      batch_size: *global* rows per step; each process gets ``batch_size // process_count``.
+      context_parallel: the CP degree the attention sees; with ``load_balance`` every array is
+        reordered for it (``seq_len`` must then be divisible by ``2*context_parallel``).
+      tokenizer: anything with ``encode``/``bos_id``/``eos_id``/``pad_id``; default
+        `ByteTokenizer`.
+      seed, shuffle: file order (reshuffled each epoch), piece windows and packed rows are
+        shuffled with ``seed``; ``shuffle=False`` keeps the sorted file order throughout.
+      num_epochs: ``None`` repeats forever; ``n`` stops after ``n`` passes (last batch padded).
+      process_index, process_count: default `jax.process_index()` / `jax.process_count()`.
+
+    Returns:
+      A `grain.DatasetIterator` of dicts ``inputs``, ``targets``, ``positions``,
+      ``segment_ids`` (int32) and ``loss_weights`` (float32), each ``[B, seq_len]``, with
+      ``get_state()``/``set_state(state)``.
+    """
+    seq_len = _positive_int("seq_len", seq_len)
+    batch_size = _positive_int("batch_size", batch_size)
+    context_parallel = _positive_int("context_parallel", context_parallel)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
+        raise ValueError(f"text_dataset: seed={seed!r} must be an integer in [0, 2**31)")
+    if num_epochs is not None:
+        num_epochs = _positive_int("num_epochs", num_epochs)
+    if process_index is None or process_count is None:
+        import jax  # only for the defaults; the pipeline itself is numpy
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    process_count = _positive_int("process_count", process_count)
+    if isinstance(process_index, bool) or not isinstance(process_index, (int, np.integer)) \
+            or not 0 <= process_index < process_count:
+        raise ValueError(f"text_dataset: process_index={process_index!r} must be in "
+                         f"[0, process_count={process_count})")
+    if batch_size % process_count:
+        lower = batch_size // process_count * process_count
+        raise ValueError(
+            f"text_dataset: batch_size={batch_size} is not divisible by process_count="
+            f"{process_count} (every process takes an equal slice of the global batch); use "
+            f"{lower + process_count}" + (f" or {lower}" if lower else ""))
+    if load_balance and context_parallel > 1:
+        check_length(seq_len, context_parallel, what="text_dataset: seq_len")
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise ValueError(f"text_dataset: tokenizer {tokenizer!r} has no encode(text) method")
+    pad_id = getattr(tokenizer, "pad_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+
+    ranges = corpus.index_ranges(corpus.find_files(paths))
+    ds = grain.MapDataset.source(ranges)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)  # a fresh permutation every epoch (seed + epoch)
+    ds = ds.repeat(num_epochs).map(_ReadTokenize(tokenizer))
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
+                                              prefetch_buffer_size=_READ_BUFFER))
+    ds = gx.FlatMapIterDataset(ds, _SplitPieces(seq_len))
+    if shuffle:
+        ds = gx.WindowShuffleIterDataset(ds, window_size=SHUFFLE_WINDOW, seed=seed + 1)
+    ds = gx.FirstFitPackIterDataset(
+        ds, length_struct={"tokens": seq_len}, num_packing_bins=max(PACKING_BINS, batch_size),
+        seed=seed + 2, shuffle_bins=shuffle, padding_struct={"tokens": pad_id})
+    ds = ds.batch(batch_size, drop_remainder=False)
+    ds = ds.map(_Finish(global_batch=batch_size, process_index=int(process_index),
+                        process_count=process_count, pad_id=pad_id, cp=context_parallel,
+                        balance=load_balance))
+    it = _PrefetchIterator(iter(ds), _PREFETCH_BATCHES)  # packing runs ahead in a thread
+    _OPEN_ITERATORS.add(it)
+    return it
