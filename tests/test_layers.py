@@ -186,3 +186,9 @@ def test_parameters_land_sharded(devices, sizes, strategy, gate_spec, moe_gate_s
     y = jax.jit(lambda m, x: m(x))(mlp, x)
     np.testing.assert_allclose(_np(y), _np(plain(x)), rtol=1e-5, atol=1e-5)
     assert y.sharding.is_equivalent_to(p.sharding(("batch", "length", "act_embed")), 3)
+
+
+def test_indivisible_parameter_raises_at_construction(devices):
+    p = Partitioner(make_mesh(fsdp=8), "fsdp")
+    with pytest.raises(ValueError, match=r"dimension 0 \('embed', size 12\).*8 shards.*'fsdp'"):
+        MLP(embed_dim=12, mlp_dim=32, partitioner=p, rngs=nnx.Rngs(0))

@@ -13,7 +13,9 @@ activation; one name for both would make ``("batch", "length", "embed")`` use a 
 
 =================  ==========================================================================
 parameters         ``embed`` ``vocab`` ``heads`` ``kv_heads`` ``head_dim`` ``mlp`` ``experts``
-                   ``q_lora`` ``kv_lora`` ``norm`` (``norm``: small vectors, never sharded)
+                   ``q_lora`` ``kv_lora`` ``norm`` (``norm``: small vectors, never sharded;
+                   ``q_lora``/``kv_lora``: MLA's low-rank input to the up-projections,
+                   FSDP-sharded like ``embed``)
 activations        ``batch`` ``length`` ``act_embed`` ``act_heads`` ``act_kv_heads``
                    ``act_head_dim`` ``act_mlp`` ``act_vocab`` ``act_experts``
 =================  ==========================================================================
@@ -96,22 +98,28 @@ def _strategy_rules(strategy: str) -> dict[Any, dict[str, MeshAxes]]:
     """The table for one strategy: ``{None: default rules, scope: overrides}``."""
     tp = "tensor"
     common = dict(vocab=tp, heads=tp, kv_heads=tp, head_dim=None, mlp=tp, experts="expert",
-                  q_lora=None, kv_lora=None, norm=None,
+                  norm=None,
                   act_embed=None, act_heads=tp, act_kv_heads=tp, act_head_dim=None, act_mlp=tp,
                   act_vocab=tp, act_experts="expert")
     if strategy == "fsdp":
         default = dict(common, batch=("data", "fsdp", "expert", "context"), length=None,
-                       embed=("fsdp", "context", "expert"))
+                       embed=("fsdp", "context", "expert"),
+                       q_lora=("fsdp", "context", "expert"),
+                       kv_lora=("fsdp", "context", "expert"))
         moe = dict(batch=("data", "fsdp", "context"), embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     if strategy == "cp":
         default = dict(common, batch=("data", "fsdp", "expert"), length="context",
-                       embed=("fsdp", "context", "expert"))
+                       embed=("fsdp", "context", "expert"),
+                       q_lora=("fsdp", "context", "expert"),
+                       kv_lora=("fsdp", "context", "expert"))
         moe = dict(batch=("data", "fsdp"), embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     if strategy == "ep_as_cp":
         default = dict(common, batch=("data", "fsdp"), length=("context", "expert"),
-                       embed=("fsdp", "context", "expert"))
+                       embed=("fsdp", "context", "expert"),
+                       q_lora=("fsdp", "context", "expert"),
+                       kv_lora=("fsdp", "context", "expert"))
         moe = dict(length="context", embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     raise ValueError(f"unknown partitioning strategy {strategy!r}; valid strategies are "
@@ -238,8 +246,29 @@ class Partitioner:
         axes = tuple(logical_axes)
         if self.mesh is None:
             return nnx.with_metadata(init, logical_axes=axes)
-        return nnx.with_partitioning(init, self.spec(axes, scope), mesh=self.mesh,
-                                     logical_axes=axes)
+        spec = self.spec(axes, scope)
+
+        def checked(key, shape, *args, **kwargs):
+            self.check_divisible(shape, axes, scope)
+            return init(key, shape, *args, **kwargs)
+
+        return nnx.with_partitioning(checked, spec, mesh=self.mesh, logical_axes=axes)
+
+    def check_divisible(self, shape: Sequence[int], logical_axes: Sequence[str | None],
+                        scope: str | None = None, what: str = "parameter") -> None:
+        """Raise if a dimension does not split evenly over the mesh axes that shard it."""
+        if len(shape) != len(logical_axes):
+            raise ValueError(f"{what} of shape {tuple(shape)} has {len(shape)} dimensions but "
+                             f"logical axes {tuple(logical_axes)} name {len(logical_axes)}")
+        for dim, (size, logical) in enumerate(zip(shape, logical_axes)):
+            axes = self.mesh_axes(logical, scope)
+            shards = self.axis_size(axes)
+            if size % shards:
+                raise ValueError(
+                    f"{what} dimension {dim} ({logical!r}, size {size}) of shape {tuple(shape)} "
+                    f"does not split into {shards} shards over mesh axes {axes} (strategy "
+                    f"{self.strategy!r}, scope {scope!r}); use a size divisible by {shards} or a "
+                    f"mesh/strategy that shards {logical!r} fewer ways")
 
     # -- sizes --------------------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str] | None) -> int:

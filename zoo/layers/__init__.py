@@ -4,11 +4,15 @@ Each layer takes explicit keyword arguments, ``partitioner`` (None: unsharded) a
 parameters are created already sharded. Subclass a layer and override one method.
 """
 
+from zoo.layers.attention import Attention
 from zoo.layers.embed import Embed
 from zoo.layers.linear import Linear
+from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP
+from zoo.layers.moe import MoE, RouterBias, moe_modules, update_expert_bias
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE, YaRN, apply_rope
 
-__all__ = ["Embed", "Linear", "MLP", "RMSNorm", "RoPE", "YaRN", "apply_rope"]
+__all__ = ["MLA", "MLP", "Attention", "Embed", "Linear", "MoE", "RMSNorm", "RoPE", "RouterBias",
+           "YaRN", "apply_rope", "moe_modules", "update_expert_bias"]
 

@@ -29,7 +29,9 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"Embed expects integer token ids, got dtype {tokens.dtype}")
-        table = self.embedding[...]
+        # FSDP all-gathers the table's embed dimension before the lookup: a gather from a table
+        # sharded along the gathered rows' own feature axis makes XLA replicate everything.
+        table = self.partitioner.constrain(self.embedding[...], ("vocab", None))
         if self.dtype is not None:
             table = table.astype(self.dtype)
         x = jnp.take(table, tokens, axis=0)

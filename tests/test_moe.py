@@ -1,0 +1,433 @@
+"""MoE: routing against hand-built cases and Hugging Face's routers; the layer (forward and
+gradients, input and parameters) against a dense reference written here (every expert on every
+token) unsharded and under the four strategy meshes; capacity drops; bias balancing; errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zoo.layers.moe import MoE, RouterBias, moe_modules, update_expert_bias
+from zoo.ops import moe as ops
+from zoo.partitioning import Partitioner, make_mesh
+
+B, L, D, F, E = 8, 8, 16, 8, 8
+MESHES = {
+    "fsdp8": ("fsdp", dict(fsdp=8)),
+    "cp_c4e2": ("cp", dict(context=4, expert=2)),
+    "epcp_f2e4": ("ep_as_cp", dict(fsdp=2, expert=4)),
+    "epcp_f2e2c2": ("ep_as_cp", dict(fsdp=2, expert=2, context=2)),
+    "fsdp_f2e2t2": ("fsdp", dict(fsdp=2, expert=2, tensor=2)),  # tensor-sharded expert width
+}
+CONFIGS = {
+    "mixtral": dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, scoring="softmax"),
+    "deepseek": dict(num_experts=E, num_experts_per_tok=3, mlp_dim=F, scoring="sigmoid",
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1),
+}
+
+
+def logit(s):
+    s = np.asarray(s, np.float64)
+    return np.log(s / (1 - s)).astype(np.float32)
+
+
+# -- routing by hand -----------------------------------------------------------------------
+# 16 experts in 4 groups. Group top-2 sums: g0 1.05, g1 1.35, g2 1.10, g3 0.95.
+SCORES = np.array([0.95, 0.05, 0.10, 0.02, 0.70, 0.65, 0.60, 0.10,
+                   0.80, 0.30, 0.20, 0.10, 0.50, 0.45, 0.40, 0.35], np.float32)
+
+
+def _sorted(weights, indices):
+    order = np.argsort(np.asarray(indices)[0])
+    return np.asarray(indices)[0][order], np.asarray(weights)[0][order]
+
+
+def test_route_group_limited_by_hand():
+    kw = dict(k=4, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    w, i, s = ops.route(jnp.asarray(logit(SCORES))[None], **kw)
+    idx, wts = _sorted(w, i)
+    # groups 1 and 2 win; expert 0 (the best single score) is excluded with its group
+    np.testing.assert_array_equal(idx, [4, 5, 6, 8])
+    np.testing.assert_allclose(wts, np.array([.70, .65, .60, .80]) / 2.75 * 2.5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(s)[0], SCORES, rtol=1e-6)
+    # without groups the global top-4
+    w, i, _ = ops.route(jnp.asarray(logit(SCORES))[None], k=4, scoring="sigmoid")
+    idx, wts = _sorted(w, i)
+    np.testing.assert_array_equal(idx, [0, 4, 5, 8])
+    np.testing.assert_allclose(wts, np.array([.95, .70, .65, .80]) / 3.10, rtol=1e-6)
+    # unnormalised: raw scores times the scale
+    w, i, _ = ops.route(jnp.asarray(logit(SCORES))[None], norm_topk_prob=False, **kw)
+    np.testing.assert_allclose(_sorted(w, i)[1], np.array([.70, .65, .60, .80]) * 2.5,
+                               rtol=1e-6)
+
+
+def test_route_bias_changes_selection_not_weights():
+    bias = np.zeros(16, np.float32)
+    bias[15] = 0.6  # group 3 becomes [.5, .45, .4, .95]: top-2 1.45, best group
+    w, i, _ = ops.route(jnp.asarray(logit(SCORES))[None], bias=jnp.asarray(bias), k=4,
+                        scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    idx, wts = _sorted(w, i)
+    np.testing.assert_array_equal(idx, [4, 5, 6, 15])  # groups 3 and 1; expert 8 is out
+    # expert 15 weighs in with its unbiased score 0.35
+    np.testing.assert_allclose(wts, np.array([.70, .65, .60, .35]) / 2.30 * 2.5, rtol=1e-6)
+
+
+def test_route_softmax_by_hand():
+    logits = np.array([[2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 0.2]], np.float32)
+    w, i, s = ops.route(jnp.asarray(logits), k=2)
+    idx, wts = _sorted(w, i)
+    np.testing.assert_array_equal(idx, [0, 3])
+    np.testing.assert_allclose(wts, [1 / (1 + math.e), math.e / (1 + math.e)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(s).sum(), 1.0, rtol=1e-6)
+
+
+def test_route_matches_hugging_face():
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV3Config, MixtralConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.mixtral.modeling_mixtral import (MixtralTopKRouter,
+                                                              load_balancing_loss_func)
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(64, 16)).astype(np.float32)
+    cases = [
+        (MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8,
+                                         num_experts_per_tok=2)), dict(k=2)),
+        (DeepseekV3TopkRouter(DeepseekV3Config(
+            hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+         dict(k=4, scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    ]
+    for router, kw in cases:
+        w = rng.normal(size=tuple(router.weight.shape)).astype(np.float32)
+        with torch.no_grad():
+            router.weight.copy_(torch.from_numpy(w))
+            bias = None
+            if hasattr(router, "e_score_correction_bias"):
+                bias = (rng.normal(size=w.shape[0]) * 0.3).astype(np.float32)
+                router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+            hf_logits, hf_w, hf_i = router(torch.from_numpy(h))
+        ours_w, ours_i, _ = ops.route(jnp.asarray(h @ w.T), bias=bias, **kw)
+        np.testing.assert_allclose(h @ w.T, hf_logits.numpy(), rtol=1e-5, atol=1e-5)
+        hf_o, ours_o = np.argsort(hf_i.numpy(), -1), np.argsort(np.asarray(ours_i), -1)
+        np.testing.assert_array_equal(np.take_along_axis(hf_i.numpy(), hf_o, -1),
+                                      np.take_along_axis(np.asarray(ours_i), ours_o, -1))
+        np.testing.assert_allclose(np.take_along_axis(np.asarray(ours_w), ours_o, -1),
+                                   np.take_along_axis(hf_w.numpy(), hf_o, -1), atol=1e-6)
+    # documented relation to HF's Mixtral aux loss: theirs = k * ours
+    logits = rng.normal(size=(64, 8)).astype(np.float32)
+    w, i, s = ops.route(jnp.asarray(logits), k=2)
+    ours = ops.load_balance_loss(s, ops.expert_counts(i, 8), k=2)
+    theirs = load_balancing_loss_func((torch.from_numpy(logits),), 8, 2)
+    np.testing.assert_allclose(2 * float(ours), float(theirs), rtol=1e-5)
+
+
+# -- dispatch on one device's experts -----------------------------------------------------
+def _numpy_experts(x, indices, weights, wg, wu, wo, lo, hi, keep=None):
+    """Loop over token copies: sum of w * SwiGLU_e(x) for experts lo <= e < hi."""
+    silu = lambda v: v / (1 + np.exp(-v))
+    y = np.zeros_like(x, dtype=np.float64)
+    for t in range(x.shape[0]):
+        for j in range(indices.shape[1]):
+            e = indices[t, j]
+            if lo <= e < hi and (keep is None or keep[t, e]):
+                h = silu(x[t] @ wg[e]) * (x[t] @ wu[e])
+                y[t] += weights[t, j] * (h @ wo[e])
+    return y
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+def test_dropless_experts_on_expert_shards(impl):
+    rng = np.random.default_rng(3)
+    T, k, n_exp = 40, 3, 8
+    x = rng.normal(size=(T, D)).astype(np.float32)
+    # skewed: expert 2 is popular, experts 5 and 7 never chosen (empty groups)
+    indices = np.stack([rng.choice([0, 1, 2, 2, 2, 3, 4, 6], 3, replace=False)
+                        for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(size=(T, k)).astype(np.float32)
+    wg, wu = (rng.normal(size=(n_exp, D, F)).astype(np.float32) * 0.3 for _ in range(2))
+    wo = rng.normal(size=(n_exp, F, D)).astype(np.float32) * 0.3
+    total = 0
+    for lo in (0, 4):  # two shards of 4 local experts each
+        y, dropped = ops.dropless_experts(x, indices, weights, wg[lo:lo + 4], wu[lo:lo + 4],
+                                          wo[lo:lo + 4], expert_offset=lo, impl=impl)
+        expect = _numpy_experts(x, indices, weights, wg, wu, wo, lo, lo + 4)
+        np.testing.assert_allclose(np.asarray(y), expect, rtol=1e-5, atol=1e-5)
+        assert int(dropped) == 0
+        total = total + np.asarray(y)
+    np.testing.assert_allclose(total, _numpy_experts(x, indices, weights, wg, wu, wo, 0, 8),
+                               rtol=1e-5, atol=1e-5)
+
+
+# -- the dense reference ----------------------------------------------------------------------
+def reference(params, x, cfg, bias=None, keep=None):
+    """Every expert on every token, combined with a router written from the definitions.
+
+    `keep` ([T, E] 0/1, numpy) masks dropped copies for capacity checks."""
+    k, scoring = cfg["num_experts_per_tok"], cfg.get("scoring", "softmax")
+    n_group, topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+    t = x.reshape(-1, D)
+    logits = t.astype(jnp.float32) @ params["router"]
+    s = jax.nn.softmax(logits) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = jax.lax.stop_gradient(s) + (0 if bias is None else bias)
+    if n_group > 1:
+        g = choice.reshape(-1, n_group, E // n_group)
+        gscore = jnp.sort(g, -1)[..., -2:].sum(-1)
+        rank = jnp.argsort(jnp.argsort(-gscore, -1), -1)  # 0 = best group
+        choice = jnp.where(jnp.repeat(rank < topk_group, E // n_group, -1), choice, -1e9)
+    sel = jnp.argsort(-choice, -1)[:, :k]
+    mask = jax.nn.one_hot(sel, E).sum(1)  # [T, E]
+    comb = mask * s
+    if cfg.get("norm_topk_prob", True):
+        comb = comb / comb.sum(-1, keepdims=True)
+    comb = comb * cfg.get("routed_scaling_factor", 1.0)
+    if keep is not None:
+        comb = comb * keep
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", t, params["wi_gate"]))
+    h = h * jnp.einsum("td,edf->tef", t, params["wi_up"])
+    y = jnp.einsum("te,tef,efd->td", comb, h, params["wo"])
+    if "shared_gate" in params:
+        hs = jax.nn.silu(t @ params["shared_gate"]) * (t @ params["shared_up"])
+        y = y + hs @ params["shared_down"]
+    p_mean = (s if scoring == "softmax" else s / s.sum(-1, keepdims=True)).mean(0)
+    lb = E * jnp.sum(mask.mean(0) / k * p_mean)
+    return y.reshape(x.shape), lb, mask.sum(0)
+
+
+PATHS = {"router": ("router",), "wi_gate": ("wi_gate",), "wi_up": ("wi_up",), "wo": ("wo",),
+         "shared_gate": ("shared_experts", "gate", "kernel"),
+         "shared_up": ("shared_experts", "up", "kernel"),
+         "shared_down": ("shared_experts", "down", "kernel")}
+
+
+def _leaf(state, path):
+    for p in path:
+        state = getattr(state, p) if isinstance(state, nnx.Module) else state[p]
+    return state
+
+
+def build(cfg, partitioner=None, values=None, bias=None, **extra):
+    """A MoE with the given parameter values (placed on each parameter's own sharding)."""
+    moe = MoE(inputs_shape=(B, L, D), partitioner=partitioner, rngs=nnx.Rngs(0), **cfg,
+              **extra)
+    for name, path in PATHS.items():
+        if values is not None and name in values:
+            var = _leaf(moe, path)
+            var[...] = jax.device_put(values[name], var[...].sharding)
+    if bias is not None:
+        moe.e_score_correction_bias[...] = jax.device_put(
+            bias, moe.e_score_correction_bias[...].sharding)
+    return moe
+
+
+def _loss_fn(graphdef, rest, ct):
+    def loss(params, x):
+        y, aux = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y * ct) + 0.3 * aux["load_balance_loss"], (y, aux)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def setups():
+    """Per config: parameter values, input, cotangent, bias and the reference results."""
+    out = {}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    ct = rng.normal(size=(B, L, D)).astype(np.float32)
+    for name, cfg in CONFIGS.items():
+        moe = build(cfg)
+        values = {n: np.asarray(_leaf(moe, p)[...]) for n, p in PATHS.items()
+                  if not n.startswith("shared") or moe.shared_experts is not None}
+        values["router"] = values["router"] * 3  # sharper routing: fewer near-ties
+        bias = ((rng.normal(size=E) * 0.2).astype(np.float32)
+                if cfg["scoring"] == "sigmoid" else None)
+
+        def ref_loss(params, x, cfg=cfg, bias=bias):
+            y, lb, counts = reference(params, x, cfg, bias)
+            return jnp.sum(y * ct) + 0.3 * lb, (y, counts)
+        (_, (y, counts)), grads = jax.jit(jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
+            {n: jnp.asarray(v) for n, v in values.items()}, jnp.asarray(x))
+        out[name] = dict(cfg=cfg, values=values, bias=bias, x=x, ct=ct, y=np.asarray(y),
+                         counts=np.asarray(counts), grads=grads)
+    return out
+
+
+# DeepSeek (groups, bias, shared experts) on every mesh; Mixtral routing on the EP ones
+CASES = ([("deepseek", m) for m in (None, *MESHES)]
+         + [("mixtral", m) for m in (None, "epcp_f2e4", "epcp_f2e2c2")])
+
+
+@pytest.mark.parametrize("config, mesh", CASES)
+def test_forward_and_grads_match_dense_reference(setups, config, mesh):
+    s = setups[config]
+    part = None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
+    moe = build(s["cfg"], part, s["values"], s["bias"])
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
+    np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), s["counts"])
+    assert float(aux["dropped_fraction"]) == 0.0
+    g_ref_params, g_ref_x = s["grads"]
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
+    for name in s["values"]:
+        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
+                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+    if mesh is not None:  # the output comes back in the layout the tokens arrived in
+        assert y.sharding.is_equivalent_to(part.sharding(("batch", "length", "act_embed")), 3)
+
+
+@pytest.mark.parametrize("mesh", [None, "epcp_f2e2c2"])
+def test_ragged_dot_grouped_matmul_matches_reference(setups, mesh):
+    """The layer defaults to the blocked grouped matmul on CPU; GPU/TPU use ragged_dot."""
+    s = setups["deepseek"]
+    part = None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
+    moe = build(s["cfg"], part, s["values"], s["bias"])
+    moe.grouped_matmul = "ragged_dot"
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, _)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
+    np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(s["grads"][1]), rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS["wi_up"])[...]),
+                               np.asarray(s["grads"][0]["wi_up"]), rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_close_to_float32_reference(setups):
+    s = setups["deepseek"]
+    moe = build(s["cfg"], None, s["values"], s["bias"], dtype=jnp.bfloat16)
+    y, _ = jax.jit(lambda m, x: m(x))(moe, jnp.asarray(s["x"], jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    scale = np.abs(s["y"]).max()
+    np.testing.assert_allclose(np.asarray(y, np.float32), s["y"], atol=3e-2 * scale)
+
+
+# -- capacity ----------------------------------------------------------------------------------
+def _capacity_keep(indices, capacity):
+    """[T, E] 0/1: first choices (token order) first, then second choices, ... up to capacity."""
+    T, k = indices.shape
+    keep, used = np.zeros((T, E), np.float32), np.zeros(E, int)
+    for j in range(k):
+        for t in range(T):
+            e = indices[t, j]
+            if used[e] < capacity:
+                keep[t, e], used[e] = 1, used[e] + 1
+    return keep
+
+
+@pytest.mark.parametrize("mesh", [None, "ep8"])
+def test_capacity_drops_overflow(setups, mesh):
+    s = setups["mixtral"]
+    cfg, factor = s["cfg"], 0.5
+    part = None if mesh is None else Partitioner(make_mesh(expert=8), "fsdp")  # one group
+    moe = build(cfg, part, s["values"], capacity_factor=factor)
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
+    _, indices, _ = moe.route(jnp.asarray(s["x"]))
+    indices = np.asarray(indices).reshape(-1, cfg["num_experts_per_tok"])
+    capacity = math.ceil(factor * B * L * cfg["num_experts_per_tok"] / E)
+    keep = _capacity_keep(indices, capacity)
+    expected_drop = 1 - keep.sum() / indices.size
+    assert expected_drop > 0.1  # the case really drops
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), expected_drop, rtol=1e-6)
+
+    def ref_loss(params, x):
+        y, lb, _ = reference(params, x, cfg, keep=keep)
+        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
+    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
+        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
+        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
+    for name in ("router", "wi_gate", "wo"):
+        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
+                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+
+
+def test_capacity_large_enough_is_dropless(setups):
+    s = setups["deepseek"]
+    part = Partitioner(make_mesh(fsdp=2, expert=4), "ep_as_cp")
+    moe = build(s["cfg"], part, s["values"], s["bias"], capacity_factor=E / 3)  # C >= tokens
+    y, aux = jax.jit(lambda m, x: m(x))(moe, s["x"])
+    assert float(aux["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
+
+
+# -- aux-loss-free balancing -----------------------------------------------------------------
+def test_bias_update_balances_skewed_routing():
+    cfg = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, scoring="sigmoid")
+    moe = MoE(inputs_shape=(B, L, D), partitioner=None, rngs=nnx.Rngs(1), **cfg)
+    rng = np.random.default_rng(1)
+    u = rng.normal(size=D).astype(np.float32)
+    router = np.array(moe.router[...])
+    router[:, :2] += 2 * u[:, None] / (u @ u)  # experts 0 and 1 love the shared direction
+    moe.router[...] = router
+    x = rng.normal(size=(B, L, D)).astype(np.float32) * 0.3 + u
+    counts_fn = jax.jit(lambda m, x: m(x)[1]["expert_counts"])
+    spread = []
+    for _ in range(60):
+        counts = counts_fn(moe, x)
+        spread.append(int(counts.max() - counts.min()))
+        update_expert_bias(moe, counts, rate=0.02)
+    assert spread[0] >= 60, spread[0]  # skewed to begin with
+    assert np.mean(spread[-10:]) < 0.3 * spread[0], spread
+    assert isinstance(moe.e_score_correction_bias, RouterBias)
+    assert not isinstance(moe.e_score_correction_bias, nnx.Param)
+    assert np.asarray(moe.e_score_correction_bias[...])[:2].max() < 0  # the loved ones pay
+
+
+def test_bias_update_walks_a_model():
+    class Model(nnx.Module):
+        def __init__(self):
+            kw = dict(num_experts=4, num_experts_per_tok=2, mlp_dim=4, inputs_shape=(2, 2, 8),
+                      partitioner=None, rngs=nnx.Rngs(0))
+            self.layers = nnx.List([MoE(scoring="sigmoid", **kw), MoE(scoring="softmax", **kw),
+                                    MoE(scoring="sigmoid", **kw)])
+
+    model = Model()
+    layers = moe_modules(model)
+    assert layers == [model.layers[0], model.layers[2]]  # softmax routers have no bias
+    assert len(moe_modules(model, with_bias=False)) == 3
+    counts = np.array([[4, 0, 2, 2], [1, 1, 5, 1]])
+    update_expert_bias(model, [{"expert_counts": counts[0]}, {"expert_counts": counts[1]}], 0.1)
+    update_expert_bias(model, counts, rate=0.1)  # stacked rows work the same
+    # one row per MoE layer (the trainer's [num_moe_layers, E]): the softmax row is skipped
+    all_rows = np.stack([counts[0], np.array([9, 0, 0, 0]), counts[1]])
+    def step(m, c):  # as in a jitted train step that returns the model
+        update_expert_bias(m, c, 0.1)
+        return m
+    model = jax.jit(step)(model, jnp.asarray(all_rows))
+    layers = moe_modules(model)
+    np.testing.assert_allclose(np.asarray(layers[0].e_score_correction_bias[...]),
+                               [-0.3, 0.3, 0, 0], atol=1e-7)
+    np.testing.assert_allclose(np.asarray(layers[1].e_score_correction_bias[...]),
+                               [0.3, 0.3, -0.3, 0.3], atol=1e-7)
+    with pytest.raises(ValueError, match="counts for 1 layer"):
+        update_expert_bias(model, counts[0])
+    with pytest.raises(ValueError, match="no MoE layer with scoring='sigmoid'"):
+        update_expert_bias(model.layers[1], counts[0])
+
+
+# -- construction errors -----------------------------------------------------------------------
+@pytest.mark.parametrize("kw, mesh, match", [
+    (dict(num_experts=6), ("fsdp", dict(fsdp=2, expert=4)), r"num_experts=6 .* divisible by 4"),
+    (dict(num_experts_per_tok=9), None, r"num_experts_per_tok=9 must be between 1 and"),
+    (dict(scoring="sigmoid", n_group=3), None, r"num_experts=8 is not divisible by n_group=3"),
+    (dict(scoring="sigmoid", n_group=4, topk_group=5), None, r"topk_group=5 must be"),
+    (dict(scoring="sigmoid", n_group=4, topk_group=1, num_experts_per_tok=3), None,
+     r"num_experts_per_tok=3 exceeds the 2 experts"),
+    (dict(scoring="relu"), None, r"scoring='relu'"),
+    (dict(capacity_factor=0.0), None, r"capacity_factor=0.0 must be > 0"),
+    (dict(inputs_shape=(8, 6, 16)), ("cp", dict(context=4, expert=2)),
+     r"length=6 is not divisible by 4"),
+    (dict(inputs_shape=(4, 8, 16)), ("fsdp", dict(fsdp=8)), r"batch=4 is not divisible by 8"),
+    (dict(inputs_shape=(8, 8, 12)), ("fsdp", dict(fsdp=8)), r"embed=12 is not divisible by 8"),
+    (dict(mlp_dim=3), ("fsdp", dict(fsdp=4, tensor=2)), r"mlp_dim=3 is not divisible by 2"),
+])
+def test_construction_errors(kw, mesh, match):
+    args = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, inputs_shape=(B, L, D))
+    part = None if mesh is None else Partitioner(make_mesh(**mesh[1]), mesh[0])
+    with pytest.raises(ValueError, match=match):
+        MoE(partitioner=part, rngs=nnx.Rngs(0), **{**args, **kw})

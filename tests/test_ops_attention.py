@@ -1,0 +1,375 @@
+"""zoo.ops attention: reference vs a numpy loop, and every sharded strategy vs the reference.
+
+Each sharded case runs forward and backward (dq, dk, dv of a weighted sum of the outputs) on
+*permuted* inputs (contiguous or load-balanced chunk order) and compares with the reference on
+the original order, so masks that leaned on array indices would fail. Inputs are packed
+documents of uneven lengths that cross chunk boundaries, with trailing padding. Compiled
+programs are shared between tests through `_runner`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zoo
+from zoo.ops import attention, attention_mask, dot_product_attention, flash
+
+B, L = 2, 64
+SHAPES = {  # name: (N, K, H, Hv)
+    "gqa": (4, 2, 16, 16),
+    "mqa": (4, 1, 16, 16),
+    "mha": (4, 4, 16, 16),
+    "mla": (4, 4, 24, 16),
+}
+MESHES = {  # name: (strategy, mesh sizes)
+    "fsdp8": ("fsdp", dict(fsdp=8)),
+    "cp8": ("cp", dict(context=8)),
+    "cp4_data2": ("cp", dict(data=2, context=4)),
+    "ep4_fsdp2": ("ep_as_cp", dict(fsdp=2, expert=4)),
+    "ep2_cp2_fsdp2": ("ep_as_cp", dict(fsdp=2, expert=2, context=2)),
+    "cp4_tensor2": ("cp", dict(context=4, tensor=2)),
+    "cp2_fsdp4": ("cp", dict(fsdp=4, context=2)),
+}
+# (mesh, implementation, order, shape, sliding_window, causal): every value of every factor,
+# each strategy with both implementations, both orders on the CP meshes.
+CASES = [
+    ("fsdp8", "all_gather", "contiguous", "gqa", None, True),
+    ("fsdp8", "ring", "contiguous", "mqa", 7, True),
+    ("cp8", "ring", "balanced", "gqa", 7, True),
+    ("cp8", "all_gather", "balanced", "mha", None, False),
+    ("cp8", "ring", "contiguous", "mla", None, True),
+    ("cp8", "all_gather", "contiguous", "mqa", 20, True),
+    ("cp4_data2", "ring", "balanced", "mqa", None, True),
+    ("cp4_data2", "all_gather", "contiguous", "gqa", 7, True),
+    ("ep4_fsdp2", "ring", "balanced", "mla", 20, True),
+    ("ep4_fsdp2", "all_gather", "balanced", "gqa", None, True),
+    ("ep2_cp2_fsdp2", "ring", "balanced", "gqa", 7, True),
+    ("ep2_cp2_fsdp2", "all_gather", "contiguous", "mla", None, True),
+    ("cp4_tensor2", "ring", "balanced", "mqa", None, True),  # kv head repeated over tensor
+    ("cp4_tensor2", "all_gather", "balanced", "gqa", 7, True),  # kv heads split over tensor
+    ("cp2_fsdp4", "all_gather", "balanced", "mqa", 7, True),  # K/V gathered in one piece
+    ("cp2_fsdp4", "ring", "contiguous", "gqa", None, True),
+]
+
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_tiles():
+    """Tiles of 8 queries x 16 keys, so short test sequences still take many tiles per block."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "Q_TILE", 8)
+        mp.setattr(flash, "KV_TILE", 16)
+        yield
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def balanced_order(length: int, cp: int) -> np.ndarray:
+    """Token order of the load-balanced layout: shard r holds chunks r and 2*cp-1-r of 2*cp."""
+    chunks = np.arange(length).reshape(2 * cp, length // (2 * cp))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]])
+                           for r in range(cp)])
+
+
+def packed(doc_lengths, length):
+    """Segment ids 1..n and per-document positions for documents packed into one row."""
+    seg, pos = np.zeros(length, np.int32), np.arange(length, dtype=np.int32)
+    start = 0
+    for i, n in enumerate(doc_lengths):
+        seg[start:start + n] = i + 1
+        pos[start:start + n] = np.arange(n)
+        start += n
+    return seg, pos
+
+
+@functools.cache
+def partitioner(name):
+    if name is None:
+        return None
+    strategy, sizes = MESHES[name]
+    return zoo.Partitioner(zoo.make_mesh(**sizes), strategy)
+
+
+@functools.cache
+def data(shape, dtype="float32", full_pad_row=False):
+    """(q, k, v, positions, segment ids, output weights) in the original token order."""
+    N, K, H, Hv = SHAPES[shape]
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(B, L, N, H)), rng.normal(size=(B, L, K, H))
+    v, w = rng.normal(size=(B, L, K, Hv)), rng.normal(size=(B, L, N, Hv))
+    # documents of 13/30/9 and 5/37/15 tokens: they straddle every chunk size used (4..32)
+    rows = [packed([13, 30, 9], L), packed([5, 37, 15], L)]
+    if full_pad_row:
+        rows[1] = (np.zeros(L, np.int32), np.arange(L, dtype=np.int32))
+    seg = np.stack([r[0] for r in rows])
+    pos = np.stack([r[1] for r in rows])
+    dt = jnp.dtype(dtype)
+    return (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(pos),
+            jnp.asarray(seg), jnp.asarray(w, jnp.float32))
+
+
+def _fwd_bwd(fn, q, k, v, pos, seg, w):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_positions=pos, kv_positions=pos,
+                                          q_segment_ids=seg, kv_segment_ids=seg), q, k, v)
+    return (out, *vjp(w.astype(out.dtype)))
+
+
+@functools.cache
+def _reference(window, causal):
+    fn = functools.partial(dot_product_attention, sliding_window=window, causal=causal)
+    return jax.jit(functools.partial(_fwd_bwd, fn))
+
+
+@functools.cache
+def _runner(mesh, impl, shape, window, causal, dtype="float32"):
+    """AOT-compiled forward+backward of `attention` (its HLO text is checked too)."""
+    fn = functools.partial(attention, sliding_window=window, causal=causal,
+                           partitioner=partitioner(mesh), implementation=impl)
+    return jax.jit(functools.partial(_fwd_bwd, fn)).lower(*data(shape, dtype)).compile()
+
+
+def _permute(arrays, order):
+    return tuple(a[:, order] for a in arrays)
+
+
+# -- the reference against a loop ---------------------------------------------------------------
+
+def numpy_attention(q, k, v, qpos, kpos, qseg, kseg, causal, window):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    Bq, Lq, N, H = q.shape
+    G = N // k.shape[2]
+    out = np.zeros((Bq, Lq, N, v.shape[-1]))
+    for b in range(Bq):
+        for i in range(Lq):
+            for n in range(N):
+                keys = [j for j in range(k.shape[1])
+                        if qseg[b, i] != 0 and qseg[b, i] == kseg[b, j]
+                        and (not causal or kpos[b, j] <= qpos[b, i])
+                        and (window is None or qpos[b, i] - kpos[b, j] < window)]
+                if not keys:
+                    continue
+                s = np.array([q[b, i, n] @ k[b, j, n // G] for j in keys]) / np.sqrt(H)
+                p = np.exp(s - s.max())
+                out[b, i, n] = (p / p.sum()) @ v[b, keys, n // G]
+    return out
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 4), (False, None), (False, 3)])
+def test_reference_matches_numpy_loop(causal, window):
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(2, 12, 4, 8)), rng.normal(size=(2, 12, 2, 8)), rng.normal(
+        size=(2, 12, 2, 6))
+    seg = np.array([[1] * 5 + [2] * 4 + [0] * 3, [3] * 12])
+    pos = np.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12))])
+    kw = dict(q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos),
+              q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg), causal=causal,
+              sliding_window=window)
+    got = dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), **kw)
+    want = numpy_attention(q, k, v, pos, pos, seg, seg, causal, window)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[seg == 0] == 0)
+    # gradients: against a naive masked softmax differentiated independently
+    mask = np.asarray(attention_mask(kw["q_positions"], kw["kv_positions"], kw["q_segment_ids"],
+                                     kw["kv_segment_ids"], causal=causal,
+                                     sliding_window=window))
+
+    def naive(q, k, v):
+        kk, vv = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        s = jnp.einsum("blnh,bsnh->bnls", q, kk) / np.sqrt(8) - 1e9 * (~mask[:, None])
+        p = jax.nn.softmax(s, axis=-1) * mask.any(-1)[:, None, :, None]
+        return jnp.einsum("bnls,bsnh->blnh", p, vv)
+
+    w = jnp.asarray(rng.normal(size=(2, 12, 4, 6)), jnp.float32)
+    args = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    g_ref = jax.grad(lambda *a: jnp.sum(dot_product_attention(*a, **kw) * w), (0, 1, 2))(*args)
+    g_naive = jax.grad(lambda *a: jnp.sum(naive(*a) * w), (0, 1, 2))(*args)
+    for a, b in zip(g_ref, g_naive):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 5), (False, 3)])
+def test_block_skip_is_sound(causal, window):
+    """block_may_attend is False only when the dense mask is empty; it does skip some blocks."""
+    rng = np.random.default_rng(2)
+    n = 2000
+    qp, kp = rng.integers(0, 24, (n, 1, 6)), rng.integers(0, 24, (n, 1, 5))
+    qs, ks = rng.integers(0, 3, (n, 1, 6)), rng.integers(0, 3, (n, 1, 5))
+    args = tuple(jnp.asarray(x, jnp.int32) for x in (qp, kp, qs, ks))
+    may = jax.vmap(lambda *a: zoo.ops.block_may_attend(*a, causal=causal,
+                                                       sliding_window=window))(*args)
+    any_visible = jax.vmap(lambda *a: attention_mask(*a, causal=causal,
+                                                     sliding_window=window).any())(*args)
+    may, any_visible = np.asarray(may), np.asarray(any_visible)
+    assert np.all(may[any_visible])
+    assert 0.05 < np.mean(~may) and np.mean(may[~any_visible]) < 0.9
+
+
+# -- every strategy against the reference --------------------------------------------------------
+
+def _compare(got, want, dtype="float32"):
+    tol = dict(float32=(2e-4, 2e-5), bfloat16=(0, 4e-2))[dtype]
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        atol = tol[1] * max(1.0, float(np.abs(r).max()))
+        np.testing.assert_allclose(g, r, rtol=tol[0], atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("mesh,impl,order,shape,window,causal", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_sharded_matches_reference(mesh, impl, order, shape, window, causal):
+    q, k, v, pos, seg, w = data(shape)
+    want = _reference(window, causal)(q, k, v, pos, seg, w)
+    cp = zoo.Partitioner.context_size(partitioner(mesh))
+    perm = balanced_order(L, cp) if order == "balanced" else np.arange(L)
+    got = _runner(mesh, impl, shape, window, causal)(*_permute((q, k, v, pos, seg, w), perm))
+    _compare(got, _permute(want, perm))
+    out, dq, dk, dv = (np.asarray(x) for x in got)
+    pad = np.asarray(seg)[:, perm] == 0
+    assert np.all(out[pad] == 0) and np.all(dq[pad] == 0)  # padding: exact zeros
+    assert np.all(dk[pad] == 0) and np.all(dv[pad] == 0)
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_gather"])
+def test_kv_shorter_than_queries(impl):
+    """S != L (keys at every other position, both padded at the end), sharded 4 ways."""
+    q, k, v, _, _, w = data("gqa")
+    k, v = k[:, : L // 2], v[:, : L // 2]
+    kw = dict(q_positions=jnp.tile(jnp.arange(L), (B, 1)),
+              kv_positions=jnp.tile(2 * jnp.arange(L // 2), (B, 1)),
+              q_segment_ids=jnp.asarray(np.repeat([[1] * 56 + [0] * 8], B, 0)),
+              kv_segment_ids=jnp.asarray(np.repeat([[1] * 28 + [0] * 4], B, 0)))
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+        return (out, *vjp(w))
+
+    got = jax.jit(lambda: run(functools.partial(
+        attention, partitioner=partitioner("cp4_data2"), implementation=impl)))()
+    _compare(got, jax.jit(lambda: run(dot_product_attention))())
+
+
+@pytest.mark.parametrize("impl", ["auto", "ring", "all_gather"])
+def test_unsharded_matches_reference(impl):
+    q, k, v, pos, seg, w = data("gqa")
+    got = _runner(None, impl, "gqa", 7, True)(q, k, v, pos, seg, w)
+    _compare(got, _reference(7, True)(q, k, v, pos, seg, w))
+
+
+def test_reference_implementation_and_no_segments():
+    q, k, v, pos, _, _ = data("gqa")
+    kw = dict(q_positions=pos, kv_positions=pos)
+    want = dot_product_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(attention(q, k, v, implementation="reference", **kw), want)
+    got = attention(q, k, v, partitioner=partitioner("cp8"), implementation="ring", **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+
+
+def test_bf16_ring_within_bf16_tolerance():
+    q, k, v, pos, seg, w = data("gqa", "bfloat16")
+    perm = balanced_order(L, 4)
+    got = _runner("cp4_data2", "ring", "gqa", None, True, "bfloat16")(
+        *_permute((q, k, v, pos, seg, w), perm))
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    want = _reference(None, True)(*f32, pos, seg, w)
+    _compare(got, _permute(want, perm), "bfloat16")
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_gather"])
+def test_fully_padded_rows_no_nan(impl):
+    q, k, v, pos, seg, w = data("gqa", full_pad_row=True)
+    perm = balanced_order(L, 8)
+    got = _runner("cp8", impl, "gqa", 7, True)(*_permute((q, k, v, pos, seg, w), perm))
+    for x in got:
+        x = np.asarray(x)
+        assert np.all(np.isfinite(x))
+        assert np.all(x[1] == 0)  # the all-padding row: zero output and zero gradients
+    _compare(got, _permute(_reference(7, True)(q, k, v, pos, seg, w), perm))
+
+
+def test_compiled_collectives():
+    ring = _runner("cp8", "ring", "gqa", 7, True).as_text()
+    gather = _runner("cp8", "all_gather", "mqa", 20, True).as_text()
+    assert "collective-permute" in ring and "all-gather" not in ring
+    assert "all-gather" in gather and "reduce-scatter" in gather
+    assert "collective-permute" not in gather
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def test_errors_are_clear():
+    q, k, v, pos, seg, _ = data("gqa")
+    kw = dict(q_positions=pos, kv_positions=pos)
+    with pytest.raises(ValueError, match="implementation='flash'"):
+        attention(q, k, v, implementation="flash", **kw)
+    short = dict(q_positions=pos[:, :60], kv_positions=pos[:, :60])
+    with pytest.raises(ValueError, match="not divisible by the attention sequence shards"):
+        attention(q[:, :60], k[:, :60], v[:, :60], partitioner=partitioner("cp8"), **short)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        attention(q[:, :, :3], k, v, **kw)
+    p = zoo.Partitioner(zoo.make_mesh(context=2, tensor=4), "cp")
+    k3 = jnp.concatenate([k, k[:, :, :1]], axis=2)
+    q6 = jnp.concatenate([q, q[:, :, :2]], axis=2)
+    with pytest.raises(ValueError, match="not divisible by the tensor axis size 4"):
+        attention(q6, k3, jnp.concatenate([v, v[:, :, :1]], axis=2), partitioner=p, **kw)
+    with pytest.raises(ValueError, match="must divide one another"):
+        zoo.ops.check_attention_shapes(partitioner=p, batch=2, q_length=64, kv_length=64,
+                                       num_heads=12, num_kv_heads=3)
+    with pytest.raises(ValueError, match="segment_ids"):
+        attention(q, k, v, q_segment_ids=seg, **kw)
+    with pytest.raises(ValueError, match="q_positions has shape"):
+        attention(q, k, v, q_positions=pos[:, :5], kv_positions=pos)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs a GPU"):
+            attention(q, k, v, implementation="cudnn", **kw)
+
+
+@pytest.mark.parametrize("mesh,causal,window", [(None, True, None), ("fsdp8", True, 5),
+                                                 (None, False, 5)])
+def test_cudnn_wrapper_semantics(monkeypatch, mesh, causal, window):
+    """The cuDNN path's mask/window/sharding mapping, run through XLA's implementation here."""
+    if jax.default_backend() != "gpu":
+        real = jax.nn.dot_product_attention
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(jax.nn, "dot_product_attention",
+                            lambda *a, implementation=None, **kw: real(*a, **kw))
+    q, k, v, _, _, _ = data("gqa", "bfloat16")
+    pos = jnp.tile(jnp.arange(L), (B, 1))
+    kw = dict(q_positions=pos, kv_positions=pos, causal=causal, sliding_window=window)
+    got = attention(q, k, v, implementation="cudnn", partitioner=partitioner(mesh), **kw)
+    want = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+    _compare((got,), (want,), "bfloat16")
+    with pytest.raises(ValueError, match=r"unpacked, unpadded"):
+        attention(q, k, v, implementation="cudnn", q_segment_ids=pos, kv_segment_ids=pos, **kw)
+    with pytest.raises(ValueError, match="sequence sharded"):
+        attention(q, k, v, implementation="cudnn", partitioner=partitioner("cp8"), **kw)
+
+
+def test_auto_rule():
+    choose = zoo.ops.choose_implementation
+    cp8 = partitioner("cp8")
+    kw = dict(q_length=8192, kv_length=8192, head_dim=128)
+    assert choose(partitioner=None, num_heads=32, num_kv_heads=8, **kw) == "all_gather"
+    assert choose(partitioner=cp8, num_heads=64, num_kv_heads=4, **kw) == "all_gather"
+    assert choose(partitioner=cp8, num_heads=32, num_kv_heads=8, **kw) == "ring"
+    assert choose(partitioner=partitioner("cp2_fsdp4"), num_heads=32, num_kv_heads=8,
+                  **kw) == "all_gather"
+    # MLA: per-head K/V with a wider q/k head than v head
+    assert choose(partitioner=cp8, num_heads=16, num_kv_heads=16, q_length=8192,
+                  kv_length=8192, head_dim=192, v_head_dim=128) == "ring"
+
+
+def test_gather_slices():
+    """One gather when K/V fit in the local query size, else slices that divide the block."""
+    from zoo.ops.ring import gather_slices
+    # 8 heads over 2 kv heads, cp=2: K/V (2*64*2*128) == local q (64*8*64) -> one gather
+    assert gather_slices(2, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (1, 64)
+    # cp=8: four times too big -> 4 slices of 16 keys per shard
+    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (4, 16)
+    # MHA, cp=8, local length 24: 16 slices needed, 24 is the next divisor of 24 -> 1 key each
+    assert gather_slices(8, (1, 24, 4, 64), (1, 24, 4, 64), (1, 24, 4, 64)) == (24, 1)
+    assert gather_slices(1, (1, 64, 4, 64), (1, 64, 4, 64), (1, 64, 4, 64)) == (1, 64)

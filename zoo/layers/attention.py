@@ -1,0 +1,229 @@
+"""`Attention`: grouped-query self-attention with rotary positions, context-parallel from birth.
+
+* ``q_proj`` D -> (N, H), ``k_proj``/``v_proj`` D -> (K, H), ``o_proj`` (N, H) -> D, kernels
+  laid out so a Hugging Face ``[out, in]`` weight becomes ours by ``W.T.reshape(...)``.
+* RoPE on q and k (half-split layout by default, as Llama/Mixtral checkpoints), then
+  `zoo.ops.attention` (masks from positions and segment ids; ``"ring"``/``"all_gather"``
+  context parallelism over the partitioner's attention sequence axes), then the output projection.
+* Everything that can be checked before tracing is checked at construction from
+  ``inputs_shape=(batch, length, embed)``, and the kernel (``implementation="auto"``) is chosen
+  there once.
+* Written to be subclassed: `project`, `apply_rope`, `attend` and `out` are the steps
+  `__call__` composes; override one (e.g. ``class MyAttention(Attention): def attend(...)``).
+
+Legend: B batch, L length, S kv length (= L here), D embed, N heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.linear import Linear
+from zoo.layers.rope import RoPE
+from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
+from zoo.ops.attention import attention as attention_op
+from zoo.partitioning import Partitioner, resolve
+
+SCOPE = "attention"
+
+
+# -- construction-time checks shared with MLA ------------------------------------------------
+
+def check_inputs_shape(inputs_shape: Sequence[int], p: Partitioner, *, num_heads: int,
+                       num_kv_heads: int, what: str = "Attention") -> tuple[int, int, int]:
+    """Validate ``(batch, length, embed)`` against the partitioner; return it as ints.
+
+    Rules (each a `ValueError` naming the numbers and the fix):
+      * the sequence, when sharded ``cp`` ways, has a length divisible by ``2*cp`` (the
+        load-balanced order cuts it into ``2*cp`` chunks);
+      * the batch is divisible by the number of attention batch shards;
+      * ``embed`` is divisible by the shards of the parameters' ``embed`` axis;
+      * ``num_heads`` is a multiple of ``num_kv_heads`` and divisible by the tensor axis;
+        ``num_kv_heads`` and the tensor axis divide one another (fewer kv heads than tensor
+        shards are replicated).
+    """
+    shape = tuple(inputs_shape)
+    if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape):
+        raise ValueError(f"{what}: inputs_shape={inputs_shape!r} must be three positive ints "
+                         f"(batch, length, embed), e.g. (8, 4096, 2048)")
+    batch, length, embed = shape
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"{what}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must "
+                         f"be positive")
+    if num_heads % num_kv_heads:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(f"{what}: num_heads={num_heads} is not a multiple of num_kv_heads="
+                         f"{num_kv_heads}; choose num_kv_heads among {divisors}")
+    cp = p.context_size(SCOPE)
+    if cp > 1 and length % (2 * cp):
+        up = -(-length // (2 * cp)) * 2 * cp
+        down = length // (2 * cp) * 2 * cp
+        alt = f" (or cut it to {down})" if down else ""
+        raise ValueError(
+            f"{what}: sequence length {length} is not divisible by 2*context = {2 * cp} (the "
+            f"sequence is sharded {cp} ways over {p.sequence_axes(SCOPE)} and load balancing "
+            f"cuts it into {2 * cp} chunks); pad it to {up}{alt} or change the context/expert "
+            f"mesh axes")
+    nb = p.size("batch", SCOPE)
+    if batch % nb:
+        raise ValueError(f"{what}: batch {batch} is not divisible by its {nb} shards over "
+                         f"{p.batch_axes(SCOPE)}; use a batch that is a multiple of {nb} (e.g. "
+                         f"{-(-batch // nb) * nb}) or shrink those mesh axes")
+    ne = p.size("embed", SCOPE)
+    if embed % ne:
+        raise ValueError(f"{what}: embed {embed} is not divisible by the {ne} shards of the "
+                         f"parameters' embed axis {p.mesh_axes('embed', SCOPE)}; use an embed "
+                         f"size that is a multiple of {ne} or shrink those mesh axes")
+    tp = p.size("act_heads", SCOPE)
+    if num_heads % tp:
+        raise ValueError(f"{what}: num_heads={num_heads} is not divisible by the tensor axis "
+                         f"size {tp}; use a tensor axis that divides {num_heads}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"{what}: num_kv_heads={num_kv_heads} and the tensor axis size {tp} "
+                         f"must divide one another (kv heads are split over, or replicated "
+                         f"across, the tensor shards); change num_kv_heads or the tensor axis")
+    return batch, length, embed
+
+
+def resolve_implementation(implementation: str, p: Partitioner, *, length: int, num_heads: int,
+                           num_kv_heads: int, head_dim: int, v_head_dim: int,
+                           what: str = "Attention") -> str:
+    """Check ``implementation`` and resolve ``"auto"`` once, at construction."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{what}: implementation={implementation!r}; valid values are "
+                         f"{', '.join(repr(i) for i in IMPLEMENTATIONS)}")
+    if implementation == "auto":
+        return choose_implementation(partitioner=p, q_length=length, kv_length=length,
+                                     num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, v_head_dim=v_head_dim)
+    if implementation == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ValueError(f'{what}: implementation="cudnn" needs a GPU backend, this is '
+                             f'{jax.default_backend()!r}; use "auto"')
+        if p.context_size(SCOPE) > 1:
+            raise ValueError(f'{what}: implementation="cudnn" cannot shard the sequence '
+                             f'({p.context_size(SCOPE)} ways here); use "ring" or "all_gather"')
+    return implementation
+
+
+def check_call(module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    """Static checks of ``__call__``'s arguments (shapes are known while tracing)."""
+    what = type(module).__name__
+    if x.ndim != 3 or x.shape[-1] != module.embed_dim:
+        raise ValueError(f"{what}: x has shape {x.shape}; expected [B, L, D={module.embed_dim}]")
+    for name, a in (("positions", positions), ("segment_ids", segment_ids)):
+        if a is not None and tuple(a.shape) != x.shape[:2]:
+            raise ValueError(f"{what}: {name} has shape {tuple(a.shape)}; expected [B, L] = "
+                             f"{x.shape[:2]}")
+    if x.shape != module.inputs_shape:  # other shapes are allowed if they shard as well
+        check_inputs_shape(x.shape, module.partitioner, num_heads=module.num_heads,
+                           num_kv_heads=module.num_kv_heads, what=what)
+
+
+# -- the layer -------------------------------------------------------------------------------
+
+class Attention(nnx.Module):
+    """Causal self-attention with grouped-query heads and rotary positions.
+
+    Args:
+      num_heads, num_kv_heads, head_dim: N, K (N a multiple of K: GQA; K=1: MQA; K=N: MHA), H.
+      inputs_shape: ``(batch, length, embed)`` the layer will see; validated here.
+      partitioner: how the mesh cuts parameters and activations (None: unsharded).
+      rope: a `RoPE` (None: ``RoPE(theta=10000.0)``, half-split layout).
+      sliding_window: a query sees keys less than this many positions back (None: all).
+      implementation: ``"auto"`` (resolved here), ``"reference"``, ``"all_gather"``,
+        ``"ring"`` or ``"cudnn"``; see `zoo.ops.attention`.
+      use_bias: biases on the q/k/v/o projections.
+      dtype: computation dtype (None: the input's); param_dtype: storage dtype.
+    """
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 rope: RoPE | None = None, sliding_window: int | None = None,
+                 implementation: str = "auto", use_bias: bool = False, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
+                                              num_kv_heads=num_kv_heads, what="Attention")
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"Attention: head_dim={head_dim} must be even (RoPE rotates pairs "
+                             f"of dimensions)")
+        if sliding_window is not None and (
+                not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"Attention: sliding_window={sliding_window!r} must be a positive "
+                             f"int (a query sees keys less than that many positions back) or "
+                             f"None")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.inputs_shape = tuple(inputs_shape)
+        self.embed_dim = embed
+        self.partitioner = p
+        self.rope = RoPE(theta=10000.0) if rope is None else rope
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+        self.implementation = resolve_implementation(
+            implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, v_head_dim=head_dim, what="Attention")
+        # Fewer kv heads than tensor shards: kv heads stay whole (replicated), the op repeats them.
+        split_kv = num_kv_heads % p.size("act_heads", SCOPE) == 0
+        kv_axis = "kv_heads" if split_kv else None
+        self.kv_act_axis = "act_kv_heads" if split_kv else None
+
+        kw = dict(partitioner=p, scope=SCOPE, use_bias=use_bias, dtype=dtype,
+                  param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(embed, (num_heads, head_dim), in_axes=("embed",),
+                             out_axes=("heads", "head_dim"), **kw)
+        self.k_proj = Linear(embed, (num_kv_heads, head_dim), in_axes=("embed",),
+                             out_axes=(kv_axis, "head_dim"), **kw)
+        self.v_proj = Linear(embed, (num_kv_heads, head_dim), in_axes=("embed",),
+                             out_axes=(kv_axis, "head_dim"), **kw)
+        self.o_proj = Linear((num_heads, head_dim), embed, in_axes=("heads", "head_dim"),
+                             out_axes=("embed",), **kw)
+
+    # -- steps a subclass may override --------------------------------------------------------
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, L, D] -> q [B, L, N, H], k [B, L, K, H], v [B, L, K, H]."""
+        c = self.partitioner.constrain
+        q = c(self.q_proj(x), ("batch", "length", "act_heads", "act_head_dim"), SCOPE)
+        kv_axes = ("batch", "length", self.kv_act_axis, "act_head_dim")
+        k = c(self.k_proj(x), kv_axes, SCOPE)
+        v = c(self.v_proj(x), kv_axes, SCOPE)
+        return q, k, v
+
+    def apply_rope(self, q: jax.Array, k: jax.Array,
+                   positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotate q and k by their tokens' positions [B, L]."""
+        return self.rope.apply(q, positions), self.rope.apply(k, positions)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
+               segment_ids: jax.Array | None) -> jax.Array:
+        """Causal attention of q over k/v -> [B, L, N, H] via `zoo.ops.attention`."""
+        o = attention_op(q, k, v, q_positions=positions, kv_positions=positions,
+                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
+                         sliding_window=self.sliding_window, scale=self.scale,
+                         partitioner=self.partitioner, implementation=self.implementation)
+        return self.partitioner.constrain(o, ("batch", "length", "act_heads", "act_head_dim"),
+                                          SCOPE)
+
+    def out(self, o: jax.Array) -> jax.Array:
+        """o [B, L, N, H] -> [B, L, D]."""
+        return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
+                                          SCOPE)
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope("attention"):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            with jax.named_scope("project"):
+                q, k, v = self.project(x)
+            with jax.named_scope("rope"):
+                q, k = self.apply_rope(q, k, positions)
+            with jax.named_scope("attend"):
+                o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
+            with jax.named_scope("out"):
+                return self.out(o)

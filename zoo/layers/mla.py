@@ -1,0 +1,185 @@
+"""`MLA`: DeepSeek-V3 multi-head latent attention, context-parallel from birth.
+
+Follows Hugging Face ``DeepseekV3Attention`` (submodule names match its checkpoint keys):
+
+* query: ``q_proj`` D -> (N, Hqk) when ``q_lora_rank`` is None, else the low-rank path
+  ``q_a_proj`` D -> Rq, ``q_a_layernorm`` (RMSNorm), ``q_b_proj`` Rq -> (N, Hqk);
+  ``Hqk = qk_nope_head_dim + qk_rope_head_dim``.
+* keys/values from one compressed latent: ``kv_a_proj_with_mqa`` D -> Rkv + Hr, split into the
+  latent (``kv_a_layernorm``, RMSNorm) and a single rotary key ``k_pe`` [B, L, 1, Hr] shared by
+  all heads; ``kv_b_proj`` Rkv -> (N, Hn + Hv) gives the per-head ``k_nope`` and ``v``.
+* decoupled RoPE: only the trailing Hr dims of q and k rotate; ``k = concat(k_nope, k_pe
+  broadcast to N heads)``. Interleaved pair layout by default (DeepSeek checkpoints).
+* softmax scale ``Hqk**-0.5 * rope.softmax_scale_multiplier()`` (YaRN's mscale correction);
+  `zoo.ops.attention` with K = N kv heads, H = Hqk, Hv = v_head_dim; ``o_proj`` (N, Hv) -> D.
+
+Same overridable steps as `zoo.layers.Attention`: `project`, `apply_rope`, `attend`, `out`.
+
+Legend: B batch, L length, D embed, N heads, Rq q_lora_rank, Rkv kv_lora_rank,
+Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hqk = Hn + Hr, Hv v_head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.attention import SCOPE, check_call, check_inputs_shape, resolve_implementation
+from zoo.layers.linear import Linear
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rope import RoPE
+from zoo.ops.attention import attention as attention_op
+from zoo.partitioning import Partitioner, resolve
+
+_HEADS = ("batch", "length", "act_heads", "act_head_dim")
+_LATENT = ("batch", "length", None)  # low-rank latents are small: never sharded
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3).
+
+    Args:
+      num_heads: N.
+      q_lora_rank: Rq of the query's low-rank path, or None for a plain ``q_proj``.
+      kv_lora_rank: Rkv, the compressed key/value latent.
+      qk_nope_head_dim, qk_rope_head_dim: Hn (no position) and Hr (rotary) parts of q/k heads.
+      v_head_dim: Hv.
+      inputs_shape: ``(batch, length, embed)`` the layer will see; validated here.
+      partitioner: how the mesh cuts parameters and activations (None: unsharded).
+      rope: a `RoPE` over the Hr dims (None: ``RoPE(theta=10000.0, interleaved=True)``); with
+        ``scaling=YaRN(...)`` its softmax-scale multiplier is applied.
+      rms_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``.
+      implementation: see `zoo.ops.attention` (``"auto"`` is resolved here).
+      dtype: computation dtype (None: the input's); param_dtype: storage dtype.
+    """
+
+    def __init__(self, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 rope: RoPE | None = None, rms_norm_eps: float = 1e-6,
+                 implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
+                                              num_kv_heads=num_heads, what="MLA")
+        for name, value, low in (("kv_lora_rank", kv_lora_rank, 1),
+                                 ("qk_nope_head_dim", qk_nope_head_dim, 0),
+                                 ("qk_rope_head_dim", qk_rope_head_dim, 2),
+                                 ("v_head_dim", v_head_dim, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"MLA: {name}={value!r} must be an int >= {low}")
+        if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
+            raise ValueError(f"MLA: q_lora_rank={q_lora_rank!r} must be a positive int, or None "
+                             f"for a plain q_proj")
+        if qk_rope_head_dim % 2:
+            raise ValueError(f"MLA: qk_rope_head_dim={qk_rope_head_dim} must be even (RoPE "
+                             f"rotates pairs of dimensions)")
+        self.num_heads = self.num_kv_heads = num_heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.inputs_shape = tuple(inputs_shape)
+        self.embed_dim = embed
+        self.partitioner = p
+        self.rope = RoPE(theta=10000.0, interleaved=True) if rope is None else rope
+        self.scale = self.qk_head_dim ** -0.5 * self.rope.softmax_scale_multiplier()
+        self.implementation = resolve_implementation(
+            implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_heads,
+            head_dim=self.qk_head_dim, v_head_dim=v_head_dim, what="MLA")
+
+        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        heads = ("heads", "head_dim")
+        if q_lora_rank is None:
+            self.q_proj = Linear(embed, (num_heads, self.qk_head_dim), in_axes=("embed",),
+                                 out_axes=heads, **kw)
+        else:
+            # The low-rank dim is whole on the down-projection (its embed dim is already
+            # FSDP-sharded) and FSDP-sharded on the up-projection, so both are cut.
+            self.q_a_proj = Linear(embed, q_lora_rank, in_axes=("embed",), out_axes=(None,),
+                                   **kw)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=rms_norm_eps, partitioner=p,
+                                         param_dtype=param_dtype, rngs=rngs)
+            self.q_b_proj = Linear(q_lora_rank, (num_heads, self.qk_head_dim),
+                                   in_axes=("q_lora",), out_axes=heads, **kw)
+        self.kv_a_proj_with_mqa = Linear(embed, kv_lora_rank + qk_rope_head_dim,
+                                         in_axes=("embed",), out_axes=(None,), **kw)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=rms_norm_eps, partitioner=p,
+                                      param_dtype=param_dtype, rngs=rngs)
+        self.kv_b_proj = Linear(kv_lora_rank, (num_heads, qk_nope_head_dim + v_head_dim),
+                                in_axes=("kv_lora",), out_axes=heads, **kw)
+        self.o_proj = Linear((num_heads, v_head_dim), embed, in_axes=heads,
+                             out_axes=("embed",), **kw)
+
+    # -- steps a subclass may override --------------------------------------------------------
+    def project_q(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> q [B, L, N, Hqk] (before RoPE)."""
+        c = self.partitioner.constrain
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(c(self.q_a_proj(x), _LATENT, SCOPE)))
+        return c(q, _HEADS, SCOPE)
+
+    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, L, D] -> k_nope [B, L, N, Hn], k_pe [B, L, 1, Hr] (shared, before RoPE),
+        v [B, L, N, Hv]."""
+        c = self.partitioner.constrain
+        kv_a = c(self.kv_a_proj_with_mqa(x), _LATENT, SCOPE)  # [B, L, Rkv + Hr]
+        latent, k_pe = kv_a[..., :self.kv_lora_rank], kv_a[..., self.kv_lora_rank:]
+        kv = c(self.kv_b_proj(self.kv_a_layernorm(latent)), _HEADS, SCOPE)  # [B, L, N, Hn+Hv]
+        return kv[..., :self.qk_nope_head_dim], k_pe[:, :, None, :], kv[..., self.qk_nope_head_dim:]
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, L, D] -> q [B, L, N, Hqk], k [B, L, N, Hqk], v [B, L, N, Hv] (before RoPE).
+
+        ``k = concat(k_nope, k_pe)`` with the single rotary key broadcast to every head, so the
+        attention op sees ordinary multi-head K/V and its gradient sums over the heads.
+        """
+        q = self.project_q(x)
+        k_nope, k_pe, v = self.project_kv(x)
+        k_pe = jnp.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
+        k = self.partitioner.constrain(jnp.concatenate([k_nope, k_pe], axis=-1), _HEADS, SCOPE)
+        return q, k, v
+
+    def apply_rope(self, q: jax.Array, k: jax.Array,
+                   positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotate only the trailing Hr dims of q and k (decoupled RoPE)."""
+        n = self.qk_nope_head_dim
+
+        def rotate(t):
+            return jnp.concatenate([t[..., :n], self.rope.apply(t[..., n:], positions)], axis=-1)
+
+        return rotate(q), rotate(k)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
+               segment_ids: jax.Array | None) -> jax.Array:
+        """Causal attention -> [B, L, N, Hv] via `zoo.ops.attention` (K = N heads)."""
+        o = attention_op(q, k, v, q_positions=positions, kv_positions=positions,
+                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
+                         scale=self.scale, partitioner=self.partitioner,
+                         implementation=self.implementation)
+        return self.partitioner.constrain(o, _HEADS, SCOPE)
+
+    def out(self, o: jax.Array) -> jax.Array:
+        """o [B, L, N, Hv] -> [B, L, D]."""
+        return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
+                                          SCOPE)
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope("mla"):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            with jax.named_scope("project"):
+                q, k, v = self.project(x)
+            with jax.named_scope("rope"):
+                q, k = self.apply_rope(q, k, positions)
+            with jax.named_scope("attend"):
+                o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
+            with jax.named_scope("out"):
+                return self.out(o)

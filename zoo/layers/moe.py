@@ -1,0 +1,346 @@
+"""`MoE`: the mixture-of-experts block of Mixtral and DeepSeek-V3, expert-parallel from birth.
+
+* Router (float32): ``logits = x @ router``; Mixtral (``scoring="softmax"``) or DeepSeek-V3
+  (``scoring="sigmoid"``: a `RouterBias` for selection only, group-limited top-k, weights
+  normalised and scaled). Semantics of Hugging Face's routers; see `zoo.ops.moe.route`.
+* Routed experts: SwiGLU per expert, weights stacked ``wi_gate``/``wi_up`` ``[E, D, F]`` and
+  ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul:
+  `jax.lax.ragged_dot`, or a blocked equivalent on CPU -- `MoE.grouped_matmul`) or, with
+  ``capacity_factor``, fixed capacity that drops overflow.
+* Shared experts (DeepSeek-V3): a dense SwiGLU `MLP` of width ``shared_mlp_dim or
+  num_shared_experts * mlp_dim`` added to the routed output.
+* ``y, aux = moe(x)``; aux holds ``load_balance_loss`` (``E * sum_e f_e P_e``, see
+  `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch) and
+  ``dropped_fraction`` (0 when dropless). `update_expert_bias` applies DeepSeek-V3's
+  aux-loss-free balancing ``bias += rate * sign(mean(counts) - counts)`` to a layer or a model.
+
+Expert parallelism. Tokens arrive sharded like every other activation (default scope
+``("batch", "length", "act_embed")``); the ``expert`` mesh axis shards them by batch (``fsdp``,
+``cp``) or by sequence (``ep_as_cp``). Routing runs outside the `shard_map` (a small
+``[B, L, E]`` op XLA partitions by itself, and the balance statistics come out global). Inside
+one `shard_map` over the whole mesh each device
+
+1. all-gathers its expert weights over the FSDP axes of ``embed`` (the transpose of that
+   all-gather is a reduce-scatter, so weight gradients come back FSDP-sharded at half the
+   traffic of an all-reduce; only the local ``E / expert`` experts are ever whole on a device);
+2. all-gathers tokens, indices and weights over ``expert`` (the axes that shard experts);
+3. runs its local experts on those tokens (`zoo.ops.moe.dropless_experts`), then sums the
+   partial outputs over ``tensor`` (``mlp`` is sharded there; SwiGLU is elementwise in F) and
+   reduce-scatters them back over ``expert`` to the layout they came in.
+
+Why all-gather/reduce-scatter rather than all-to-all: a fixed-shape all-to-all that never
+drops must size each destination's buffer for the worst case (all ``T_local * k`` copies going
+to one shard), so it sends ``EP * T_local * k`` rows per device each way where the all-gather
+and the reduce-scatter move ``(EP - 1) * T_local``, and it needs a second sort on arrival.
+Measured on 8 CPU devices (``benchmarks/moe.py``, E = 8/16/64, EP = 2/4) the all-to-all variant
+reached 0.54-0.98x the all-gather's tokens/s, never more. (A ragged all-to-all could send only
+the real copies, but XLA:CPU lacks it.) With a capacity, the capacity is per dispatch group:
+the tokens one device holds after the all-gather (unsharded: the whole batch), as in GShard,
+so which copies drop depends on the mesh.
+
+CPU: XLA:CPU has no grouped-matmul kernel; JAX lowers `ragged_dot` there to a dense masked
+matmul over all local experts (cost ``E / expert`` times the useful work). So on CPU the layer
+uses `zoo.ops.moe.grouped_swiglu`'s ``"blocked"`` form (rows padded per expert to blocks, one
+batched matmul), 3.6-9.8x faster there in ``benchmarks/moe.py``; GPU and TPU get `ragged_dot`.
+Set ``grouped_matmul`` on the class or an instance to force one.
+
+Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from zoo.layers.mlp import MLP
+from zoo.ops import moe as ops
+from zoo.partitioning import Partitioner, resolve
+
+ACT = ("batch", "length", "act_embed")
+
+
+class RouterBias(nnx.Variable):
+    """DeepSeek-V3's ``e_score_correction_bias``: updated by `update_expert_bias`, not by
+    gradients (not an `nnx.Param`, so ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees it)."""
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _divisible(value: int, what: str, shards: int, why: str, fix: str) -> None:
+    if value % shards:
+        raise ValueError(f"{what}={value} is not divisible by {shards} ({why}); {fix}")
+
+
+class MoE(nnx.Module):
+    """Mixture of SwiGLU experts with top-k routing; see the module docstring.
+
+    Args:
+      num_experts: E; num_experts_per_tok: k; mlp_dim: F, each expert's width.
+      inputs_shape: ``(batch, length, embed)`` the layer will see (validated against the mesh).
+      partitioner: shards parameters and tokens (None: unsharded).
+      scoring: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3, adds a `RouterBias`).
+      n_group, topk_group: group-limited selection (``n_group=1``: off).
+      routed_scaling_factor, norm_topk_prob: see `zoo.ops.moe.route`.
+      num_shared_experts, shared_mlp_dim: shared experts' MLP width is
+        ``shared_mlp_dim or num_shared_experts * mlp_dim`` (none when that is 0).
+      capacity_factor: None for dropless; else ``ceil(factor * tokens * k / E)`` slots per
+        expert in each dispatch group.
+      dtype: computation dtype of the experts, None for the input's (the router is always
+        float32);
+        param_dtype: storage dtype.
+    """
+
+    #: dropless grouped matmul: "ragged_dot", "blocked" or None (blocked on CPU, else ragged_dot)
+    grouped_matmul: str | None = None
+
+    def __init__(self, *, num_experts: int, num_experts_per_tok: int, mlp_dim: int,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True,
+                 num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
+                 capacity_factor: float | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        if len(inputs_shape) != 3:
+            raise ValueError(f"inputs_shape={tuple(inputs_shape)} must be (batch, length, "
+                             f"embed)")
+        batch, length, embed = (int(v) for v in inputs_shape)
+        E, k = num_experts, num_experts_per_tok
+        if scoring not in ops.SCORINGS:
+            raise ValueError(f"scoring={scoring!r} must be one of {ops.SCORINGS}")
+        if E < 1 or not 1 <= k <= E:
+            raise ValueError(f"num_experts_per_tok={k} must be between 1 and num_experts={E}; "
+                             f"lower num_experts_per_tok or add experts")
+        if n_group < 1 or E % n_group:
+            raise ValueError(f"num_experts={E} is not divisible by n_group={n_group}; choose "
+                             f"n_group among the divisors of {E}")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group={topk_group} must be between 1 and n_group="
+                             f"{n_group}; lower topk_group")
+        if k > topk_group * (E // n_group):
+            raise ValueError(f"num_experts_per_tok={k} exceeds the {topk_group * (E // n_group)}"
+                             f" experts in the topk_group={topk_group} best groups of "
+                             f"{E // n_group}; raise topk_group or lower num_experts_per_tok")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for "
+                             f"dropless dispatch")
+        shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
+        mesh = "" if p.mesh is None else f" on mesh {dict(p.mesh.shape)}"
+        _divisible(E, "num_experts", p.size("experts", "moe"),
+                   f"experts are sharded over {p.mesh_axes('experts', 'moe')}{mesh}",
+                   "change the expert-axis size or the number of experts")
+        _divisible(batch, "batch", p.size("batch"),
+                   f"tokens are sharded over {p.batch_axes()}{mesh}",
+                   "change the batch size or the mesh")
+        _divisible(length, "length", p.size("length"),
+                   f"the sequence is sharded over {p.sequence_axes(None)}{mesh}",
+                   "pad the sequence or change the mesh")
+        _divisible(embed, "embed", p.size("embed", "moe"),
+                   f"expert weights are FSDP-sharded over {p.mesh_axes('embed', 'moe')}{mesh}",
+                   "change the embedding width or the mesh")
+        _divisible(mlp_dim, "mlp_dim", p.size("mlp", "moe"),
+                   f"the expert width is sharded over {p.mesh_axes('mlp', 'moe')}{mesh}",
+                   "change mlp_dim or the tensor-axis size")
+
+        self.partitioner = p
+        self.num_experts, self.num_experts_per_tok, self.mlp_dim = E, k, mlp_dim
+        self.inputs_shape, self.embed_dim = (batch, length, embed), embed
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
+        self.capacity_factor = capacity_factor
+        self.dtype, self.param_dtype = dtype, param_dtype
+
+        kernel_init = nnx.initializers.lecun_normal()
+        # every device routes its tokens against all experts, so E is not sharded here
+        self.router = nnx.Param(p.param(kernel_init, ("embed", None), "moe")(
+            rngs.params(), (embed, E), jnp.float32))
+        expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        w_in, w_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+        self.wi_gate = nnx.Param(p.param(expert_init, w_in, "moe")(
+            rngs.params(), (E, embed, mlp_dim), param_dtype))
+        self.wi_up = nnx.Param(p.param(expert_init, w_in, "moe")(
+            rngs.params(), (E, embed, mlp_dim), param_dtype))
+        self.wo = nnx.Param(p.param(expert_init, w_out, "moe")(
+            rngs.params(), (E, mlp_dim, embed), param_dtype))
+        self.e_score_correction_bias = (RouterBias(p.param(
+            nnx.initializers.zeros_init(), (None,), "moe")(rngs.params(), (E,), jnp.float32))
+            if scoring == "sigmoid" else None)
+        # Shared experts are a dense MLP: default scope, so their tokens stay sharded over
+        # `expert` too (the "moe" scope would replicate them there and repeat the work).
+        self.shared_experts = (MLP(embed_dim=embed, mlp_dim=shared_dim, partitioner=p,
+                                   dtype=dtype, param_dtype=param_dtype,
+                                   kernel_init=kernel_init, rngs=rngs)
+                               if shared_dim else None)
+
+    # -- pieces a subclass may override ----------------------------------------------------
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x [B, L, D]`` -> ``(weights [B, L, k], indices [B, L, k], scores [B, L, E])``."""
+        logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32),
+                            self.router[...].astype(jnp.float32))
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        return ops.route(logits, k=self.num_experts_per_tok, scoring=self.scoring, bias=bias,
+                         n_group=self.n_group, topk_group=self.topk_group,
+                         norm_topk_prob=self.norm_topk_prob,
+                         routed_scaling_factor=self.routed_scaling_factor)
+
+    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+        """One device's work: ``x [T, D]``, ``indices/weights [T, k]``, local expert weights
+        ``[E_local, ...]`` -> ``(y [T, D] float32, dropped copies int32)``."""
+        if self.capacity_factor is None:
+            return ops.dropless_experts(x, indices, weights, wi_gate, wi_up, wo,
+                                        expert_offset=expert_offset, impl=self.grouped_matmul)
+        capacity = ops.expert_capacity(x.shape[0], self.num_experts_per_tok, self.num_experts,
+                                       self.capacity_factor)
+        return ops.capacity_experts(x, indices, weights, wi_gate, wi_up, wo, capacity=capacity,
+                                    expert_offset=expert_offset)
+
+    def experts(self, x: jax.Array, weights: jax.Array, indices: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """Routed experts on ``x [B, L, D]``: ``(y [B, L, D], dropped copies, global)``."""
+        B, L, D = x.shape
+        k = self.num_experts_per_tok
+        dtype = self.dtype or x.dtype
+        wg, wu, wo = (w[...].astype(dtype) for w in (self.wi_gate, self.wi_up, self.wo))
+        p = self.partitioner
+        if p.mesh is None:
+            y, dropped = self.dispatch(x.reshape(B * L, D), indices.reshape(B * L, k),
+                                       weights.reshape(B * L, k), wg, wu, wo, 0)
+            return y.reshape(B, L, D).astype(dtype), dropped
+
+        tok = p.spec(ACT)
+        tok = P(tok[0], tok[1], None)
+        spec_in, spec_out = (p.spec(("experts", "embed", "mlp"), "moe"),
+                             p.spec(("experts", "mlp", "embed"), "moe"))
+        ep_axes = p.mesh_axes("experts", "moe")
+        mlp_axes = p.mesh_axes("mlp", "moe")
+        # each expert-sharding axis either shards a token dimension (gather/scatter it there)
+        # or leaves tokens replicated (then every shard saw all tokens: plain psum)
+        plan = [(a, d) for a in ep_axes for d in (0, 1) if a in _entry_axes(tok[d])]
+        replicated = tuple(a for a in ep_axes if a not in {a for a, _ in plan})
+        token_axes = tuple(dict.fromkeys(
+            (*_entry_axes(tok[0]), *_entry_axes(tok[1]), *ep_axes)))
+        num_local = self.num_experts // p.size("experts", "moe")
+
+        def body(x, weights, indices, wg, wu, wo):
+            if _entry_axes(spec_in[1]):  # FSDP: whole local experts, transpose = reduce-scatter
+                wg = jax.lax.all_gather(wg, _entry_axes(spec_in[1]), axis=1, tiled=True)
+                wu = jax.lax.all_gather(wu, _entry_axes(spec_in[1]), axis=1, tiled=True)
+            if _entry_axes(spec_out[2]):
+                wo = jax.lax.all_gather(wo, _entry_axes(spec_out[2]), axis=2, tiled=True)
+            for a, d in plan:
+                x, weights, indices = (jax.lax.all_gather(v, a, axis=d, tiled=True)
+                                       for v in (x, weights, indices))
+            nb, nl = x.shape[:2]
+            offset = jax.lax.axis_index(ep_axes) * num_local if ep_axes else 0
+            y, dropped = self.dispatch(x.reshape(nb * nl, D), indices.reshape(nb * nl, k),
+                                       weights.reshape(nb * nl, k), wg, wu, wo, offset)
+            y = y.reshape(nb, nl, D).astype(dtype)
+            if mlp_axes:
+                y = jax.lax.psum(y, mlp_axes)
+            for a, d in reversed(plan):
+                y = jax.lax.psum_scatter(y, a, scatter_dimension=d, tiled=True)
+            if replicated:
+                y = jax.lax.psum(y, replicated)
+            return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
+
+        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
+                           out_specs=(tok, P()))
+        return fn(x.astype(dtype), weights, indices, wg, wu, wo)
+
+    # -- forward -------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"MoE expects [batch, length, {self.embed_dim}] inputs, got "
+                             f"{x.shape}")
+        p = self.partitioner
+        B, L, _ = x.shape
+        _divisible(B, "batch", p.size("batch"), f"tokens are sharded over {p.batch_axes()}",
+                   "change the batch size or the mesh")
+        _divisible(L, "length", p.size("length"),
+                   f"the sequence is sharded over {p.sequence_axes(None)}",
+                   "pad the sequence or change the mesh")
+        with jax.named_scope("moe"):
+            x = p.constrain(x, ACT)
+            with jax.named_scope("router"):
+                weights, indices, scores = self.route(x)
+            with jax.named_scope("balance"):
+                counts = ops.expert_counts(indices, self.num_experts)
+                loss = ops.load_balance_loss(scores, counts, k=self.num_experts_per_tok,
+                                             scoring=self.scoring)
+            with jax.named_scope("experts"):
+                y, dropped = self.experts(x, weights, indices)
+            if self.shared_experts is not None:
+                with jax.named_scope("shared_experts"):
+                    y = y + self.shared_experts(x).astype(y.dtype)
+            y = p.constrain(y, ACT)
+        copies = B * L * self.num_experts_per_tok
+        aux = dict(load_balance_loss=loss, expert_counts=counts,
+                   dropped_fraction=dropped.astype(jnp.float32) / copies)
+        return y, aux
+
+
+# -- aux-loss-free balancing -------------------------------------------------------------------
+def moe_modules(module: nnx.Module, *, with_bias: bool = True) -> list[MoE]:
+    """The `MoE` layers of `module` in `nnx.iter_modules` order (for an `nnx.List` of layers:
+    layer order); with ``with_bias`` only those with a `RouterBias` (``scoring="sigmoid"``)."""
+    return [m for _, m in nnx.iter_modules(module) if isinstance(m, MoE)
+            and (m.e_score_correction_bias is not None or not with_bias)]
+
+
+def _as_counts(counts: Any) -> Any:
+    if isinstance(counts, Mapping) and "expert_counts" in counts:
+        return counts["expert_counts"]
+    return counts
+
+
+def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-3) -> None:
+    """DeepSeek-V3's aux-loss-free balancing, in place: ``bias += rate * sign(mean - counts)``.
+
+    Overloaded experts become less likely to be selected, idle ones more; the combine weights
+    never see the bias. Call it after each training step (eagerly or inside the jitted step).
+
+    Args:
+      module: a sigmoid-scored `MoE`, or a model containing such layers.
+      expert_counts: the ``aux`` dict or its ``"expert_counts"``; for a model either an array
+        ``[num_moe_layers, E]`` or a sequence (of arrays or aux dicts), one entry per layer in
+        `moe_modules` order -- one per MoE layer (rows of layers without a bias are skipped)
+        or one per layer with a bias. A layer whose bias is stacked (e.g. ``[layers, E]``
+        under `nnx.scan`) takes counts of the same shape.
+      rate: the bias update speed (DeepSeek-V3 uses 1e-3).
+    """
+    every = moe_modules(module, with_bias=False)
+    layers = [m for m in every if m.e_score_correction_bias is not None]
+    if not layers:
+        raise ValueError(f"{type(module).__name__} holds no MoE layer with scoring='sigmoid'; "
+                         f"only those carry a selection bias to update (use rate 0 otherwise)")
+    counts = _as_counts(expert_counts)
+    if isinstance(counts, Sequence) and not isinstance(counts, (jax.Array, np.ndarray)):
+        per_layer = [jnp.asarray(_as_counts(c)) for c in counts]
+    else:
+        counts = jnp.asarray(counts)
+        if len(layers) == 1 and counts.shape == layers[0].e_score_correction_bias.shape:
+            per_layer = [counts]
+        else:
+            per_layer = list(counts) if counts.ndim >= 2 else [counts]
+    if len(per_layer) == len(every) != len(layers):
+        per_layer = [c for m, c in zip(every, per_layer) if m.e_score_correction_bias is not None]
+    if len(per_layer) != len(layers):
+        raise ValueError(f"got expert counts for {len(per_layer)} layer(s) but the module has "
+                         f"{len(every)} MoE layer(s), {len(layers)} with a selection bias; pass "
+                         f"one row per MoE layer (or per biased layer) in moe_modules() order")
+    for layer, c in zip(layers, per_layer):
+        bias = layer.e_score_correction_bias
+        if c.shape != bias.shape:
+            raise ValueError(f"expert counts of shape {c.shape} do not match the bias of shape "
+                             f"{bias.shape}")
+        c = c.astype(jnp.float32)
+        step = jnp.sign(c.mean(-1, keepdims=True) - c) * rate
+        bias[...] = (bias[...] + step).astype(bias.dtype)

@@ -1,0 +1,356 @@
+"""The pre-norm decoder shared by Mixtral and DeepSeek-V3: `DecoderLayer` and `CausalLM`.
+
+* `DecoderLayer` -- ``h = x + self_attn(input_layernorm(x))``; ``y = h + mlp(post_attention_
+  layernorm(h))`` where ``mlp`` is an `MoE` (returning an aux dict) or a dense `MLP`. It builds
+  its pieces through factory methods (`make_attention`, `make_moe`, `make_mlp`, `make_norm`)
+  that read the class attributes ``attention_cls``, ``moe_cls``, ``mlp_cls``, ``norm_cls``, so a
+  subclass swaps one piece by setting one attribute::
+
+      class MyLayer(MixtralDecoderLayer):
+          attention_cls = MyAttention
+      model = Mixtral(config, decoder_layer_cls=MyLayer, rngs=nnx.Rngs(0))
+
+* `CausalLM` -- embedding, the decoder layers (class attribute ``decoder_layer_cls`` or the
+  ``decoder_layer_cls=`` argument), final RMSNorm and an untied ``lm_head``;
+  ``logits, aux = model(tokens, positions=None, segment_ids=None)``. Positions default to
+  ``arange(L)``; ``aux["load_balance_loss"]`` is summed over the MoE layers (Hugging Face's
+  Mixtral averages it over layers: its ``router_aux_loss_coef`` equals ours times
+  ``num_moe_layers``) and every other aux entry (``expert_counts`` [num_moe_layers, E],
+  ``dropped_fraction``) is stacked per layer.
+  The residual stream is constrained to ``("batch", "length", "act_embed")`` after every
+  layer; each layer runs under ``jax.named_scope("layer_{i}")`` and, when the config names a
+  ``remat_policy``, under `nnx.remat`. Layers are unrolled (no scan): the dense/MoE mix of
+  DeepSeek-V3 is not uniform and the mini models compile in seconds.
+* Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with each family's
+  `hf_key_map` (module names follow the Hugging Face modules, so the map is short).
+
+Attribute names follow Hugging Face (``embed_tokens``, ``layers``, ``self_attn``, ``mlp``,
+``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``lm_head``).
+
+Legend: B batch, L length, D embed (hidden_size), V vocab, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zoo.layers.embed import Embed
+from zoo.layers.linear import Linear
+from zoo.layers.mlp import MLP
+from zoo.layers.moe import MoE
+from zoo.layers.norm import RMSNorm
+from zoo.models import hf
+from zoo.partitioning import Partitioner, resolve
+
+ACT = ("batch", "length", "act_embed")
+
+# names accepted by the `remat_policy` config field -> jax.checkpoint_policies attribute
+REMAT_POLICIES = {
+    "full": "nothing_saveable",  # recompute the whole layer in the backward pass
+    "nothing_saveable": "nothing_saveable",
+    "dots_saveable": "dots_saveable",
+    "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
+    "everything_saveable": "everything_saveable",
+}
+
+
+def remat_policy(name: str | None):
+    if name is None:
+        return None
+    return getattr(jax.checkpoint_policies, REMAT_POLICIES[name])
+
+
+def check_config(config: Any, *, positive: Sequence[str], optional_positive: Sequence[str] = (),
+                 what: str) -> None:
+    """Construction-time checks shared by the family configs (ValueError naming the field)."""
+    for name in positive:
+        value = getattr(config, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{what}: {name}={value!r} must be a positive int")
+    for name in optional_positive:
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{what}: {name}={value!r} must be a positive int or None")
+    if config.remat_policy is not None and config.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"{what}: remat_policy={config.remat_policy!r}; valid values are None "
+                         f"or {', '.join(map(repr, REMAT_POLICIES))}")
+    for name in ("dtype", "param_dtype"):
+        try:
+            dt = jnp.dtype(getattr(config, name))
+        except TypeError as e:
+            raise ValueError(f"{what}: {name}={getattr(config, name)!r} is not a dtype") from e
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
+                             f"bfloat16)")
+    if config.capacity_factor is not None and not config.capacity_factor > 0:
+        raise ValueError(f"{what}: capacity_factor={config.capacity_factor!r} must be > 0, or "
+                         f"None for dropless MoE")
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of `nnx.Param` entries (works on `nnx.eval_shape` models: no memory)."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return int(sum(math.prod(x.shape) for x in leaves))
+
+
+def abstract_rngs(seed: int = 0) -> nnx.Rngs:
+    """`nnx.Rngs` for building a model under `nnx.eval_shape`, with a numpy draw counter.
+
+    With the default (jax) counter, every ``rngs.params()`` inside the trace stores a tracer in
+    the counter variable and flax's ``Variable.set_value`` reads ``tracer.sharding``, whose error
+    message walks the whole trace: quadratic in the number of parameters (DeepSeek-V3: 43 s
+    instead of 2 s, flax 0.12.8). A numpy counter is updated in place, outside the trace.
+    """
+    rngs = nnx.Rngs(seed)
+    rngs.params.count.set_raw_value(np.zeros((), np.uint32))
+    return rngs
+
+
+def nominal_inputs_shape(p: Partitioner) -> tuple[int, int]:
+    """The smallest ``(batch, length)`` every layer accepts under `p`.
+
+    ``from_hf(..., inputs_shape=None)`` builds the layers with it; at call time they re-check
+    the real shape, so any batch and length the mesh divides work. The attention kernel choice
+    (``"auto"``) does not depend on the length (it compares K/V with the local query side).
+    """
+    cp = p.context_size("attention")
+    batch = math.lcm(p.size("batch"), p.size("batch", "attention"))
+    length = math.lcm(2 * cp if cp > 1 else 1, p.size("length"))
+    return batch, length
+
+
+# -- decoder layer ---------------------------------------------------------------------------
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: self-attention, then an MoE or a dense MLP.
+
+    Subclasses set ``attention_cls``/``moe_cls``/``mlp_cls``/``norm_cls`` or override the
+    ``make_*`` factories; the families implement `make_attention`, `make_moe` and `uses_moe`.
+    ``inputs_shape`` is ``(batch, length, hidden_size)``.
+    """
+
+    attention_cls: ClassVar[type] = nnx.Module  # set by each family
+    moe_cls: ClassVar[type] = MoE
+    mlp_cls: ClassVar[type] = MLP
+    norm_cls: ClassVar[type] = RMSNorm
+
+    def __init__(self, config, *, layer_idx: int, inputs_shape: Sequence[int],
+                 partitioner: Partitioner | None = None, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        self.layer_idx = layer_idx
+        self.partitioner = p
+        shape = tuple(inputs_shape)
+        kw = dict(inputs_shape=shape, partitioner=p, rngs=rngs)
+        self.input_layernorm = self.make_norm(config, partitioner=p, rngs=rngs)
+        self.self_attn = self.make_attention(config, **kw)
+        self.post_attention_layernorm = self.make_norm(config, partitioner=p, rngs=rngs)
+        self.is_moe = bool(self.uses_moe(config, layer_idx))
+        self.mlp = self.make_moe(config, **kw) if self.is_moe else self.make_mlp(config, **kw)
+
+    # -- factories a subclass may override -----------------------------------------------------
+    def uses_moe(self, config, layer_idx: int) -> bool:
+        return True
+
+    def make_norm(self, config, *, partitioner: Partitioner, rngs: nnx.Rngs) -> nnx.Module:
+        return self.norm_cls(config.hidden_size, eps=config.rms_norm_eps, partitioner=partitioner,
+                             param_dtype=config.param_dtype, rngs=rngs)
+
+    def make_attention(self, config, *, inputs_shape, partitioner, rngs) -> nnx.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement make_attention")
+
+    def make_moe(self, config, *, inputs_shape, partitioner, rngs) -> nnx.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement make_moe")
+
+    def make_mlp(self, config, *, inputs_shape, partitioner, rngs) -> nnx.Module:
+        return self.mlp_cls(embed_dim=config.hidden_size, mlp_dim=config.intermediate_size,
+                            partitioner=partitioner, dtype=config.dtype,
+                            param_dtype=config.param_dtype, rngs=rngs)
+
+    # -- forward -------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """x [B, L, D] -> (x [B, L, D], the MoE's aux dict or None for a dense layer)."""
+        c = self.partitioner.constrain
+        with jax.named_scope(f"layer_{self.layer_idx}"):
+            h = self.self_attn(self.input_layernorm(x), positions=positions,
+                               segment_ids=segment_ids)
+            x = c(x + h.astype(x.dtype), ACT)
+            h = self.post_attention_layernorm(x)
+            aux = None
+            if self.is_moe:
+                h, aux = self.mlp(h)
+            else:
+                h = self.mlp(h)
+            return c(x + h.astype(x.dtype), ACT), aux
+
+
+# -- model -----------------------------------------------------------------------------------
+
+class CausalLM(nnx.Module):
+    """Embedding -> decoder layers -> RMSNorm -> untied lm_head; see the module docstring.
+
+    Args:
+      config: the family's config.
+      inputs_shape: ``(batch, length)`` the model will see (validated by every layer at
+        construction); None: the smallest shape the partitioner accepts, and any batch/length
+        it divides works at call time.
+      partitioner: how the mesh cuts parameters and activations (None: unsharded).
+      decoder_layer_cls: overrides the class attribute ``decoder_layer_cls``.
+    """
+
+    config_cls: ClassVar[type] = object  # set by each family
+    decoder_layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
+    hf_model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config, *, inputs_shape: Sequence[int] | None = None,
+                 partitioner: Partitioner | None = None, rngs: nnx.Rngs,
+                 decoder_layer_cls: type[DecoderLayer] | None = None):
+        p = resolve(partitioner)
+        name = type(self).__name__
+        if inputs_shape is None:
+            inputs_shape = nominal_inputs_shape(p)
+        shape = tuple(inputs_shape)
+        if len(shape) != 2 or not all(isinstance(n, (int, np.integer)) and n > 0 for n in shape):
+            raise ValueError(f"{name}: inputs_shape={inputs_shape!r} must be (batch, length), two "
+                             f"positive ints (the token array's shape), or None")
+        layer_cls = decoder_layer_cls or type(self).decoder_layer_cls
+        if not (isinstance(layer_cls, type) and issubclass(layer_cls, DecoderLayer)):
+            raise ValueError(f"{name}: decoder_layer_cls={layer_cls!r} must be a subclass of "
+                             f"zoo.models.decoder.DecoderLayer")
+        self.config = config
+        self.partitioner = p
+        self.inputs_shape = (int(shape[0]), int(shape[1]))
+        D, V = config.hidden_size, config.vocab_size
+        layer_shape = (*self.inputs_shape, D)
+        self.embed_tokens = Embed(V, D, partitioner=p, dtype=config.dtype,
+                                  param_dtype=config.param_dtype, rngs=rngs)
+        self.layers = nnx.List([
+            layer_cls(config, layer_idx=i, inputs_shape=layer_shape, partitioner=p, rngs=rngs)
+            for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(D, eps=config.rms_norm_eps, partitioner=p,
+                            param_dtype=config.param_dtype, rngs=rngs)
+        self.lm_head = Linear(D, V, in_axes=("embed",), out_axes=("vocab",), partitioner=p,
+                              dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(layer.is_moe for layer in self.layers)
+
+    def run_layer(self, layer: DecoderLayer, x: jax.Array, positions: jax.Array,
+                  segment_ids: jax.Array | None):
+        """One decoder layer, rematerialised when the config names a `remat_policy`."""
+        if self.config.remat_policy is None:
+            return layer(x, positions=positions, segment_ids=segment_ids)
+
+        def call(layer, x, positions, segment_ids):
+            return layer(x, positions=positions, segment_ids=segment_ids)
+
+        # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's RouterBias when
+        # the model was merged inside an outer jit (flax 0.12.8); a forward pass mutates no
+        # variable, so tree mode loses nothing.
+        policy = remat_policy(self.config.remat_policy)
+        return nnx.remat(call, policy=policy, graph=False)(layer, x, positions, segment_ids)
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens [B, L] int -> (logits [B, L, V], aux); positions/segment_ids [B, L]."""
+        name = type(self).__name__
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"{name}: tokens must be an int array [batch, length], got "
+                             f"{tokens.dtype}{tuple(tokens.shape)}")
+        B, L = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        for what, a in (("positions", positions), ("segment_ids", segment_ids)):
+            if a is not None and tuple(a.shape) != (B, L):
+                raise ValueError(f"{name}: {what} has shape {tuple(a.shape)}; expected the "
+                                 f"tokens' shape {(B, L)}")
+        c = self.partitioner.constrain
+        with jax.named_scope(name.lower()):
+            x = self.embed_tokens(tokens)
+            auxes = []
+            for layer in self.layers:
+                x, aux = self.run_layer(layer, x, positions, segment_ids)
+                if aux is not None:
+                    auxes.append(aux)
+            with jax.named_scope("head"):
+                x = self.norm(x)
+                logits = c(self.lm_head(x), ("batch", "length", "act_vocab"))
+        return logits, self.collect_aux(auxes)
+
+    def collect_aux(self, auxes: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+        if not auxes:
+            return {"load_balance_loss": jnp.zeros((), jnp.float32),
+                    "expert_counts": jnp.zeros((0, self.config.num_experts), jnp.int32)}
+        out = {"load_balance_loss": sum(a["load_balance_loss"] for a in auxes)}
+        for key in auxes[0]:
+            if key != "load_balance_loss":
+                out[key] = jnp.stack([a[key] for a in auxes])
+        return out
+
+    # -- Hugging Face interop ------------------------------------------------------------------
+    def hf_key_map(self) -> list[hf.Tensor]:
+        """Rows mapping every variable to its Hugging Face checkpoint key(s)."""
+        raise NotImplementedError
+
+    def hf_common_keys(self) -> list[hf.Tensor]:
+        rows = [hf.copy(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
+                hf.copy(("norm", "scale"), "model.norm.weight"),
+                hf.linear(("lm_head", "kernel"), "lm_head.weight")]
+        for i in range(len(self.layers)):
+            pre = f"model.layers.{i}"
+            rows += [hf.copy(("layers", i, "input_layernorm", "scale"),
+                             f"{pre}.input_layernorm.weight"),
+                     hf.copy(("layers", i, "post_attention_layernorm", "scale"),
+                             f"{pre}.post_attention_layernorm.weight")]
+        return rows
+
+    @classmethod
+    def abstract(cls, config, *, inputs_shape: Sequence[int] | None = None,
+                 partitioner: Partitioner | None = None,
+                 decoder_layer_cls: type[DecoderLayer] | None = None):
+        """The model built by `nnx.eval_shape`: shapes, dtypes and shardings, no memory."""
+        return nnx.eval_shape(lambda: cls(config, inputs_shape=inputs_shape,
+                                          partitioner=partitioner, rngs=abstract_rngs(),
+                                          decoder_layer_cls=decoder_layer_cls))
+
+    @classmethod
+    def from_hf(cls, path, *, partitioner: Partitioner | None = None,
+                inputs_shape: Sequence[int] | None = None, dtype=jnp.float32,
+                config_overrides: dict[str, Any] | None = None,
+                decoder_layer_cls: type[DecoderLayer] | None = None):
+        """Load a local Hugging Face checkpoint folder into a (sharded) model of this class.
+
+        The model is created abstractly and each tensor is read and placed straight into its
+        shards (see `zoo.models.hf.load_into`). ``dtype`` is the parameter and compute dtype;
+        ``config_overrides`` replaces config fields (e.g. ``{"remat_policy": "full"}``).
+        """
+        what = f"{cls.__name__}.from_hf"
+        raw = hf.read_config(path, cls.hf_model_types, loader=what)
+        config = cls.config_cls.from_hf_config(raw)
+        config = dataclasses.replace(config, **{"dtype": dtype, "param_dtype": dtype,
+                                                **(config_overrides or {})})
+        model = cls.abstract(config, inputs_shape=inputs_shape, partitioner=partitioner,
+                             decoder_layer_cls=decoder_layer_cls)
+        quant = raw.get("quantization_config") or {}
+        reader = hf.CheckpointReader(path, block_size=quant.get("weight_block_size", (128, 128)))
+        return hf.load_into(model, model.hf_key_map(), reader, what=what)
+
+    def to_hf(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write ``config.json`` + safetensors that transformers' ``from_pretrained`` loads."""
+        hf.save_checkpoint(path, hf.export_tensors(self, self.hf_key_map()),
+                           self.config.to_hf_config(), max_shard_bytes=max_shard_bytes)

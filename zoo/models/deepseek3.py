@@ -1,0 +1,315 @@
+"""DeepSeek-V3: config presets, model and Hugging Face interop.
+
+* Decoder-only transformer, pre-norm (RMSNorm), untied embedding and ``lm_head``.
+* Attention: multi-head latent attention (`zoo.layers.MLA`): low-rank query (``q_lora_rank``),
+  compressed KV latent (``kv_lora_rank``) with a decoupled rotary key (``qk_rope_head_dim``)
+  shared by all heads; RoPE in DeepSeek's interleaved layout with YaRN (``rope_scaling``) and
+  its softmax-scale correction.
+* Feed-forward: the first ``first_k_dense_replace`` layers a dense SwiGLU MLP of width
+  ``intermediate_size``; the rest an MoE of ``n_routed_experts`` experts of width
+  ``moe_intermediate_size``: sigmoid scores, a selection-only ``e_score_correction_bias``
+  (aux-loss-free balancing: `zoo.layers.moe.update_expert_bias`), group-limited top-k
+  (``n_group``/``topk_group``), weights normalised (``norm_topk_prob``) and scaled by
+  ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts.
+* Multi-token prediction (MTP) is not implemented: the `deepseek_v3` preset and its parameter
+  count (671,026,404,352) are the Hugging Face model without the MTP module, and `from_hf`
+  ignores the checkpoint's MTP layer (``model.layers.61.*``).
+* `DeepSeek3Config` uses the Hugging Face field names plus zoo fields (``dtype``,
+  ``param_dtype``, ``remat_policy``, ``attention_implementation``, ``capacity_factor``).
+  Presets: `deepseek_v3` and `mini` (vocab 264 = the byte tokenizer's 259 ids padded).
+* `from_hf(path)` / `to_hf(model, path)`: the published layout (per-expert
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; FP8 block-quantised weights are dequantised
+  while loading), tensor by tensor into sharded parameters.
+
+Legend: B batch, L length, D hidden_size, N heads, Rq q_lora_rank, Rkv kv_lora_rank,
+Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hv v_head_dim, E routed experts, F expert width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from zoo.layers.mla import MLA
+from zoo.layers.rope import RoPE, YaRN
+from zoo.models import hf
+from zoo.models.decoder import (CausalLM, DecoderLayer, check_config, count_params,
+                                dtype_name)
+
+__all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "from_hf", "to_hf"]
+
+
+# DeepSeek-V3's context extension: 4k pre-training context stretched 40x (YaRN is frozen, so
+# sharing one instance as a dataclass default is safe)
+V3_YARN = YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+               beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeek3Config:
+    """DeepSeek-V3 hyper-parameters; field names are those of Hugging Face's
+    ``DeepseekV3Config`` (``rope_scaling`` is a `zoo.layers.YaRN`, or a dict of its fields)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int = 128  # MLA: every head has its own K/V; must equal the heads
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 163840
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: YaRN | None = V3_YARN
+    rope_interleave: bool = True
+    aux_loss_alpha: float = 1e-4  # weight of aux["load_balance_loss"] (DeepSeek's seq-wise alpha)
+    # zoo fields (not in config.json)
+    attention_implementation: str = "auto"
+    capacity_factor: float | None = None  # None: dropless MoE
+    remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
+    dtype: Any = jnp.float32  # computation dtype
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", YaRN(**self.rope_scaling))
+        what = "DeepSeek3Config"
+        check_config(self, what=what, positive=(
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_routed_experts",
+            "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group",
+            "topk_group", "num_experts_per_tok", "max_position_embeddings"),
+            optional_positive=("q_lora_rank",))
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"{what}: num_key_value_heads={self.num_key_value_heads} must equal "
+                             f"num_attention_heads={self.num_attention_heads} (MLA expands the "
+                             f"latent into one key/value per head)")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"{what}: first_k_dense_replace={self.first_k_dense_replace} must be "
+                             f"between 0 and num_hidden_layers={self.num_hidden_layers}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"{what}: n_shared_experts={self.n_shared_experts} must be >= 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YaRN):
+            raise ValueError(f"{what}: rope_scaling={self.rope_scaling!r} must be a "
+                             f"zoo.layers.YaRN, a dict of its fields, or None")
+
+    # -- presets -------------------------------------------------------------------------------
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> DeepSeek3Config:
+        """deepseek-ai/DeepSeek-V3 (and -R1): 671B parameters without MTP, 37B active."""
+        return cls(**overrides)
+
+    @classmethod
+    def mini(cls, **overrides) -> DeepSeek3Config:
+        """A DeepSeek-V3-shaped reduction that trains on a CPU: 3 layers (1 dense, 2 MoE), MLA
+        with a query LoRA and YaRN, 16 routed experts in 4 groups (top-2 groups, top-4 experts)
+        + 1 shared, vocab 264 (the byte tokenizer's 259 ids, padded to a multiple of 8)."""
+        return cls(**{**dict(
+            vocab_size=264, hidden_size=128, intermediate_size=320, moe_intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=2.5,
+            kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32,
+            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4,
+            first_k_dense_replace=1, max_position_embeddings=4096,
+            rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=1024, beta_fast=32.0,
+                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+            **overrides})
+
+    # -- derived quantities --------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    def rope(self) -> RoPE:
+        return RoPE(theta=self.rope_theta, interleaved=self.rope_interleave,
+                    scaling=self.rope_scaling)
+
+    def num_params(self) -> int:
+        """Parameter count from `nnx.eval_shape` (allocates nothing; bias buffers excluded)."""
+        return count_params(DeepSeek3.abstract(self))
+
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies with (routed: top-k + shared experts; no embedding)."""
+        D, N = self.hidden_size, self.num_attention_heads
+        if self.q_lora_rank is None:
+            q = D * N * self.qk_head_dim
+        else:
+            q = D * self.q_lora_rank + self.q_lora_rank * N * self.qk_head_dim
+        kv = D * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+            self.kv_lora_rank * N * (self.qk_nope_head_dim + self.v_head_dim)
+        attn = q + kv + N * self.v_head_dim * D
+        dense = 3 * D * self.intermediate_size
+        moe = D * self.n_routed_experts + 3 * D * self.moe_intermediate_size * (
+            self.num_experts_per_tok + self.n_shared_experts)
+        return (self.num_hidden_layers * attn + self.first_k_dense_replace * dense
+                + self.num_moe_layers * moe + D * self.vocab_size)
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Training (forward + backward = 3x forward) FLOPs per token at this sequence length:
+        ``6 * active_matmul_params`` plus attention ``3 * 2 * N * (Hqk + Hv) * S`` per layer, with
+        ``S`` the keys a query sees on average (``(seq_len + 1) / 2`` when causal)."""
+        keys = (seq_len + 1) / 2 if causal else seq_len
+        attn = 2 * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * keys
+        return 3 * (2 * self.active_matmul_params() + self.num_hidden_layers * attn)
+
+    # -- Hugging Face config.json ----------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], **overrides) -> DeepSeek3Config:
+        """A config from a parsed DeepSeek-V3 ``config.json`` (either rope spelling)."""
+        what = "DeepSeek3Config.from_hf_config"
+        hf.check_fields(cfg, {"hidden_act": ("silu",), "tie_word_embeddings": (False,),
+                              "attention_bias": (False,), "scoring_func": ("sigmoid",),
+                              "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}, what=what)
+        theta, scaling = hf.rope_from_hf(cfg, default_theta=10000.0, what=what)
+        zoo_only = {"rope_theta", "rope_scaling", "dtype", "param_dtype",
+                    "attention_implementation", "capacity_factor", "remat_policy"}
+        names = {f.name for f in dataclasses.fields(cls)} - zoo_only
+        kwargs = {k: cfg[k] for k in names if cfg.get(k) is not None}
+        if "q_lora_rank" in cfg:  # None is meaningful here: a plain q_proj
+            kwargs["q_lora_rank"] = cfg["q_lora_rank"]
+        if cfg.get("num_key_value_heads") is None:
+            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads",
+                                                       cls.num_attention_heads)
+        return cls(**{**kwargs, "rope_theta": theta, "rope_scaling": scaling, **overrides})
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` loads."""
+        fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
+                  "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                  "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+                  "first_k_dense_replace", "norm_topk_prob", "max_position_embeddings",
+                  "rms_norm_eps", "rope_interleave", "aux_loss_alpha")
+        out = {k: getattr(self, k) for k in fields}
+        out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                   rope_parameters=hf.rope_to_hf(self.rope_theta, self.rope_scaling),
+                   hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+                   attention_dropout=0.0, num_nextn_predict_layers=0, bos_token_id=0,
+                   eos_token_id=1, dtype=dtype_name(self.param_dtype))
+        return out
+
+
+class DeepSeek3DecoderLayer(DecoderLayer):
+    """MLA + (dense MLP for the first ``first_k_dense_replace`` layers, else sigmoid-routed
+    MoE with shared experts). Swap a piece with ``attention_cls = ...`` etc."""
+
+    attention_cls: ClassVar[type] = MLA
+
+    def uses_moe(self, config: DeepSeek3Config, layer_idx: int) -> bool:
+        return layer_idx >= config.first_k_dense_replace
+
+    def make_attention(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
+        return self.attention_cls(
+            num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+            inputs_shape=inputs_shape, partitioner=partitioner, rope=config.rope(),
+            rms_norm_eps=config.rms_norm_eps, implementation=config.attention_implementation,
+            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+
+    def make_moe(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
+        return self.moe_cls(
+            num_experts=config.n_routed_experts, num_experts_per_tok=config.num_experts_per_tok,
+            mlp_dim=config.moe_intermediate_size, inputs_shape=inputs_shape,
+            partitioner=partitioner, scoring="sigmoid", n_group=config.n_group,
+            topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob, num_shared_experts=config.n_shared_experts,
+            capacity_factor=config.capacity_factor, dtype=config.dtype,
+            param_dtype=config.param_dtype, rngs=rngs)
+
+
+class DeepSeek3(CausalLM):
+    """The DeepSeek-V3 causal LM: ``logits, aux = model(tokens, positions=..., segment_ids=...)``.
+
+    ``DeepSeek3(config, *, inputs_shape=(batch, length), partitioner=None, rngs,
+    decoder_layer_cls=None)``; see `zoo.models.decoder.CausalLM`.
+    """
+
+    config_cls: ClassVar[type] = DeepSeek3Config
+    decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeek3DecoderLayer
+    hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
+
+    def hf_key_map(self) -> list[hf.Tensor]:
+        rows = self.hf_common_keys()
+        cfg = self.config
+        for i, layer in enumerate(self.layers):
+            pre, at = f"model.layers.{i}", ("layers", i, "self_attn")
+            names = (["q_a_proj", "q_b_proj"] if cfg.q_lora_rank is not None else ["q_proj"])
+            names += ["kv_a_proj_with_mqa", "kv_b_proj"]
+            for name in names:
+                rows.append(hf.linear((*at, name, "kernel"), f"{pre}.self_attn.{name}.weight"))
+            rows.append(hf.linear((*at, "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
+                                  in_ndim=2))
+            norms = (["q_a_layernorm"] if cfg.q_lora_rank is not None else []) + ["kv_a_layernorm"]
+            for name in norms:
+                rows.append(hf.copy((*at, name, "scale"), f"{pre}.self_attn.{name}.weight"))
+            mlp = ("layers", i, "mlp")
+            dense = [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
+            if not layer.is_moe:
+                for zoo_name, hf_name in dense:
+                    rows.append(hf.linear((*mlp, zoo_name, "kernel"),
+                                          f"{pre}.mlp.{hf_name}.weight"))
+                continue
+            rows += [hf.linear((*mlp, "router"), f"{pre}.mlp.gate.weight"),
+                     hf.copy((*mlp, "e_score_correction_bias"),
+                             f"{pre}.mlp.gate.e_score_correction_bias")]
+            for zoo_name, hf_name in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"),
+                                      ("wo", "down_proj")):
+                rows.append(hf.stacked_linear(
+                    (*mlp, zoo_name),
+                    [f"{pre}.mlp.experts.{e}.{hf_name}.weight"
+                     for e in range(cfg.n_routed_experts)]))
+            if cfg.n_shared_experts:
+                for zoo_name, hf_name in dense:
+                    rows.append(hf.linear((*mlp, "shared_experts", zoo_name, "kernel"),
+                                          f"{pre}.mlp.shared_experts.{hf_name}.weight"))
+        return rows
+
+
+def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32,
+            config_overrides: dict[str, Any] | None = None,
+            model_cls: type[DeepSeek3] = DeepSeek3,
+            decoder_layer_cls: type[DecoderLayer] | None = None) -> DeepSeek3:
+    """Load a local DeepSeek-V3 checkpoint folder (``config.json`` + ``*.safetensors``).
+
+    Args:
+      path: the folder (Hub layout, bf16/fp32 or block-FP8; either rope spelling).
+      partitioner: shards the parameters as they are read (None: one device).
+      inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
+      dtype: parameter and computation dtype.
+      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}``.
+      model_cls, decoder_layer_cls: load into a subclass (its extra parameters need key-map
+        rows: override ``hf_key_map``).
+    """
+    return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
+                             dtype=dtype, config_overrides=config_overrides,
+                             decoder_layer_cls=decoder_layer_cls)
+
+
+def to_hf(model: DeepSeek3, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as a Hugging Face checkpoint folder (safetensors + config.json)."""
+    model.to_hf(path, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,439 @@
+"""Hugging Face checkpoint interop shared by the model families: config.json and safetensors.
+
+* `read_config` -- ``config.json`` of a local checkpoint folder, with a clear error for a folder
+  without one and for a ``model_type`` the caller does not handle.
+* `rope_from_hf` / `rope_to_hf` -- the rotary settings in both spellings: transformers 5.x
+  ``rope_parameters`` and the published ``rope_theta`` + ``rope_scaling`` (YaRN or none).
+* `CheckpointReader` -- reads one tensor at a time with `safetensors.safe_open` (numpy), from a
+  single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
+  ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly.
+* `Tensor` -- one row of a family's key map: a zoo variable path, its Hugging Face key (or one
+  key per expert, stacked on the leading axis) and the layout (``nn.Linear`` weights are
+  ``[out, in]``; zoo kernels are ``[*in, *out]``).
+* `load_into` -- fills an abstract model (`nnx.eval_shape`) variable by variable: each array is
+  assembled with `jax.make_array_from_callback` straight into its sharding, every device
+  receiving only its shard (a stacked expert tensor reads only the experts a shard holds), so
+  the model is never materialised whole on one device.
+* `save_checkpoint` -- writes ``config.json`` and safetensors shards (+ index) tensor by tensor,
+  flushing a shard every ``max_shard_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from zoo.layers.rope import YaRN, yarn_get_mscale
+
+__all__ = ["CheckpointReader", "Tensor", "load_into", "read_config", "rope_from_hf",
+           "rope_to_hf", "save_checkpoint", "export_tensors"]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+# -- config.json -----------------------------------------------------------------------------
+
+def read_config(path: str | os.PathLike, model_types: Sequence[str], *,
+                loader: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of checkpoint folder `path`; its model_type must be known."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{loader}: {path!r} is not a directory; pass the local folder of a "
+                         f"Hugging Face checkpoint (config.json + *.safetensors)")
+    cfg_file = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{loader}: {path!r} has no {CONFIG_NAME}; a Hugging Face checkpoint "
+                         f"folder holds config.json beside its *.safetensors (download the whole "
+                         f"repository, e.g. `huggingface-cli download REPO --local-dir DIR`)")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    model_type = cfg.get("model_type")
+    if model_type not in model_types:
+        raise ValueError(f"{loader}: {cfg_file} has model_type={model_type!r}, which this "
+                         f"loader does not handle (it reads {', '.join(map(repr, model_types))})"
+                         f"; use the loader of that family, e.g. zoo.models.mixtral.from_hf for "
+                         f"'mixtral' and zoo.models.deepseek3.from_hf for 'deepseek_v3'")
+    return cfg
+
+
+def rope_from_hf(cfg: dict[str, Any], *, default_theta: float,
+                 what: str) -> tuple[float, YaRN | None]:
+    """``(rope_theta, YaRN or None)`` from either spelling of a config's rotary settings.
+
+    transformers 5.x writes ``rope_parameters = {"rope_type", "rope_theta", ...}``; published
+    checkpoints write ``rope_theta`` and ``rope_scaling = {"type" | "rope_type", ...}``.
+    Defaults follow transformers: a missing YaRN ``factor`` is ``max_position_embeddings /
+    original_max_position_embeddings``; a missing ``original_max_position_embeddings`` is
+    ``max_position_embeddings``.
+    """
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{what}: rope settings {params!r} must be a JSON object")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{what}: per-layer-type rope_parameters {params!r} are not supported "
+                         f"(these families use one rotary setting for every layer)")
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or default_theta)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"{what}: rope type {rope_type!r} is not supported; zoo implements "
+                         f"'default' and 'yarn'")
+    max_pos = cfg.get("max_position_embeddings")
+    original = params.get("original_max_position_embeddings") or max_pos
+    if not original:
+        raise ValueError(f"{what}: YaRN needs original_max_position_embeddings (or "
+                         f"max_position_embeddings) in config.json")
+    factor = params.get("factor")
+    if factor is None:
+        if not max_pos:
+            raise ValueError(f"{what}: YaRN without 'factor' needs max_position_embeddings")
+        factor = max_pos / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None and not mscale and mscale_all_dim:
+        # transformers uses mscale(factor) when `mscale` is absent, whatever mscale_all_dim says;
+        # YaRN's mscale defaults to 1.0, so pin the cos/sin factor explicitly.
+        attention_factor = yarn_get_mscale(float(factor))
+    return theta, YaRN(
+        factor=float(factor), original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(mscale) if mscale is not None else 1.0,
+        mscale_all_dim=float(mscale_all_dim or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)))
+
+
+def rope_to_hf(theta: float, scaling: YaRN | None) -> dict[str, Any]:
+    """The transformers 5.x ``rope_parameters`` of a rotary setting."""
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": float(theta)}
+    out = {"rope_type": "yarn", "rope_theta": float(theta), "factor": scaling.factor,
+           "original_max_position_embeddings": scaling.original_max_position_embeddings,
+           "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow,
+           "mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim}
+    if scaling.attention_factor is not None:
+        out["attention_factor"] = scaling.attention_factor
+    if not scaling.truncate:
+        out["truncate"] = False
+    return out
+
+
+def check_fields(cfg: dict[str, Any], expected: dict[str, Any], *, what: str) -> None:
+    """Raise if config.json asks for a feature zoo does not implement (e.g. a bias, gelu)."""
+    for key, allowed in expected.items():
+        if key in cfg and cfg[key] is not None and cfg[key] not in allowed:
+            raise ValueError(f"{what}: config.json has {key}={cfg[key]!r}; zoo supports "
+                             f"{' or '.join(map(repr, allowed))}")
+
+
+# -- reading safetensors ---------------------------------------------------------------------
+
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
+               "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+               "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class CheckpointReader:
+    """Tensor-by-tensor access to the ``*.safetensors`` of one checkpoint folder.
+
+    ``get(key)`` returns a numpy array; FP8 weights that have a ``key + "_scale_inv"`` tensor
+    are dequantised with it in ``block_size`` blocks (DeepSeek-V3's published format).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, block_size: Sequence[int] = (128, 128)):
+        self.path = os.fspath(path)
+        self.block_size = tuple(block_size)
+        index = os.path.join(self.path, INDEX_NAME)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._file = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+        else:
+            files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+            if not files:
+                raise ValueError(f"{self.path!r} holds no *.safetensors files; zoo reads the "
+                                 f"safetensors format only (convert *.bin with transformers' "
+                                 f"save_pretrained(safe_serialization=True))")
+            self._file = {}
+            for name in files:
+                for key in _header(name):
+                    self._file[key] = name
+        self._headers: dict[str, dict] = {}
+
+    def keys(self) -> list[str]:
+        return list(self._file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._file
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self._file:
+            raise KeyError(f"checkpoint {self.path!r} has no tensor {key!r}")
+        arr = self._read(key)
+        if key + "_scale_inv" in self._file:  # block-quantised FP8 weight
+            arr = _dequantize(arr, self._read(key + "_scale_inv"), self.block_size)
+        return arr
+
+    def _read(self, key: str) -> np.ndarray:
+        name = self._file[key]
+        try:
+            from safetensors import safe_open
+            with safe_open(name, framework="numpy") as f:
+                return f.get_tensor(key)
+        except (AttributeError, TypeError, ValueError):
+            # numpy lacks some dtypes (FP8): map the bytes with ml_dtypes instead
+            return self._read_raw(name, key)
+
+    def _read_raw(self, name: str, key: str) -> np.ndarray:
+        if name not in self._headers:
+            self._headers[name] = _header(name, with_offsets=True)
+        info, data_start = self._headers[name][key]
+        dtype = _RAW_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {key!r} in {name} has dtype {info['dtype']}, which zoo "
+                             f"cannot read")
+        begin, end = info["data_offsets"]
+        raw = np.memmap(name, dtype=np.uint8, mode="r", offset=data_start + begin,
+                        shape=(end - begin,))
+        return np.asarray(raw).view(dtype).reshape(info["shape"])
+
+
+def _header(name: str, with_offsets: bool = False):
+    with open(name, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    if not with_offsets:
+        return list(header)
+    return {k: (v, 8 + n) for k, v in header.items()}
+
+
+def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
+    """``w * scale_inv`` broadcast over ``block``-sized tiles (DeepSeek-V3 FP8 weights)."""
+    if w.ndim != 2 or scale_inv.ndim != 2:
+        raise ValueError(f"block-quantised weight {w.shape} / scale {scale_inv.shape} must be 2-D")
+    bo, bi = block
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
+    return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
+
+
+# -- the key map -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One zoo variable and the Hugging Face tensor(s) it corresponds to.
+
+    ``keys``: one key, or one per slice of the zoo array's leading axis (per-expert weights).
+    ``in_ndim``: None copies the tensor (reshaped); ``k`` means an ``nn.Linear`` weight
+    ``[out, in]`` whose zoo kernel is ``[*in (k dims), *out]``: ``kernel = W.T.reshape(...)``.
+    """
+
+    path: tuple[Any, ...]
+    keys: tuple[str, ...]
+    in_ndim: int | None = None
+    stacked: bool = False
+
+    def to_zoo(self, w: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        shape = tuple(shape)
+        if self.in_ndim is not None:
+            if w.ndim != 2 or w.shape[1] != math.prod(shape[:self.in_ndim]):
+                raise ValueError(f"{self.describe()}: Hugging Face weight of shape {w.shape} "
+                                 f"does not fit zoo kernel {shape} (expected [out, in] with "
+                                 f"in={math.prod(shape[:self.in_ndim])})")
+            w = w.T
+        if w.size != math.prod(shape):
+            raise ValueError(f"{self.describe()}: Hugging Face tensor of shape {w.shape} does "
+                             f"not fit zoo variable of shape {shape}; does config.json match "
+                             f"the weights?")
+        return w.reshape(shape)
+
+    def to_hf(self, z: np.ndarray) -> np.ndarray:
+        if self.in_ndim is None:
+            return z
+        n_in = math.prod(z.shape[:self.in_ndim])
+        return np.ascontiguousarray(z.reshape(n_in, -1).T)
+
+    def describe(self) -> str:
+        key = self.keys[0] if len(self.keys) == 1 else f"{self.keys[0]} .. {self.keys[-1]}"
+        return f"zoo {'.'.join(map(str, self.path))} <- {key}"
+
+
+def linear(path: Sequence[Any], key: str, in_ndim: int = 1) -> Tensor:
+    return Tensor(tuple(path), (key,), in_ndim)
+
+
+def copy(path: Sequence[Any], key: str) -> Tensor:
+    return Tensor(tuple(path), (key,), None)
+
+
+def stacked_linear(path: Sequence[Any], keys: Sequence[str]) -> Tensor:
+    return Tensor(tuple(path), tuple(keys), 1, stacked=True)
+
+
+def _flat_variables(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
+    _, state = nnx.split(model)
+    return list(nnx.to_flat_state(state))
+
+
+def _sharding_of(var: nnx.Variable) -> NamedSharding | None:
+    meta = var.get_metadata()
+    mesh, spec = meta.get("mesh"), meta.get("out_sharding")
+    if mesh is None or spec is None or isinstance(mesh, jax.sharding.AbstractMesh):
+        return None
+    return NamedSharding(mesh, spec)
+
+
+def load_into(model: nnx.Module, table: Iterable[Tensor], reader: CheckpointReader, *,
+              what: str) -> nnx.Module:
+    """Fill every variable of the abstract `model` from `reader` according to `table`.
+
+    Each array is built with `jax.make_array_from_callback` into the sharding its variable's
+    metadata names, so a device receives only its shard; stacked (per-expert) tensors read
+    only the experts a shard needs. Raises if a variable has no row in `table`.
+    """
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    rows = {t.path: t for t in table}
+    missing = [".".join(map(str, p)) for p, _ in flat if p not in rows]
+    if missing:
+        raise ValueError(f"{what}: no Hugging Face tensor maps to zoo variable(s) "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; a "
+                         f"subclass that adds parameters must extend the key map "
+                         f"(override hf_key_map) or initialise them itself")
+    known = {p for p, _ in flat}
+    extra = [t.describe() for t in rows.values() if t.path not in known]
+    if extra:
+        raise ValueError(f"{what}: the key map names variables the model lacks: {extra[:4]}")
+    missing_keys = [k for t in rows.values() for k in t.keys if k not in reader]
+    if missing_keys:
+        raise ValueError(f"{what}: checkpoint {reader.path!r} lacks {len(missing_keys)} tensor(s)"
+                         f" the config implies, e.g. {missing_keys[:4]}; is config.json from the "
+                         f"same checkpoint as the weights?")
+    for path, var in flat:
+        row = rows[path]
+        abstract = var.get_value()
+        shape, dtype = tuple(abstract.shape), abstract.dtype
+        fetch = _fetcher(row, reader, shape, dtype)
+        sharding = _sharding_of(var)
+        if sharding is None:
+            arr = jax.device_put(fetch((slice(None),) * len(shape)))
+        else:
+            arr = jax.make_array_from_callback(shape, sharding, fetch)
+        var.set_value(arr)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _fetcher(row: Tensor, reader: CheckpointReader, shape: tuple[int, ...],
+             dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """``index -> the part of the zoo array at index`` (numpy, target dtype)."""
+    cache: dict[Any, np.ndarray] = {}
+    if row.stacked:
+        if len(row.keys) != shape[0]:
+            raise ValueError(f"{row.describe()}: {len(row.keys)} per-expert tensors for a "
+                             f"stack of {shape[0]}")
+
+        def fetch(index):
+            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            experts = range(*index[0].indices(shape[0]))
+            key = (experts.start, experts.stop, experts.step)
+            if key not in cache:  # devices that share an expert range share the read
+                cache.clear()
+                cache[key] = np.stack([row.to_zoo(reader.get(row.keys[e]), shape[1:])
+                                       for e in experts]).astype(dtype)
+            return cache[key][(slice(None), *index[1:])]
+        return fetch
+
+    def fetch(index):
+        if "full" not in cache:
+            cache["full"] = row.to_zoo(reader.get(row.keys[0]), shape).astype(dtype)
+        return cache["full"][tuple(index)]
+    return fetch
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+def _host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def export_tensors(model: nnx.Module, table: Iterable[Tensor]) -> Iterable[tuple[str, np.ndarray]]:
+    """``(Hugging Face key, numpy array)`` for every row of `table`, one variable at a time."""
+    values = {p: v for p, v in _flat_variables(model)}
+    for row in table:
+        if row.path not in values:
+            raise ValueError(f"to_hf: the model has no variable {'.'.join(map(str, row.path))}")
+        z = _host(values[row.path].get_value())
+        if row.stacked:
+            for e, key in enumerate(row.keys):
+                yield key, row.to_hf(z[e])
+        else:
+            yield row.keys[0], row.to_hf(z)
+
+
+def save_checkpoint(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]],
+                    config: dict[str, Any], *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``config.json`` and the tensors as safetensors shards (+ index when > 1 shard).
+
+    Only process 0 writes (all processes must call it: gathering a sharded array is collective).
+    """
+    from safetensors.numpy import save_file
+    path = os.fspath(path)
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, str]] = []
+    pending: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush():
+        nonlocal pending, size
+        if pending and writer:
+            name = f"part-{len(shards):05d}.safetensors"
+            save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
+            shards.append({k: name for k in pending})
+        elif pending:
+            shards.append({k: "" for k in pending})
+        pending, size = {}, 0
+
+    for key, arr in tensors:
+        arr = np.ascontiguousarray(arr)
+        if size and size + arr.nbytes > max_shard_bytes:
+            flush()
+        pending[key] = arr
+        size += arr.nbytes
+        total += arr.nbytes
+    flush()
+    if not writer:
+        return
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(path, f"part-{i:05d}.safetensors"), os.path.join(path, final))
+        weight_map.update({k: final for k in shard})
+    if n > 1:
+        with open(os.path.join(path, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    elif os.path.exists(os.path.join(path, INDEX_NAME)):
+        os.remove(os.path.join(path, INDEX_NAME))  # a stale index would point at old shards
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
