@@ -126,7 +126,38 @@ def check_call(module, x: jax.Array, positions: jax.Array, segment_ids: jax.Arra
 
 # -- the layer -------------------------------------------------------------------------------
 
-class Attention(nnx.Module):
+
+class AttentionBlock(nnx.Module):
+    """What `Attention` and `MLA` share: the step composition in `__call__` and `out`.
+
+    Subclasses provide ``project``, ``apply_rope``, ``attend``, an ``o_proj`` and
+    ``partitioner``; ``block_name`` names the `jax.named_scope` of the block.
+    """
+
+    block_name = "attention"
+
+    def out(self, o: jax.Array) -> jax.Array:
+        """o [B, L, N, Hv] -> [B, L, D]."""
+        return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
+                                          SCOPE)
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope(self.block_name):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            with jax.named_scope("project"):
+                q, k, v = self.project(x)
+            with jax.named_scope("rope"):
+                q, k = self.apply_rope(q, k, positions)
+            with jax.named_scope("attend"):
+                o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
+            with jax.named_scope("out"):
+                return self.out(o)
+
+
+class Attention(AttentionBlock):
     """Causal self-attention with grouped-query heads and rotary positions.
 
     Args:
@@ -207,23 +238,3 @@ class Attention(nnx.Module):
                          partitioner=self.partitioner, implementation=self.implementation)
         return self.partitioner.constrain(o, ("batch", "length", "act_heads", "act_head_dim"),
                                           SCOPE)
-
-    def out(self, o: jax.Array) -> jax.Array:
-        """o [B, L, N, H] -> [B, L, D]."""
-        return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
-                                          SCOPE)
-
-    def __call__(self, x: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
-        check_call(self, x, positions, segment_ids)
-        with jax.named_scope("attention"):
-            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
-            with jax.named_scope("project"):
-                q, k, v = self.project(x)
-            with jax.named_scope("rope"):
-                q, k = self.apply_rope(q, k, positions)
-            with jax.named_scope("attend"):
-                o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
-            with jax.named_scope("out"):
-                return self.out(o)

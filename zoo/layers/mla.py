@@ -27,7 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention import SCOPE, check_call, check_inputs_shape, resolve_implementation
+from zoo.layers.attention import (
+    SCOPE,
+    AttentionBlock,
+    check_inputs_shape,
+    resolve_implementation,
+)
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
@@ -38,7 +43,7 @@ _HEADS = ("batch", "length", "act_heads", "act_head_dim")
 _LATENT = ("batch", "length", None)  # low-rank latents are small: never sharded
 
 
-class MLA(nnx.Module):
+class MLA(AttentionBlock):
     """Multi-head latent attention (DeepSeek-V2/V3).
 
     Args:
@@ -55,6 +60,8 @@ class MLA(nnx.Module):
       implementation: see `zoo.ops.attention` (``"auto"`` is resolved here).
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
+
+    block_name = "mla"
 
     def __init__(self, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -163,23 +170,3 @@ class MLA(nnx.Module):
                          scale=self.scale, partitioner=self.partitioner,
                          implementation=self.implementation)
         return self.partitioner.constrain(o, _HEADS, SCOPE)
-
-    def out(self, o: jax.Array) -> jax.Array:
-        """o [B, L, N, Hv] -> [B, L, D]."""
-        return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
-                                          SCOPE)
-
-    def __call__(self, x: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
-        check_call(self, x, positions, segment_ids)
-        with jax.named_scope("mla"):
-            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
-            with jax.named_scope("project"):
-                q, k, v = self.project(x)
-            with jax.named_scope("rope"):
-                q, k = self.apply_rope(q, k, positions)
-            with jax.named_scope("attend"):
-                o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
-            with jax.named_scope("out"):
-                return self.out(o)
