@@ -1,0 +1,62 @@
+"""Smoke test of `benchmarks/train_step.py --quick`: it runs, prints its table, and the table's
+figures agree with each other and with the model config's own FLOP count."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from zoo.models.mixtral import MixtralConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "train_step.py")
+
+
+def _number(text: str) -> float:
+    return float(re.sub(r"[^0-9.]", "", text))
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick"], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_quick_prints_a_consistent_table(quick_run):
+    lines = quick_run.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    assert lines[header + 1].startswith("|---|")
+    rows = [line for line in lines[header + 2:] if line.startswith("|")]
+    assert len(rows) == 1, quick_run  # --quick: one model x one strategy
+    row = dict(zip(columns, (c.strip() for c in rows[0].strip("|").split("|"))))
+
+    assert row["model"] == "mini_mixtral"
+    assert row["strategy"].startswith("ep_as_cp")
+    assert row["mesh"] == "fsdp=2,expert=2,context=2" and row["attention CP"] == "4"
+    compile_s, step_ms = _number(row["compile s"]), _number(row["step ms (median)"])
+    tokens_per_s, model_gflops = _number(row["tokens/s"]), _number(row["model GFLOP/s"])
+    machine_gflops, mfu = _number(row["machine GFLOP/s"]), _number(row["MFU"]) / 100
+    assert compile_s > 0 and step_ms > 0 and machine_gflops > 0
+    assert row["vs base"] == "1.00x"
+
+    # --quick is batch 8 x seq_len 64 of the mini Mixtral with one layer (printed in the header)
+    assert "batch 8 x seq_len 64" in quick_run
+    flops_per_token = MixtralConfig.mini(num_hidden_layers=1).flops_per_token(64)
+    assert f"{flops_per_token / 1e6:.2f} MFLOP/token" in quick_run
+    # the columns follow from each other (up to the printed rounding)
+    assert tokens_per_s == pytest.approx(8 * 64 / (step_ms / 1e3), rel=0.01)
+    assert model_gflops == pytest.approx(flops_per_token * tokens_per_s / 1e9, rel=0.01)
+    assert mfu == pytest.approx(model_gflops / machine_gflops, rel=0.03, abs=6e-4)
+    assert 0 < mfu < 1
+
+
+def test_bad_flags_name_the_fix():
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--strategies", "tp"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "unknown strategy 'tp'; valid: fsdp, cp, ep_as_cp" in proc.stderr

@@ -1,0 +1,362 @@
+"""The recipes end to end (tiny configs via --set, CPU, 8 devices): learning, outputs, resume
+after SIGTERM, corrupt-checkpoint fallback, NaN guard, refusal of another model shape, every
+strategy x attention implementation, 2 processes x 4 devices == 1 x 8, flag errors.
+
+Runs share work: one straight 12-step Mixtral run is the reference of the resume, fallback,
+NaN and multi-process scenarios; subprocesses reuse compiled programs through the persistent
+compilation cache of tests/conftest.py.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from zoo.train import cli
+from zoo.train.checkpoint import Checkpointer
+from zoo.train.loop import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMON = ["--batch-size", "4", "--seq-len", "32", "--no-progress"]
+TINY = {
+    "mini_mixtral": ["--set", "num_hidden_layers=1", "--set", "hidden_size=32",
+                     "--set", "intermediate_size=32", "--set", "num_attention_heads=4",
+                     "--set", "head_dim=8"],
+    "mini_deepseek3": ["--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                       "--set", "intermediate_size=64", "--set", "moe_intermediate_size=16",
+                       "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
+                       "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
+                       "--set", "v_head_dim=8"],
+}
+# the reference scenario: 12 planned steps of a tiny Mixtral (ep_as_cp, auto attention = ring)
+STRAIGHT = ["--steps", "12", *COMMON, *TINY["mini_mixtral"]]
+
+
+def recipe(name):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_main(name, argv, stdout=None):
+    """main() in this process; returns (exit code, steps run). ``stdout``: a list that receives
+    what main printed to stdout."""
+    steps, buf = [], io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = recipe(name).main(list(argv), on_step=lambda s, row: steps.append(s))
+    if stdout is not None:
+        stdout.append(buf.getvalue())
+    return code, steps
+
+
+def losses(run_dir):
+    rows = read_metrics(run_dir)
+    return [r["step"] for r in rows], np.array([r["loss"] for r in rows])
+
+
+def sub_env():
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+# A subprocess that SIGTERMs itself right after step N: the signal arrives mid-run through the
+# real handler, deterministically (an outside kill would race a ~30 ms step).
+SELF_TERM = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+at = int(sys.argv[2])
+def hook(step, row):
+    if step == at:
+        os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(mod.main(sys.argv[3:], on_step=hook))
+"""
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, devices):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--run-dir", str(run_dir),
+                                            "--checkpoint-every", "6"])
+    assert code == 0 and steps == list(range(1, 13))
+    return run_dir
+
+
+# -- learning and outputs ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, devices):
+    run_dir = tmp_path_factory.mktemp("learn") / "run"
+    out = []
+    code, _ = run_main("mini_deepseek3", ["--steps", "20", *COMMON, *TINY["mini_deepseek3"],
+                                          "--attention", "all_gather", "--run-dir", str(run_dir)],
+                       stdout=out)
+    assert code == 0
+    (run_dir / "stdout.txt").write_text(out[0])
+    return run_dir
+
+
+def test_twenty_steps_lower_the_loss(learned):
+    steps, loss = losses(learned)
+    assert steps == list(range(1, 21))
+    assert loss[-3:].mean() < loss[:3].mean() - 1.0, loss
+
+
+def test_run_outputs(learned):
+    rows = read_metrics(learned)
+    for key in ("step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
+                "model_flops_per_s", "expert_counts"):
+        assert all(key in r for r in rows), key
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
+    # tokens/s is the global batch over the step's wall time
+    r = rows[-1]
+    assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"])
+    assert r["model_flops_per_s"] > 6 * r["tokens_per_s"]
+    warmup = 2  # min(100, 20 // 10)
+    assert rows[0]["lr"] == pytest.approx(3e-3 / warmup, rel=1e-6)
+    assert rows[-1]["lr"] < rows[warmup]["lr"]
+    info = json.loads((learned / "run.json").read_text())
+    assert info["device_count"] == 8 and info["process_count"] == 1
+    assert set(info["versions"]) >= {"zoo", "jax", "flax"}
+    assert info["config"]["model"]["hidden_size"] == 32
+    assert info["config"]["parallel"] == {"mesh": "fsdp=2,expert=2,context=2",
+                                          "strategy": "ep_as_cp", "context_parallel": 4,
+                                          "load_balance": True}
+    assert (learned / "loss.png").stat().st_size > 1000
+    assert Checkpointer(learned / "checkpoints").steps() == [20]
+    summary = (learned / "stdout.txt").read_text().strip().splitlines()[-1]
+    assert summary.startswith("mini_deepseek3: finished 20/20 steps; loss ")
+    assert "tokens/s" in summary and summary.endswith(f"run dir {learned}")
+
+
+def test_finished_run_has_nothing_to_do(tmp_path, straight, capsys):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(straight, run_dir)
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--run-dir", str(run_dir)])
+    assert code == 0 and steps == []  # already done: nothing to run
+    err = capsys.readouterr().err
+    assert "already at step 12 of the planned 12" in err
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sigterm_scenario(tmp_path_factory, straight):
+    """12 planned steps, SIGTERM after step 6 (subprocess), then the same command again."""
+    run_dir = tmp_path_factory.mktemp("sigterm") / "run"
+    argv = [*STRAIGHT, "--run-dir", str(run_dir), "--checkpoint-every", "100"]
+    proc = subprocess.run([sys.executable, "-c", SELF_TERM,
+                           str(ROOT / "recipes" / "mini_mixtral.py"), "6", *argv],
+                          env=sub_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    after_signal = dict(code=proc.returncode, err=proc.stderr, out=proc.stdout,
+                        ckpt_steps=Checkpointer(run_dir / "checkpoints").steps(),
+                        metric_steps=losses(run_dir)[0])
+    code, resumed_steps = run_main("mini_mixtral", argv)
+    return dict(run_dir=run_dir, after_signal=after_signal, code=code, resumed=resumed_steps)
+
+
+def test_sigterm_saves_the_step_reached_and_exits_cleanly(sigterm_scenario):
+    s = sigterm_scenario["after_signal"]
+    assert s["code"] == 0, s["err"][-3000:]
+    assert "SIGTERM received" in s["err"] and "stopped by SIGTERM at step 6/12" in s["out"]
+    assert s["ckpt_steps"] == [6] and s["metric_steps"] == list(range(1, 7))
+
+
+def test_rerun_continues_from_the_next_step(sigterm_scenario):
+    assert sigterm_scenario["code"] == 0
+    assert sigterm_scenario["resumed"] == list(range(7, 13))
+    assert Checkpointer(sigterm_scenario["run_dir"] / "checkpoints").steps() == [6, 12]
+
+
+def test_resumed_losses_equal_a_straight_run(sigterm_scenario, straight):
+    steps, got = losses(sigterm_scenario["run_dir"])
+    ref_steps, want = losses(straight)
+    assert steps == ref_steps == list(range(1, 13))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    for root, _, files in os.walk(run_dir / "checkpoints" / "12" / "state"):
+        for f in files:
+            os.truncate(os.path.join(root, f), 0)
+    with pytest.warns(UserWarning, match="cannot be read"):
+        code, steps = run_main("mini_mixtral", [*STRAIGHT, "--run-dir", str(run_dir)])
+    assert code == 0 and steps == list(range(7, 13))
+    np.testing.assert_allclose(losses(run_dir)[1], losses(straight)[1], atol=1e-5, rtol=0)
+    assert "corrupt-12" in os.listdir(run_dir / "checkpoints")
+
+
+def test_nan_guard_keeps_the_last_good_checkpoint(tmp_path, straight, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    ckpt = run_dir / "checkpoints" / "12"
+    before = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--steps", "16", "--lr", "1e30",
+                                            "--checkpoint-every", "1", "--run-dir", str(run_dir)])
+    assert code == cli.EXIT_DIVERGED and steps == []
+    err = capsys.readouterr().err
+    assert "training diverged" in err and "last good checkpoint is step 12" in err
+    assert Checkpointer(run_dir / "checkpoints").steps() == [6, 12]
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+    assert losses(run_dir)[0] == list(range(1, 13))
+    # and the good checkpoint still resumes
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--steps", "13", "--run-dir", str(run_dir)])
+    assert code == 0 and steps == [13]
+
+
+def test_other_model_shape_is_refused_naming_the_fields(tmp_path, straight, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--set", "intermediate_size=64",
+                                            "--run-dir", str(run_dir)])
+    assert code == 2 and steps == []
+    err = capsys.readouterr().err
+    assert "intermediate_size: 32 -> 64" in err and "wi_gate" in err
+
+
+# -- strategies, attention, processes ----------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,attention,name,extra", [
+    ("fsdp", "all_gather", "mini_mixtral", []),
+    ("fsdp", "ring", "mini_mixtral", ["--dtype", "bfloat16"]),
+    ("cp", "all_gather", "mini_mixtral", ["--data", "TEXT"]),
+    ("cp", "ring", "mini_deepseek3", ["--no-load-balance"]),
+    ("ep_as_cp", "all_gather", "mini_deepseek3", []),
+    ("ep_as_cp", "ring", "mini_mixtral", [])])
+def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attention, name,
+                                             extra):
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (text / "b.md").write_text("# notes\n" + "lorem ipsum dolor sit amet " * 50)
+    extra = [str(text) if e == "TEXT" else e for e in extra]
+    # fsdp puts the batch over all 8 devices: 8 rows
+    batch = ["--batch-size", "8"] if strategy == "fsdp" else []
+    run_dir = tmp_path / "run"
+    code, steps = run_main(name, ["--steps", "3", *COMMON, *batch, *TINY[name], *extra,
+                                  "--strategy", strategy, "--attention", attention,
+                                  "--run-dir", str(run_dir)])
+    assert code == 0 and steps == [1, 2, 3]
+    _, loss = losses(run_dir)
+    assert np.all(np.isfinite(loss))
+    info = json.loads((run_dir / "run.json").read_text())["config"]
+    assert info["parallel"]["strategy"] == strategy
+    assert info["model"]["attention_implementation"] == attention
+    if "--dtype" in extra:
+        assert info["model"]["dtype"] == "bfloat16" and info["model"]["param_dtype"] == "float32"
+    if "--data" in extra:
+        assert info["data"]["paths"] == [str(text)]
+    assert info["parallel"]["load_balance"] == ("--no-load-balance" not in extra)
+
+
+def test_from_hf_starts_from_the_checkpoint(tmp_path, learned):
+    """A tiny DeepSeek-V3 written in the Hugging Face layout and trained with --from-hf gives
+    the same losses as the run that initialised the same weights itself (seed 0)."""
+    from flax import nnx
+
+    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, to_hf
+    overrides = [v for k, v in zip(TINY["mini_deepseek3"][::2], TINY["mini_deepseek3"][1::2])]
+    config = cli.apply_overrides(DeepSeek3Config.mini(), overrides)
+    to_hf(DeepSeek3(config, inputs_shape=(4, 32), rngs=nnx.Rngs(0)), tmp_path / "hf")
+    run_dir = tmp_path / "run"
+    code, steps = run_main("mini_deepseek3", ["--steps", "20", *COMMON, "--attention",
+                                              "all_gather", "--from-hf", str(tmp_path / "hf"),
+                                              "--run-dir", str(run_dir)])
+    assert code == 0 and steps == list(range(1, 21))
+    np.testing.assert_allclose(losses(run_dir)[1], losses(learned)[1], atol=1e-5, rtol=0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path, straight):
+    """2 processes x 4 devices (gloo) == 1 process x 8 devices, step by step. The environment
+    says 8 devices (XLA_FLAGS from conftest); --devices 4 must override it."""
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "mini_mixtral.py"), *STRAIGHT, "--devices", "4",
+         "--mesh", "fsdp=2,expert=2,context=2", "--run-dir", str(run_dir),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outs)
+    info = json.loads((run_dir / "run.json").read_text())
+    assert (info["device_count"], info["local_device_count"], info["process_count"]) == (8, 4, 2)
+    steps, got = losses(run_dir)
+    assert steps == list(range(1, 13))
+    np.testing.assert_allclose(got, losses(straight)[1], atol=1e-5, rtol=0)
+    data = os.listdir(run_dir / "checkpoints" / "12" / "data")
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data)
+
+
+# -- flags -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--set", "hiden_size=64"], "has no field 'hiden_size'; valid fields: vocab_size, "
+                                 "hidden_size, intermediate_size"),
+    (["--set", "hidden_size=big"], "expected int"),
+    (["--set", "hidden_size"], "write FIELD=VALUE"),
+    (["--mesh", "fsdp=3"], "multiply to 3, but there are 8 devices"),
+    (["--mesh", "fsdp=2,pipeline=4"], "bad mesh entry 'pipeline=4'"),
+    (["--seq-len", "36"], "not divisible by 2*context = 8"),
+    (["--batch-size", "3"], "batch 3 is not divisible"),
+    (["--devices", "4"], "already started with 8 CPU devices"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+    (["--dtype", "float33"], "--dtype float33: not a dtype"),
+    (["--steps", "12", "--warmup", "50"], "warmup=50 must be in [0, steps=12]"),
+])
+def test_flag_errors_are_clear(tmp_path, devices, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        run_main("mini_mixtral", [*COMMON, *TINY["mini_mixtral"], *argv,
+                                  "--run-dir", str(tmp_path)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_set_parses_values_by_field():
+    from zoo.models.deepseek3 import DeepSeek3Config
+    cfg = cli.apply_overrides(DeepSeek3Config.mini(), [
+        "hidden_size=64", "routed_scaling_factor=1.5", "q_lora_rank=None", "dtype=bfloat16",
+        "norm_topk_prob=false", "attention_implementation=ring",
+        'rope_scaling={"factor": 2.0, "original_max_position_embeddings": 512}'])
+    assert (cfg.hidden_size, cfg.routed_scaling_factor, cfg.q_lora_rank) == (64, 1.5, None)
+    assert cfg.dtype == jax.numpy.bfloat16 and cfg.norm_topk_prob is False
+    assert cfg.attention_implementation == "ring" and cfg.rope_scaling.factor == 2.0
+    assert cli.config_to_json(cfg)["dtype"] == "bfloat16"
+
+
+def test_default_mesh():
+    assert cli.default_mesh(8, "cpu") == "fsdp=2,expert=2,context=2"
+    assert cli.default_mesh(4, "cpu") == "fsdp=1,expert=2,context=2"
+    assert cli.default_mesh(1, "cpu") == "fsdp=1,expert=1,context=1"
+    assert cli.default_mesh(16, "gpu") == "fsdp=16"

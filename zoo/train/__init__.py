@@ -1,0 +1,21 @@
+"""zoo.train: the train step, optimizer, checkpoints and loop shared by every recipe.
+
+* `zoo.train.step` -- `lr_schedule`, `make_tx`, `loss_fn`, `make_train_step`,
+  `create_sharded`, `abstract_state`, `make_global_batch`.
+* `zoo.train.checkpoint` -- `Checkpointer` (Orbax, corrupt-checkpoint fallback).
+* `zoo.train.loop` -- `train` (progress bar, metrics.jsonl, run.json, loss.png, signals, NaN
+  guard), `read_metrics`, `plot_loss`.
+* `zoo.train.cli` -- flags, devices/mesh/multi-process setup and the recipes' `main`.
+"""
+
+from zoo.train.checkpoint import Checkpointer
+from zoo.train.loop import (IncompatibleCheckpoint, Summary, TrainingDiverged, plot_loss,
+                            read_metrics, train)
+from zoo.train.step import (abstract_state, create_sharded, loss_fn, lr_schedule,
+                            make_global_batch, make_train_step, make_tx)
+
+# `zoo.train.cli` is imported by the recipes themselves (it is not needed to train from code).
+
+__all__ = ["Checkpointer", "IncompatibleCheckpoint", "Summary", "TrainingDiverged",
+           "abstract_state", "create_sharded", "loss_fn", "lr_schedule", "make_global_batch",
+           "make_train_step", "make_tx", "plot_loss", "read_metrics", "train"]

@@ -1,0 +1,215 @@
+"""Checkpoints of a training run: Orbax `CheckpointManager` with a corrupt-checkpoint fallback.
+
+One checkpoint per saved step in ``RUN_DIR/checkpoints/<step>/``, three items:
+
+* ``state`` -- the model and optimizer state (`nnx.state` as pure dicts), saved sharded by
+  every process (`ocp.args.StandardSave`) and restored straight onto the target shardings;
+* ``data`` -- each process's data-iterator state, ``process_<i>-of-<n>.json`` (every process
+  reads a different slice, so each keeps its own);
+* ``config`` -- the run's configuration (JSON, written by process 0).
+
+The step is the checkpoint's name: the number of updates completed. Saves are asynchronous
+(the device-to-host copy happens before `save` returns, so the next step may reuse the donated
+buffers); `wait` blocks until the last one is on disk. Orbax writes each checkpoint to a
+temporary folder and renames it when complete, so a half-written save never looks like a step.
+A step that exists but cannot be read (truncated or missing files) is skipped by `restore` with
+a warning, moved aside to ``checkpoints/corrupt-<step>`` and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+__all__ = ["Checkpointer", "Restored", "shape_differences"]
+
+
+# -- per-process JSON item (the data iterators) ------------------------------------------------
+
+class ProcessJsonHandler(ocp.JsonCheckpointHandler):
+    """Every process writes and reads its own ``process_<i>-of-<n>.json``."""
+
+    @staticmethod
+    def _name() -> str:
+        return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+    async def _save_fn(self, x, directory):
+        (directory / self._name()).write_text(json.dumps(x))
+
+    def restore(self, directory: epath.Path, item=None, args=None):
+        path = directory / self._name()
+        if not path.exists():
+            found = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+            raise FileNotFoundError(
+                f"{path} not found (files: {found}); the data state is kept per process, so "
+                f"resume with the process count that wrote the checkpoint")
+        return json.loads(path.read_text())
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(ProcessJsonHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    item: Any = None
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _all_processes_agree(ok: bool) -> bool:
+    """True iff `ok` on every process (one tiny all-gather; free with one process)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.asarray([int(ok)], np.int32))
+    return bool(np.all(flags))
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape)
+            for path, x in flat if hasattr(x, "shape")}
+
+
+def shape_differences(saved, current, limit: int = 5) -> list[str]:
+    """Human-readable differences between two trees' array shapes (at most `limit`)."""
+    a, b = _shapes(saved), _shapes(current)
+    out = [f"{k}: saved {a[k]} vs now {b[k]}" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    out += [f"{k}: only in the checkpoint" for k in sorted(a.keys() - b.keys())]
+    out += [f"{k}: not in the checkpoint" for k in sorted(b.keys() - a.keys())]
+    return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def to_pure(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+    return {"model": nnx.to_pure_dict(nnx.state(model)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    data: Any
+    config: dict[str, Any]
+
+
+# -- the manager -------------------------------------------------------------------------------
+
+class Checkpointer:
+    """`ocp.CheckpointManager` over ``directory`` keeping the last `max_to_keep` checkpoints."""
+
+    ITEMS = ("state", "data", "config")
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
+                 async_save: bool = True):
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save)
+        handlers = dict(state=ocp.StandardCheckpointHandler(), data=ProcessJsonHandler(),
+                        config=ocp.JsonCheckpointHandler())
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers=handlers)
+
+    # -- queries -------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def read_config(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+            "config"]
+
+    def saved_shapes(self, step: int):
+        """The ``state`` item's tree of array metadata (shapes), read without the arrays."""
+        return self.manager.item_metadata(step)["state"]
+
+    # -- save / restore ------------------------------------------------------------------------
+    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *, data_state: Any,
+             config: Mapping[str, Any]) -> None:
+        """Start saving `step` (asynchronous; see `wait`). All processes must call it."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(to_pure(model, optimizer)),
+                                  data=DataStateSave(data_state),
+                                  config=ocp.args.JsonSave(dict(config)))
+        self.manager.save(step, args=args, force=True)
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, *,
+                check: Callable[[int, dict[str, Any]], None] | None = None) -> Restored | None:
+        """Restore the newest readable checkpoint into copies of `model` and `optimizer`.
+
+        `model`/`optimizer` may be abstract (`zoo.train.step.abstract_state`): their
+        `jax.ShapeDtypeStruct` leaves give the shapes, dtypes and shardings to restore onto.
+        ``check(step, config)`` runs on the saved config before the arrays are read; an
+        exception from it (e.g. the model shape changed) propagates. A checkpoint that fails
+        to read is moved aside with a warning and the previous one is tried. Returns None when
+        there is no readable checkpoint; else `Restored` with the new model and optimizer.
+        """
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            to_pure(model, optimizer))
+        for step in reversed(self.steps()):
+            error = None
+            try:
+                config = self.read_config(step)
+            except Exception as e:
+                config, error = None, e
+            if _all_processes_agree(config is not None):
+                if check is not None:
+                    check(step, config)
+                try:
+                    out = self.manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), data=DataStateRestore()))
+                except Exception as e:
+                    out, error = None, e
+                if _all_processes_agree(out is not None):
+                    # copies: the abstract originals may be in use elsewhere (e.g. compiling)
+                    model, optimizer = nnx.clone(model), nnx.clone(optimizer)
+                    for module, key in ((model, "model"), (optimizer, "optimizer")):
+                        state = nnx.state(module)
+                        nnx.replace_by_pure_dict(state, out["state"][key])  # in place
+                        nnx.update(module, state)
+                    return Restored(step, model, optimizer, out["data"], config)
+            reason = f"{type(error).__name__}: {error}" if error is not None else (
+                "unreadable on another process")
+            warnings.warn(f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
+                          f"({reason[:500]}); moving it to corrupt-{step} and trying the "
+                          f"previous one", stacklevel=2)
+            self._move_aside(step)
+        return None
+
+    def _move_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            src = os.path.join(self.directory, str(step))
+            dst = os.path.join(self.directory, f"corrupt-{step}")
+            if os.path.exists(dst):
+                shutil.rmtree(dst)
+            os.replace(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"zoo_checkpoint_move_aside_{step}")
+        self.manager.reload()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

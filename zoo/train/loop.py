@@ -1,0 +1,400 @@
+"""The training loop: create or resume, step, log, checkpoint, stop cleanly.
+
+`train` runs one run in ``run_dir``:
+
+* **create or resume** -- with checkpoints in ``run_dir/checkpoints`` the newest readable one
+  is restored straight onto the shardings (a corrupt one is skipped with a warning), else the
+  model and optimizer are created sharded; a checkpoint whose model has other shapes is refused
+  with the differing config fields named.
+* **compile first** -- the train step is compiled ahead of time in a background thread while
+  the model is created or restored, so step 1's time is a real step time.
+* **each step** -- this process's rows -> global arrays, one jitted step, results waited for;
+  a NaN/Inf loss raises `TrainingDiverged` before anything of that step is written or saved.
+* **output (process 0)** -- a tqdm bar (step, loss, tokens/s, ETA), one JSON line per step in
+  ``metrics.jsonl`` (a resumed run drops lines past its checkpoint, then appends),
+  ``run.json`` (config, devices, processes, versions), ``loss.png`` at the end and a one-line
+  summary.
+* **checkpoints** -- every ``checkpoint_every`` steps, at the end, and when SIGTERM/SIGINT
+  arrives (the current step finishes first; with several processes they agree to stop at the
+  same step). All processes take part in saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from zoo.train import step as step_lib
+from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
+
+__all__ = ["train", "TrainingDiverged", "IncompatibleCheckpoint", "Summary", "read_metrics",
+           "plot_loss"]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss, gradient norm or parameter norm became NaN or Inf; nothing from that step was
+    saved."""
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The run dir's checkpoint holds a model of other shapes than the one asked for."""
+
+
+@dataclasses.dataclass
+class Summary:
+    run_dir: str
+    start_step: int          # updates completed before this run (0 when fresh)
+    step: int                # updates completed at the end
+    steps: int               # the planned total
+    stopped_by: str | None   # "SIGTERM"/"SIGINT" when a signal ended the run early
+    first_loss: float | None
+    last_loss: float | None
+    tokens_per_s: float | None  # median over this run's steps
+    compile_s: float
+    wall_s: float
+
+    def line(self, name: str = "train") -> str:
+        if self.stopped_by:
+            state = (f"stopped by {self.stopped_by} at step {self.step}/{self.steps} (rerun to "
+                     f"resume)")
+        else:
+            state = f"finished {self.step}/{self.steps} steps"
+        loss = (f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.last_loss is not None
+                else "no steps run")
+        tps = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
+        return (f"{name}: {state}; {loss}{tps}; compile {self.compile_s:.1f}s, wall "
+                f"{self.wall_s:.1f}s; run dir {self.run_dir}")
+
+
+# -- files -------------------------------------------------------------------------------------
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl`` (empty if none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop rows past `step`: steps run after the last checkpoint are about to be redone."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def plot_loss(run_dir: str | os.PathLike) -> str | None:
+    """Write ``run_dir/loss.png`` from ``metrics.jsonl``; returns its path (None: no rows)."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(os.path.basename(os.path.abspath(run_dir)))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(run_dir, "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _versions() -> dict[str, str]:
+    import flax
+    import zoo
+    return {"zoo": zoo.__version__, "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "python": sys.version.split()[0]}
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def _normalise(x):
+    return json.loads(json.dumps(x, default=_json_default))
+
+
+# -- signals -----------------------------------------------------------------------------------
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag the loop reads after each step; a second SIGINT aborts."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # impatient second Ctrl-C: stop without saving
+        self.signal = signal.Signals(signum).name
+        print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+def _model_changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+    saved = saved or {}
+    keys = sorted(set(saved) | set(now))
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+          train_step: Callable, schedule: Callable[[int], float], data, batch_sharding,
+          run_dir: str | os.PathLike, steps: int,
+          global_batch: int, seq_len: int, config: Mapping[str, Any],
+          checkpoint_every: int = 100, flops_per_token: float | None = None,
+          name: str = "train", progress: bool = True, max_to_keep: int = 3,
+          on_step: Callable[[int, dict[str, Any]], None] | None = None,
+          create: Callable[[], tuple[nnx.Module, nnx.Optimizer]] | None = None) -> Summary:
+    """Train until `steps` updates are done (or a signal arrives); see the module docstring.
+
+    Args:
+      make_model: builds the model (sharded via its partitioner); called under `jax.jit`.
+      tx: the optax transformation (`zoo.train.step.make_tx`).
+      train_step: from `zoo.train.step.make_train_step`.
+      schedule: learning rate of update ``t`` (0-based), e.g. `lr_schedule(lr, steps)`.
+      data: a checkpointable iterator (``get_state``/``set_state``) of this process's batches.
+      batch_sharding: `NamedSharding` of the global ``[global_batch, seq_len]`` arrays.
+      config: the run's configuration (JSON-able); ``config["model"]`` is compared with a
+        checkpoint's before resuming. Saved in every checkpoint and in ``run.json``.
+      flops_per_token: training FLOPs per token (default ``6 * parameters``).
+      on_step: called as ``on_step(step, metrics)`` after each step's metrics are written.
+      create: builds the model and optimizer of a fresh run (default: `create_sharded` of
+        `make_model`), e.g. loaded from a Hugging Face checkpoint; ignored when resuming.
+
+    Raises:
+      TrainingDiverged: the loss became NaN/Inf (the last good checkpoint is untouched).
+      IncompatibleCheckpoint: the checkpoint holds a model of another shape.
+    """
+    t_start = time.perf_counter()
+    run_dir = os.path.abspath(os.fspath(run_dir))
+    main = jax.process_index() == 0
+    os.makedirs(run_dir, exist_ok=True)
+    config = _normalise(dict(config))
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=max_to_keep)
+    mesh = getattr(batch_sharding, "mesh", None)
+    model, optimizer = step_lib.abstract_state(make_model, tx, mesh)
+    tokens_per_step = global_batch * seq_len
+    if flops_per_token is None:
+        flops_per_token = 6.0 * step_lib.param_count(model)
+
+    # Compile the step from shapes alone while the model is created or restored.
+    batch_abstract = {k: jax.ShapeDtypeStruct((global_batch, seq_len),
+                                              np.float32 if k == "loss_weights" else np.int32,
+                                              sharding=batch_sharding) for k in step_lib.BATCH_KEYS}
+    compiled: dict[str, Any] = {}
+
+    def compile_step(model, optimizer):
+        t = time.perf_counter()
+        try:
+            compiled["fn"] = train_step.lower(model, optimizer, batch_abstract,
+                                              np.float32(0)).compile()
+        except Exception as e:
+            compiled["error"] = e
+        compiled["s"] = time.perf_counter() - t
+
+    compiler = threading.Thread(target=compile_step, args=(model, optimizer), name="zoo-compile",
+                                daemon=True)
+    if main:
+        print(f"{name}: compiling the train step ...", file=sys.stderr, flush=True)
+    compiler.start()
+
+    def check(step: int, saved: Mapping[str, Any]) -> None:
+        changes = _model_changes(saved.get("model"), config.get("model", {}))
+        if not changes:
+            return
+        diffs = shape_differences(ckpt.saved_shapes(step)["model"],
+                                  to_pure(model, optimizer)["model"])
+        if diffs:
+            raise IncompatibleCheckpoint(
+                f"{ckpt.directory} holds a model of another shape (step {step}); changed model "
+                f"fields: {'; '.join(changes)}. Parameter shapes that differ: {'; '.join(diffs)}. "
+                f"Use another --run-dir, or undo the changes to resume")
+        warnings.warn(f"model config changed since step {step} without changing shapes; "
+                      f"resuming anyway: {'; '.join(changes)}", stacklevel=2)
+
+    try:
+        try:
+            restored = ckpt.restore(model, optimizer, check=check) if ckpt.steps() else None
+            if restored is None:
+                model, optimizer = create() if create else step_lib.create_sharded(make_model, tx)
+                start = 0
+            else:
+                model, optimizer = restored.model, restored.optimizer
+                data.set_state(restored.data)
+                start = restored.step
+                changed = [f"{k}.{kk}" for k, v in config.items()
+                           if k != "model" and isinstance(v, dict)
+                           for kk in v if (restored.config.get(k) or {}).get(kk) != v[kk]]
+                if main:
+                    extra = f" (changed: {', '.join(changed)})" if changed else ""
+                    print(f"{name}: resuming from step {start}{extra}", file=sys.stderr,
+                          flush=True)
+        finally:
+            compiler.join()  # never leave a compile running (e.g. when the restore was refused)
+        if "error" in compiled:
+            raise compiled["error"]
+        step_fn = compiled["fn"]
+        if main:
+            print(f"{name}: compiled in {compiled['s']:.1f}s", file=sys.stderr, flush=True)
+            _truncate_metrics(metrics_path, start)
+            run_info = dict(config=config, device_count=jax.device_count(),
+                            local_device_count=jax.local_device_count(),
+                            process_count=jax.process_count(), backend=jax.default_backend(),
+                            mesh=dict(mesh.shape) if mesh is not None else None,
+                            versions=_versions(), resumed_from=start or None,
+                            flops_per_token=flops_per_token, tokens_per_step=tokens_per_step)
+            with open(os.path.join(run_dir, "run.json"), "w") as f:
+                json.dump(_normalise(run_info), f, indent=2)
+        if start >= steps:
+            if main:
+                print(f"{name}: the checkpoint is already at step {start} of the planned "
+                      f"{steps}; raise --steps to train further", file=sys.stderr, flush=True)
+            return Summary(run_dir, start, start, steps, None, None, None, None, compiled["s"],
+                           time.perf_counter() - t_start)
+        step, stopped_by, losses, speeds = _loop(
+            step_fn=step_fn, model=model, optimizer=optimizer, schedule=schedule, data=data,
+            batch_sharding=batch_sharding, ckpt=ckpt, start=start, steps=steps,
+            checkpoint_every=checkpoint_every, config=config, metrics_path=metrics_path,
+            tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, name=name,
+            progress=progress and main, on_step=on_step)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+    summary = Summary(run_dir, start, step, steps, stopped_by, losses[0] if losses else None,
+                      losses[-1] if losses else None,
+                      statistics.median(speeds[1:] or speeds) if speeds else None,
+                      compiled["s"], time.perf_counter() - t_start)
+    if main:
+        plot_loss(run_dir)
+        print(summary.line(name), flush=True)
+    return summary
+
+
+def _loop(*, step_fn, model, optimizer, schedule, data, batch_sharding, ckpt, start, steps,
+          checkpoint_every, config, metrics_path, tokens_per_step, flops_per_token, name,
+          progress, on_step):
+    """The steps themselves; returns (step reached, signal name or None, losses, tokens/s)."""
+    from tqdm.auto import tqdm
+
+    main = jax.process_index() == 0
+    bar = tqdm(total=steps, initial=start, disable=not progress, unit="step",
+               dynamic_ncols=True, mininterval=0.5, desc=name)
+    losses, speeds = [], []
+    step, saved_step, stopped_by = start, start, None
+    try:
+        with _StopFlag() as stop, open(metrics_path, "a") if main else _Null() as mfile:
+            while step < steps:
+                t0 = time.perf_counter()
+                local = next(data)
+                t_data = time.perf_counter() - t0
+                batch = step_lib.make_global_batch(local, batch_sharding)
+                lr = np.float32(schedule(step))
+                model, optimizer, out = step_fn(model, optimizer, batch, lr)
+                out = jax.device_get(out)  # waits for the step's results
+                dt = time.perf_counter() - t0
+                step += 1
+                loss = float(out["loss"])
+                bad = [f"{k} {float(out[k])}" for k in ("loss", "grad_norm", "param_norm")
+                       if not math.isfinite(float(out[k]))]
+                if bad:  # the new state is not kept: nothing of this step is written or saved
+                    raise TrainingDiverged(
+                        f"step {step}: {', '.join(bad)} -- training diverged. Nothing from this "
+                        f"step was saved; the last good checkpoint is step {saved_step} in "
+                        f"{ckpt.directory}. Lower --lr or check the data, then rerun to resume "
+                        f"from it")
+                row = dict(step=step, loss=loss, aux_loss=float(out["aux_loss"]),
+                           objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
+                           param_norm=float(out["param_norm"]), lr=float(out["lr"]),
+                           tokens_per_s=tokens_per_step / dt,
+                           model_flops_per_s=flops_per_token * tokens_per_step / dt,
+                           step_time_s=dt, data_time_s=t_data,
+                           target_tokens=int(out["weight_sum"]))
+                counts = out.get("expert_counts")
+                if counts is not None:
+                    counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
+                    mean = np.maximum(counts.mean(-1), 1e-9)
+                    row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
+                    if counts.size <= 1024:
+                        row["expert_counts"] = counts.astype(np.int64).tolist()
+                losses.append(loss)
+                speeds.append(row["tokens_per_s"])
+                if main:
+                    mfile.write(json.dumps(row) + "\n")
+                    mfile.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                refresh=False)
+                if on_step is not None:
+                    on_step(step, row)
+                stopping = _any_process(stop.signal is not None)
+                if stopping and stop.signal is None:
+                    stop.signal = "a signal to another process"
+                if step % checkpoint_every == 0 or step == steps or stopping:
+                    ckpt.save(step, model, optimizer, data_state=data.get_state(), config=config)
+                    saved_step = step
+                if stopping:
+                    stopped_by = stop.signal
+                    break
+    finally:
+        bar.close()
+    return step, stopped_by, losses, speeds
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

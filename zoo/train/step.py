@@ -1,0 +1,252 @@
+"""One training step, the optimizer and its schedule, and sharded creation of both.
+
+* `lr_schedule` -- linear warmup to ``lr`` then cosine decay to ``final_fraction * lr`` at
+  ``steps``; warmup defaults to ``min(100, steps // 10)`` so short runs learn too. Evaluated on
+  the host and passed to the step, so another ``--lr``/``--steps`` needs no recompilation.
+* `make_tx` -- ``clip_by_global_norm -> adamw`` (weight decay only on matrices), the learning
+  rate an argument of each update.
+* `loss_fn` -- cross-entropy weighted by ``loss_weights`` and divided by the *global* weight sum
+  (the batch is one global array, so ``sum`` is global), plus ``aux_loss_weight`` times the
+  model's ``load_balance_loss``.
+* `make_train_step` -- a `jax.jit` of ``(model, optimizer, batch, lr) -> (model, optimizer,
+  metrics)`` with the model and optimizer donated (not on CPU: see there); DeepSeek-V3's
+  expert-bias update runs after the optimizer update, outside the gradient.
+* `create_sharded` / `abstract_state` -- model and optimizer built inside `jax.jit` (every
+  parameter and optimizer moment is created on its shards, never whole on one device) or under
+  `nnx.eval_shape` (shapes and shardings only: the target of a checkpoint restore).
+* `make_global_batch` -- this process's rows -> global arrays on the batch sharding.
+
+A model is anything called as ``logits, aux = model(tokens, positions=..., segment_ids=...)``
+with ``aux`` optionally holding ``load_balance_loss`` (scalar) and ``expert_counts``
+(``[num_moe_layers, E]``).
+
+Legend: B batch, L length, V vocabulary, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
+           "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
+           "param_count", "BATCH_KEYS"]
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
+
+
+# -- schedule and optimizer --------------------------------------------------------------------
+
+def default_warmup(steps: int) -> int:
+    """Warmup steps for a run of `steps`: a tenth of the run, at most 100."""
+    return min(100, steps // 10)
+
+
+def lr_schedule(lr: float, steps: int, *, warmup: int | None = None,
+                final_fraction: float = 0.1) -> Callable[[int], float]:
+    """Learning rate of update ``t`` (0-based): ``lr*(t+1)/warmup`` for ``t < warmup``, then a
+    cosine from ``lr`` at ``t = warmup`` to ``final_fraction*lr`` at ``t = steps``.
+
+    A host-side function of the step: the rate reaches the compiled step as an argument, so
+    runs with another ``--lr``/``--steps`` reuse the same compiled program. `steps` is the
+    planned total, so a run resumed with the same `steps` continues the same curve; the rate
+    stays at the floor past the end.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1 (the planned number of updates)")
+    warmup = default_warmup(steps) if warmup is None else warmup
+    if not 0 <= warmup <= steps:
+        raise ValueError(f"warmup={warmup} must be in [0, steps={steps}]")
+    floor = final_fraction * lr
+    decay = max(steps - warmup, 1)
+
+    def schedule(t: int) -> float:
+        if t < warmup:
+            return lr * (t + 1) / warmup
+        progress = min(max((t - warmup) / decay, 0.0), 1.0)
+        return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def _decay_mask(params):
+    # No weight decay on vectors (norm scales, biases): only matrices shrink.
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def scale_by_lr() -> optax.GradientTransformationExtraArgs:
+    """``updates * -lr`` with ``lr`` passed to ``update`` (``optimizer.update(..., lr=lr)``)."""
+
+    def update(updates, state, params=None, *, lr, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def make_tx(*, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+            clip: float = 1.0) -> optax.GradientTransformationExtraArgs:
+    """AdamW (decoupled weight decay, matrices only) after global-norm clipping (``clip <= 0``:
+    none), the learning rate given at each update: ``optimizer.update(model, grads, lr=lr)``.
+    Same arithmetic as ``optax.adamw``."""
+    parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
+    parts += [optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+              optax.add_decayed_weights(weight_decay, mask=_decay_mask), scale_by_lr()]
+    return optax.chain(*parts)
+
+
+# -- loss and step -----------------------------------------------------------------------------
+
+def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0.0):
+    """``(objective, (ce, aux_loss, aux))`` of one global batch.
+
+    ``ce = sum(ce_token * w) / max(sum(w), 1)`` with the sums over the whole global batch, so
+    the value does not depend on how the batch is cut over devices or processes.
+    """
+    logits, aux = model(batch["inputs"], positions=batch["positions"],
+                        segment_ids=batch["segment_ids"])  # [B, L, V]
+    with jax.named_scope("loss"):
+        ce_tok = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["targets"])  # [B, L]
+        w = batch["loss_weights"].astype(jnp.float32)
+        ce = jnp.sum(ce_tok * w) / jnp.maximum(jnp.sum(w), 1.0)
+        aux = dict(aux or {})
+        aux_loss = jnp.asarray(aux.get("load_balance_loss", 0.0), jnp.float32)
+        return ce + aux_loss_weight * aux_loss, (ce, aux_loss, aux)
+
+
+def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0.0,
+                    donate: bool | None = None
+                    ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
+    """A jitted ``train_step(model, optimizer, batch, lr) -> (model, optimizer, metrics)``.
+
+    The optimizer comes from `make_tx` (``lr``, a float32 scalar, is this update's rate: see
+    `lr_schedule`). Use the returned model and optimizer: with donation the ones passed in are
+    consumed (their buffers hold the new state). ``donate=None`` donates except on the CPU
+    backend: there, an executable with donated inputs that is loaded from the persistent
+    compilation cache intermittently deadlocks in its collectives (XLA:CPU rendezvous timeout,
+    jax 0.10.2, 8 virtual devices), and CPU memory is rarely what limits a CPU run.
+
+
+    ``metrics`` holds scalars ``loss`` (the weighted cross-entropy), ``aux_loss`` (the
+    load-balance loss, before its weight), ``objective``, ``grad_norm`` (before clipping),
+    ``param_norm`` (after the update), ``lr``, ``weight_sum`` (tokens with a target) and, for
+    MoE models, ``expert_counts`` ``[num_moe_layers, E]``. With ``expert_bias_rate > 0`` the
+    sigmoid routers' selection bias moves by ``rate * sign(mean - counts)`` after the update
+    (`zoo.layers.moe.update_expert_bias`).
+    """
+
+    def train_step(model, optimizer, batch, lr):
+        grad_fn = nnx.value_and_grad(
+            lambda m: loss_fn(m, batch, aux_loss_weight=aux_loss_weight),
+            argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
+        (objective, (ce, aux_loss, aux)), grads = grad_fn(model)
+        grad_norm = optax.tree.norm(grads)
+        optimizer.update(model, grads, lr=lr)
+        metrics = dict(loss=ce, aux_loss=aux_loss, objective=objective, grad_norm=grad_norm,
+                       param_norm=optax.tree.norm(nnx.state(model, nnx.Param)),
+                       lr=jnp.asarray(lr, jnp.float32),
+                       weight_sum=jnp.sum(batch["loss_weights"].astype(jnp.float32)))
+        counts = aux.get("expert_counts")
+        if counts is not None and jnp.size(counts):
+            counts = jnp.asarray(counts)
+            metrics["expert_counts"] = counts
+            if expert_bias_rate:
+                from zoo.layers.moe import update_expert_bias  # models without MoE never need it
+                with jax.named_scope("expert_bias_update"):
+                    update_expert_bias(model, jax.lax.stop_gradient(counts), expert_bias_rate)
+        return model, optimizer, metrics
+
+    if donate is None:
+        donate = jax.default_backend() != "cpu"
+    return jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
+
+
+# -- creation ----------------------------------------------------------------------------------
+
+def _create_fn(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation):
+    def create():
+        model = make_model()
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return create
+
+
+def create_sharded(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation
+                   ) -> tuple[nnx.Module, nnx.Optimizer]:
+    """Model and optimizer created inside `jax.jit`: each parameter and moment on its shards.
+
+    `make_model` builds the model (its own `nnx.Rngs` inside, so creation is deterministic);
+    its parameters carry ``out_sharding`` metadata (`zoo.Partitioner.param`), which the jit
+    turns into output shardings -- no array is ever whole on one device.
+    """
+    return jax.jit(_create_fn(make_model, tx))()
+
+
+def abstract_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                   mesh=None) -> tuple[nnx.Module, nnx.Optimizer]:
+    """Like `create_sharded` under `nnx.eval_shape`: `jax.ShapeDtypeStruct` leaves that carry
+    their shardings (leaves without sharding metadata, e.g. step counters, are replicated on
+    `mesh`). Nothing is allocated; this is the target a checkpoint is restored into."""
+    model, optimizer = nnx.eval_shape(_create_fn(make_model, tx))
+    if mesh is not None:
+        replicated = NamedSharding(mesh, P())
+
+        def fill(x):
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+            return x
+
+        for module in (model, optimizer):
+            nnx.update(module, jax.tree.map(fill, nnx.state(module)))
+    return model, optimizer
+
+
+def param_count(model: nnx.Module) -> int:
+    """Number of parameters (`nnx.Param` elements); works on abstract models too."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+def check_process_layout(sharding: NamedSharding, global_shape: tuple[int, ...]) -> None:
+    """The pipeline hands process ``i`` rows ``[i*b, (i+1)*b)`` (all columns) of the global
+    batch, so the devices of process ``i`` must together hold exactly that block. Raise a
+    `ValueError` naming the fix otherwise (e.g. a sequence axis spanning processes)."""
+    n = jax.process_count()
+    if n == 1:
+        return
+    rows = global_shape[0] // n
+    regions: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map(global_shape).items():
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, global_shape))
+        regions.setdefault(device.process_index, set()).add(box)
+    for proc, boxes in sorted(regions.items()):
+        want = ((proc * rows, (proc + 1) * rows), *((0, d) for d in global_shape[1:]))
+        lo = tuple(min(b[k][0] for b in boxes) for k in range(len(global_shape)))
+        hi = tuple(max(b[k][1] for b in boxes) for k in range(len(global_shape)))
+        area = sum(math.prod(e - s for s, e in b) for b in boxes)
+        if tuple(zip(lo, hi)) != want or area != math.prod(e - s for s, e in want):
+            raise ValueError(
+                f"with {n} processes, process {proc} feeds rows {want[0][0]}:{want[0][1]} of the "
+                f"global batch {tuple(global_shape)}, but the batch sharding {sharding.spec} "
+                f"gives its devices the blocks {sorted(boxes)}; put the process count into the "
+                f"batch axes (data or fsdp, e.g. --mesh data={n},...) so the sequence axes "
+                f"stay within a process")
+
+
+def make_global_batch(local: Mapping[str, np.ndarray], sharding: NamedSharding | None
+                      ) -> dict[str, jax.Array]:
+    """This process's ``[B // process_count, L]`` arrays -> global ``[B, L]`` arrays."""
+    if sharding is None:
+        return {k: jnp.asarray(local[k]) for k in BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]))
+            for k in BATCH_KEYS}
