@@ -24,7 +24,7 @@ from flax import nnx
 
 from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
+from zoo.ops.attention import IMPLEMENTATIONS, check_attention_shapes, choose_implementation
 from zoo.ops.attention import attention as attention_op
 from zoo.partitioning import Partitioner, resolve
 
@@ -78,14 +78,11 @@ def check_inputs_shape(inputs_shape: Sequence[int], p: Partitioner, *, num_heads
         raise ValueError(f"{what}: embed {embed} is not divisible by the {ne} shards of the "
                          f"parameters' embed axis {p.mesh_axes('embed', SCOPE)}; use an embed "
                          f"size that is a multiple of {ne} or shrink those mesh axes")
-    tp = p.size("act_heads", SCOPE)
-    if num_heads % tp:
-        raise ValueError(f"{what}: num_heads={num_heads} is not divisible by the tensor axis "
-                         f"size {tp}; use a tensor axis that divides {num_heads}")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"{what}: num_kv_heads={num_kv_heads} and the tensor axis size {tp} "
-                         f"must divide one another (kv heads are split over, or replicated "
-                         f"across, the tensor shards); change num_kv_heads or the tensor axis")
+    try:  # head/tensor-axis rules are the op's own: one definition, prefixed with the layer
+        check_attention_shapes(partitioner=p, batch=batch, q_length=length, kv_length=length,
+                               num_heads=num_heads, num_kv_heads=num_kv_heads)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
     return batch, length, embed
 
 
