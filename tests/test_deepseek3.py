@@ -10,12 +10,12 @@ relative error < 1e-4 (observed ~1e-7).
 
 import json
 import shutil
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import saved_reference
 from flax import nnx
 
 from zoo.models import deepseek3
@@ -53,21 +53,8 @@ def ref(tmp_path_factory):
         num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, q_lora_rank=16,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         first_k_dense_replace=1, max_position_embeddings=32, rope_parameters=dict(YARN))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-        # transformers initialises the selection bias to zero: make it matter
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.05 * torch.randn_like(b))
-    path = tmp_path_factory.mktemp("deepseek3_hf")
-    model.save_pretrained(path)
-    tokens = np.random.RandomState(0).randint(0, V, (B, L))
-    with torch.no_grad():
-        logits = model(torch.tensor(tokens)).logits.numpy()
-    return types.SimpleNamespace(path=path, model=model, config=cfg, tokens=tokens, logits=logits)
+    return saved_reference(cfg, tmp_path_factory, "deepseek3_hf", batch=B, length=L,
+                           bias_scale=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ All in float32 with relative error < 1e-4 (observed ~1e-7).
 
 import json
 import shutil
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import saved_reference
 from flax import nnx
 
 from zoo.models import mixtral
@@ -60,17 +60,7 @@ def ref(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
         num_experts_per_tok=2, sliding_window=6, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():  # non-trivial norm scales so a mixed-up norm cannot hide
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("mixtral_hf")
-    model.save_pretrained(path)
-    tokens = np.random.RandomState(0).randint(0, V, (B, L))
-    with torch.no_grad():
-        logits = model(torch.tensor(tokens)).logits.numpy()
-    return types.SimpleNamespace(path=path, model=model, config=cfg, tokens=tokens, logits=logits)
+    return saved_reference(cfg, tmp_path_factory, "mixtral_hf", batch=B, length=L)
 
 
 @pytest.fixture(scope="module")
