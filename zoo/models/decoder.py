@@ -261,6 +261,39 @@ def build_stack(layer_cls: type[DecoderLayer], config, *, first: int, count: int
     return stack
 
 
+def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
+               segment_ids: jax.Array | None = None, remat: str | None = None):
+    """A layer, or a stack (``stack_size``) scanned with `jax.lax.scan`, each layer
+    rematerialised as `remat` (a `remat_policy` name) says. Returns ``(x, aux)`` with aux
+    entries stacked per layer (``[n, ...]``), or None for dense layers."""
+    use_remat, policy = remat_policy(remat)
+
+    def body(x, layer):
+        return layer(x, positions=positions, segment_ids=segment_ids)
+
+    if layer.stack_size is None:
+        if use_remat:
+            # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's RouterBias
+            # when the model was merged inside an outer jit (flax 0.12.8); a forward pass
+            # mutates no variable, so tree mode loses nothing.
+            body = nnx.remat(body, policy=policy, graph=False)
+        x, aux = body(x, layer)
+        return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+
+    # A scan over the split state (what nnx.scan does in tree mode), with the remat policy
+    # applied to the body: the backward pass recomputes one layer at a time inside the loop.
+    graphdef, state = nnx.split(layer)
+
+    def scan_body(x, layer_state):
+        return body(x, nnx.merge(graphdef, layer_state))
+
+    if use_remat:
+        scan_body = jax.checkpoint(scan_body, policy=policy, prevent_cse=False)
+    first = layer.layer_idx
+    with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
+        return jax.lax.scan(scan_body, x, state)
+
+
 # -- model -----------------------------------------------------------------------------------
 
 class CausalLM(nnx.Module):
@@ -342,35 +375,9 @@ class CausalLM(nnx.Module):
 
     def run_layer(self, layer: DecoderLayer, x: jax.Array, positions: jax.Array,
                   segment_ids: jax.Array | None):
-        """One entry of ``self.layers``: a layer, or a stack scanned with `jax.lax.scan`;
-        rematerialised per layer as the config's `remat_policy` says. Returns ``(x, aux)``
-        with aux entries stacked per layer (``[n, ...]``) or None for dense layers."""
-        remat, policy = remat_policy(self.config.remat_policy)
-
-        def body(x, layer):
-            return layer(x, positions=positions, segment_ids=segment_ids)
-
-        if layer.stack_size is None:
-            if remat:
-                # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's
-                # RouterBias when the model was merged inside an outer jit (flax 0.12.8); a
-                # forward pass mutates no variable, so tree mode loses nothing.
-                body = nnx.remat(body, policy=policy, graph=False)
-            x, aux = body(x, layer)
-            return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
-
-        # A scan over the split state (what nnx.scan does in tree mode), with the remat policy
-        # applied to the body: the backward pass recomputes one layer at a time inside the loop.
-        graphdef, state = nnx.split(layer)
-
-        def scan_body(x, layer_state):
-            return body(x, nnx.merge(graphdef, layer_state))
-
-        if remat:
-            scan_body = jax.checkpoint(scan_body, policy=policy, prevent_cse=False)
-        first = layer.layer_idx
-        with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
-            return jax.lax.scan(scan_body, x, state)
+        """One entry of ``self.layers`` under the config's `remat_policy`: see `run_layers`."""
+        return run_layers(layer, x, positions=positions, segment_ids=segment_ids,
+                          remat=self.config.remat_policy)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None
