@@ -70,7 +70,7 @@ def strategy_meshes(n: int) -> dict[str, dict[str, int]]:
     return out
 
 
-def train_losses(config, model_cls, partitioner, batches, device=None):
+def train_losses(config, model_cls, partitioner, batches, device=None, bias_rate=0.0):
     import jax
     import numpy as np
     from flax import nnx
@@ -84,7 +84,7 @@ def train_losses(config, model_cls, partitioner, batches, device=None):
     tx = S.make_tx()
     with jax.default_device(device) if device is not None else _nothing():
         model, opt = S.create_sharded(make, tx)
-        step = S.make_train_step(aux_loss_weight=1e-3, expert_bias_rate=1e-3)
+        step = S.make_train_step(aux_loss_weight=1e-3, expert_bias_rate=bias_rate)
         sharding = partitioner.sharding(("batch", "length")) if partitioner else None
         losses = []
         for batch in batches:
@@ -117,13 +117,13 @@ def check_losses(args) -> None:
     steps = 2 if args.dry_run else args.steps
     it = data.text_dataset(None, seq_len=128, batch_size=8)
     batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
-    presets = [("mini_deepseek3", DeepSeek3, DeepSeek3Config.mini()),
-               ("mini_mixtral", Mixtral, MixtralConfig.mini())]
-    for name, cls, config in presets:
-        ref = train_losses(config, cls, None, batches, device=cpu)
+    presets = [("mini_deepseek3", DeepSeek3, DeepSeek3Config.mini(), 1e-2),
+               ("mini_mixtral", Mixtral, MixtralConfig.mini(), 0.0)]
+    for name, cls, config, bias_rate in presets:
+        ref = train_losses(config, cls, None, batches, device=cpu, bias_rate=bias_rate)
         for strategy, sizes in strategy_meshes(len(devices)).items():
             p = Partitioner(make_mesh(**sizes, devices=devices), strategy)
-            got = train_losses(config, cls, p, batches)
+            got = train_losses(config, cls, p, batches, bias_rate=bias_rate)
             rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
             report("losses: accelerator vs one CPU device (fp32, highest precision)", dict(
                 model=name, strategy=strategy, mesh=",".join(f"{k}={v}" for k, v in

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zoo.inspect import sharding_table
 from zoo.models import deepseek3, hf, mixtral
 from zoo.partitioning import Partitioner, make_mesh
 from zoo.train import step as S
@@ -139,6 +140,10 @@ def test_sharded_scanned_load_places_layer_slices(ds_ckpt, devices):
     assert wo.addressable_shards[0].data.shape[:2] == (2, 4)
     np.testing.assert_array_equal(np.asarray(wo)[1, 5],
                                   reader.get("model.layers.2.mlp.experts.5.down_proj.weight").T)
+    rows = {r.path: r for r in sharding_table(model)}  # the stacked axis is shown, unsharded
+    row = rows["layers/1/mlp/wo"]
+    assert row.logical_axes == ("layers", "experts", "mlp", "embed")
+    assert row.shape[0] == 2 and row.shard_shape[0] == 2 and row.spec[0] is None
 
 
 @pytest.mark.parametrize("dense", [0, 3])
