@@ -355,7 +355,10 @@ ERRORS = [  # (what, thunk, message pattern)
     ("bad inputs_shape", lambda: _attn(inputs_shape=(B, L)), r"three positive ints"),
     ("bad implementation", lambda: _attn(implementation="flash"),
      r"implementation='flash'; valid values are"),
-    ("cudnn on cpu", lambda: _attn(implementation="cudnn"), r"needs a GPU backend"),
+    ("mask with sliding window", lambda: _attn(mask=zoo.ops.Causal(), sliding_window=4),
+     r"is the whole mask; fold sliding_window=4 into it"),
+    ("bad kernel", lambda: _mla(kernel="fast"), r"MLA: kernel='fast' is not registered"),
+    ("bad soft cap", lambda: _attn(logits_soft_cap=-1.0), r"logits_soft_cap=-1.0 must be"),
     ("bad sliding window", lambda: _attn(sliding_window=0), r"sliding_window=0 must be"),
     ("odd head_dim", lambda: _attn(head_dim=7), r"head_dim=7 must be even"),
     ("odd rope dim", lambda: _mla(qk_rope_head_dim=5), r"qk_rope_head_dim=5 must be even"),
@@ -365,8 +368,6 @@ ERRORS = [  # (what, thunk, message pattern)
 
 @pytest.mark.parametrize("what,thunk,pattern", ERRORS, ids=[e[0] for e in ERRORS])
 def test_construction_errors(what, thunk, pattern):
-    if what == "cudnn on cpu" and jax.default_backend() == "gpu":
-        pytest.skip("a GPU accepts cudnn")
     with pytest.raises(ValueError, match=pattern):
         thunk()
 
