@@ -486,3 +486,37 @@ def test_hf_deepseek_v3_attention_parity(q_lora_rank):
     keep = seg != 0
     assert_close(y[keep], y_hf[keep], "DeepSeek-V3 MLA output", rtol=1e-4)
     assert_close(gx, gx_hf, "DeepSeek-V3 MLA dx", rtol=1e-4)
+
+
+# -- masks and score modifiers in the layers -------------------------------------------------
+
+def test_mask_soft_cap_and_sinks_in_the_layer():
+    """A mask value, a soft cap and learned sinks under ring CP, against the same layer run by
+    the reference implementation (output, input and parameter gradients, sinks included)."""
+    x, pos, seg, ct = packed_inputs()
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=8, inputs_shape=(B, L, D),
+              mask=zoo.ops.Chunked(8) & zoo.ops.Causal() & zoo.ops.Document(),
+              logits_soft_cap=3.0, sinks=True)
+    ref = Attention(partitioner=None, implementation="reference", rngs=nnx.Rngs(0), **kw)
+    p = zoo.Partitioner(zoo.make_mesh(context=4, fsdp=2), "cp")
+    cp = Attention(partitioner=p, implementation="ring", rngs=nnx.Rngs(0), **kw)
+    assert ref.sinks[...].shape == (4,)
+    for m in (ref, cp):  # non-zero sinks, the same in both
+        m.sinks[...] = jnp.asarray([0.5, -1.0, 1.5, 0.0])
+    perm = load_balance(4)
+
+    def run(m, x, pos, seg, ct):
+        def loss(m, x):
+            return jnp.sum(m(x, positions=pos, segment_ids=seg) * ct)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(m, x)
+
+    (y_ref, (g_ref, gx_ref)), (y_cp, (g_cp, gx_cp)) = (
+        run(ref, x, pos, seg, ct), run(cp, *(a[:, perm] for a in (x, pos, seg, ct))))
+    np.testing.assert_allclose(float(y_cp), float(y_ref), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx_cp), np.asarray(gx_ref)[:, perm], rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_cp.sinks[...]), np.asarray(g_ref.sinks[...]),
+                               rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(g_ref.sinks[...]).max()) > 1e-4
+    np.testing.assert_allclose(np.asarray(g_cp.q_proj.kernel[...]),
+                               np.asarray(g_ref.q_proj.kernel[...]), rtol=1e-4, atol=1e-5)

@@ -18,6 +18,7 @@ import functools
 import types
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -338,7 +339,7 @@ def test_user_mask_trains_mini_deepseek3_under_ring():
     targets = jnp.roll(tokens, -1, axis=1)
 
     def build(impl, partitioner):
-        cfg = deepseek3.DeepSeek3Config.mini(num_hidden_layers=2, attention_implementation=impl)
+        cfg = deepseek3.DeepSeek3Config.mini(num_hidden_layers=1, attention_implementation=impl)
         return deepseek3.DeepSeek3(cfg, inputs_shape=(B, L), partitioner=partitioner,
                                    rngs=nnx.Rngs(0), decoder_layer_cls=layer)
 
@@ -368,3 +369,54 @@ def test_user_mask_trains_mini_deepseek3_under_ring():
     leaves = lambda g: [np.asarray(x) for x in jax.tree.leaves(nnx.state(g, nnx.Param))]
     for a, b in zip(leaves(g_ring), leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5 * max(1.0, np.abs(b).max()))
+
+
+# -- overlap: what each ring transfer waits for ------------------------------------------------
+
+COMPUTE = ("scan", "while", "cond")  # the loop over sub-blocks (a fori_loop) holds the kernel
+
+
+def _scan_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"]
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _scan_bodies(sub)
+
+
+def test_ring_transfers_are_independent_of_the_block_compute():
+    """In the ring's scan bodies (jaxpr dependency analysis): the K/V (payload) sends depend on
+    no block compute (the loop over sub-blocks) of the same step, so they can overlap it; in
+    the backward, the block compute does not read the dK/dV accumulator that arrived from the
+    previous step (it is only added at the end), so that transfer overlaps the compute too."""
+    q, k, v, pos, seg, w = _packed()
+    p = zoo.Partitioner(zoo.make_mesh(context=4, data=2), "cp")
+    fn = functools.partial(attention, partitioner=p, implementation="ring", kernel=KERNEL)
+    jaxpr = jax.make_jaxpr(lambda *a: _grads(fn, *a, None))(q, k, v, pos, seg, w).jaxpr
+    bodies = list(_scan_bodies(jaxpr))
+    bodies = [(b, n) for b, n in bodies if any(e.primitive.name == "ppermute" for e in b.eqns)]
+    assert len(bodies) == 2  # forward and backward ring
+    for body, num_consts in bodies:
+        computed, reads = set(), {}  # vars derived from a block compute; invars each eqn reads
+        index = {v: i for i, v in enumerate(body.invars)}
+        deps = {v: {i} for v, i in index.items()}
+        sends = []
+        for eqn in body.eqns:
+            ins = [x for x in eqn.invars if isinstance(x, jex.core.Var)]
+            d = set().union(*(deps.get(x, set()) for x in ins))
+            after = any(x in computed for x in ins)
+            for o in eqn.outvars:
+                deps[o] = d
+                if after or eqn.primitive.name in COMPUTE:
+                    computed.add(o)
+            if eqn.primitive.name == "ppermute":
+                sends.append((eqn, after))
+            if eqn.primitive.name in COMPUTE:
+                reads.setdefault("compute", set()).update(d)
+        payload_sends = [e for e, after in sends if not after]
+        assert payload_sends, "every K/V send waits for the block compute"
+        acc_outs = {o for e, after in sends if after for o in e.outvars}
+        acc_carry = {num_consts + i for i, o in enumerate(body.outvars)
+                     if isinstance(o, jex.core.Var) and o in acc_outs}
+        assert not (acc_carry & reads["compute"]), "the block compute reads the arriving dK/dV"
+    assert any(after for e, after in sends)  # the backward does send an accumulator

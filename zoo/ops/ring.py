@@ -44,7 +44,7 @@ from jax import lax
 
 from zoo.ops.flash import _put, _slice
 from zoo.ops.kernels import BlockKernel, Scores
-from zoo.ops.masks import EMPTY, FULL, bounds, block_kind
+from zoo.ops.masks import block_kind, bounds
 
 F32 = jnp.float32
 
@@ -154,8 +154,8 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
     return lax.fori_loop(0, nq * nk, pair, state)
 
 
-def _backward_block(cfg, q, qp, qs, out, lse, dout, k, v, kp, ks, kv_groups=1):
-    """(dq, dk, dv) fp32 of one block pair from the global (out, lse)."""
+def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1):
+    """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse)."""
     L, S = q.shape[1], k.shape[1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
 
@@ -179,8 +179,21 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, k, v, kp, ks, kv_groups=1):
         return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
                 _put(dv, _slice(dv, b, lk) + gv, b, lk))
 
-    init = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+    init = (dq, _zeros_after(dout, k.shape), _zeros_after(dout, v.shape))
     return lax.fori_loop(0, nq * nk, pair, init)
+
+
+def _zeros_after(x, shape):
+    """fp32 zeros of `shape` that XLA can only materialise once `x` (a backward value) exists.
+
+    Plain `jnp.zeros` accumulators are constants: XLA's scheduler fills them at the start of
+    the program and keeps them alive through the whole forward, adding q + k + v sized fp32
+    buffers to the peak. Multiplying by one (finite) element of `x` ties them to the backward
+    (XLA does not fold ``y * 0`` for floats); the select keeps an inf/NaN in `x` out of the
+    gradients and `abs` makes the zero +0.0.
+    """
+    anchor = x.ravel()[0].astype(F32)
+    return jnp.full(shape, jnp.where(jnp.isfinite(anchor), jnp.abs(anchor), 0.0) * 0.0, F32)
 
 
 # -- the custom_vjp ----------------------------------------------------------------------------
@@ -251,7 +264,8 @@ def _payload_vjp(cfg, params, pl):
         return tuple(x.astype(F32) for x in _expand(cfg, params, pl))
 
     kv32, vjp = jax.vjp(f, params, tuple(pl))
-    k, v = (y.astype(s.dtype) for y, s in zip(kv32, jax.eval_shape(lambda: _expand(cfg, params, pl))))
+    shapes = jax.eval_shape(lambda: _expand(cfg, params, pl))
+    k, v = (y.astype(s.dtype) for y, s in zip(kv32, shapes))
 
     def back(g):
         dparams, dpl = vjp(tuple(g))
@@ -263,15 +277,16 @@ def _payload_vjp(cfg, params, pl):
 def _attend_bwd(cfg, res, dout):
     q, payload, params, sinks, qpos, kpos, qseg, kseg, out, lse = res
 
-    def grads(pl, kpb, ksb, groups):
+    def grads(pl, kpb, ksb, dq, groups):
         (k, v), back = _payload_vjp(cfg, params, pl)
-        dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out, lse, dout, k, v, kpb, ksb,
+        dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out, lse, dout, dq, k, v, kpb, ksb,
                                      groups)
         dparams, dpl = back((dk, dv))
         return dq, dparams, dpl
 
-    zeros = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, F32))
-    dq, dparams = jnp.zeros(q.shape, F32), zeros(params)
+    # accumulators zero-filled only once the backward starts (see `_zeros_after`)
+    zeros = functools.partial(jax.tree.map, lambda x: _zeros_after(dout, x.shape))
+    dq, dparams = _zeros_after(dout, q.shape), zeros(params)
     if cfg.strategy == "all_gather" or _cp(cfg) == 1:
         m, c = _slices(cfg, q, params, payload)
 
@@ -279,13 +294,13 @@ def _attend_bwd(cfg, res, dout):
             dq, dparams, dpayload = carry
             with jax.named_scope("all_gather_kv"):
                 *pl, kpb, ksb = _gathered(cfg, t, c, (*payload, kpos, kseg))
-            dq_b, dparams_b, dpl = grads(tuple(pl), kpb, ksb, _cp(cfg))
+            dq, dparams_b, dpl = grads(tuple(pl), kpb, ksb, dq, _cp(cfg))
             if cfg.axes:
                 with jax.named_scope("reduce_scatter_dkv"):
                     dpl = tuple(lax.psum_scatter(x, cfg.axes, scatter_dimension=1, tiled=True)
                                 for x in dpl)
             dpayload = tuple(_put(d, x, t, c) for d, x in zip(dpayload, dpl))
-            return dq + dq_b, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
+            return dq, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
 
         dq, dparams, dpayload = lax.fori_loop(0, m, gather_step, (dq, dparams, zeros(payload)))
     else:
@@ -293,11 +308,11 @@ def _attend_bwd(cfg, res, dout):
             pl, kpb, ksb, acc, dq, dparams = carry
             nxt = _shift((pl, kpb, ksb), cfg)
             with jax.named_scope("ring_block_grad"):
-                dq_b, dparams_b, dpl = grads(pl, kpb, ksb, 1)  # independent of `acc`
+                dq, dparams_b, dpl = grads(pl, kpb, ksb, dq, 1)  # independent of `acc`
             # the accumulator that arrived last step is used only now, so its transfer
             # overlaps the block's compute; it travels on with its block, home after cp hops
             acc = _shift(tuple(a + d for a, d in zip(acc, dpl)), cfg)
-            return (*nxt, acc, dq + dq_b, jax.tree.map(jnp.add, dparams, dparams_b)), None
+            return (*nxt, acc, dq, jax.tree.map(jnp.add, dparams, dparams_b)), None
 
         init = (payload, kpos, kseg, zeros(payload), dq, dparams)
         (*_, dpayload, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
