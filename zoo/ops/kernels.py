@@ -136,7 +136,8 @@ class TokamaxKernel(BlockKernel):
     the exact block gradient. That costs one forward and an [L, S+L] logit block: a testing
     path, and one that cannot take a soft cap (the cap would bend the extra logit).
 
-    ``implementation``: tokamax's names, tried in order (None: Mosaic, Triton, then XLA).
+    ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
+    then XLA).
     The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.
     """
     implementation: tuple[str, ...] | None = None
@@ -146,8 +147,9 @@ class TokamaxKernel(BlockKernel):
         from tokamax._src.ops.attention import api  # imported lazily: optional at import time
         if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; the host program may not
             flags.FLAGS.mark_as_parsed()  # use absl (pytest's own -q would be "unknown")
-        names = self.implementation or (("mosaic_gpu", "triton") if jax.default_backend() == "gpu"
-                                        else ("mosaic_tpu",) if jax.default_backend() == "tpu"
+        backend = jax.default_backend()
+        names = self.implementation or (("mosaic_gpu", "triton", "xla") if backend == "gpu"
+                                        else ("mosaic_tpu", "xla") if backend == "tpu"
                                         else ("xla",))
         return [api.IMPLEMENTATIONS[n] for n in names]
 
