@@ -7,10 +7,17 @@ strategy, and its ratio to the same strategy unsharded (cp=1) -- the tiled kerne
 measures sharding alone; the dense reference (O(L^2) logits) is shown for scale. Nothing is
 executed.
 
-Work: the fraction of (query tile, kv tile) pairs each shard computes under a causal mask --
-the pairs the kernels' own skip test (`zoo.ops.block_may_attend`, per ring block and per tile)
-keeps -- for contiguous and load-balanced (shard r holds chunks r and 2*cp-1-r) order, and the
-busiest shard relative to the mean.
+Work: the fraction of (query, key) pairs each shard computes under a causal mask -- the
+sub-blocks (``split`` x ``split`` per ring block) the strategies' classification
+(`zoo.ops.masks.block_kind`) does not skip, every tile of a kept sub-block computed -- for
+contiguous and load-balanced (shard r holds chunks r and 2*cp-1-r) order, and the busiest shard
+relative to the mean.
+
+MLA bytes: per-device bytes that collectives move in forward+backward of MLA attention
+(`zoo.ops.mla_attention`, latent + rotary key on the wire) against the same attention fed the
+expanded per-head K/V, counted from the compiled HLO (loop bodies times trip counts,
+`zoo.ops.hlo.collective_bytes`; all-reduce excluded: it is kv_up's weight gradient, the same in
+both), at DeepSeek-V3's attention dims by default.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/context_parallel.py
 """
@@ -30,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import zoo
-from zoo.ops import attention, block_may_attend
-from zoo.ops.flash import Q_TILE, tile_size
+from zoo.ops import attention, hlo, mla_attention
+from zoo.ops.masks import Causal, Document, block_kind, bounds
 
 
 def balanced_order(length: int, cp: int) -> np.ndarray:
@@ -61,26 +68,51 @@ def per_device_bytes(length, cp, strategy, *, heads, kv_heads, head_dim, dtype):
     return mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
 
 
-def work_per_shard(length, cp, balanced, tile=Q_TILE):
-    """Computed (q tile, kv tile) pairs per shard / all pairs per shard, causal, one document."""
+def work_per_shard(length, cp, balanced, split=2):
+    """Computed (query, key) pairs per shard / all pairs per shard, causal, one document."""
     order = balanced_order(length, cp) if balanced else np.arange(length)
-    local = length // cp
-    t = tile_size(local, tile)
-    pos = order.reshape(cp, local // t, t)  # [shard, tile, token]: positions of each tile
-    seg = np.ones_like(pos)
-    # every (shard r, ring step s -> kv shard (r - s) % cp, q tile i, kv tile j), batched
-    r, j_shard, qi, kj = np.meshgrid(np.arange(cp), np.arange(cp), np.arange(local // t),
-                                     np.arange(local // t), indexing="ij")
-    qp, kp = pos[r, qi][:, :, :, :, None], pos[j_shard, kj][:, :, :, :, None]
-    may = jax.vmap(lambda a, b, c, d: block_may_attend(a, b, c, d, causal=True,
-                                                       sliding_window=None))
-    flat = lambda x: jnp.asarray(x.reshape(-1, 1, t))
-    # the kernels also test whole ring blocks first, but the tile test is implied by it: a
-    # block the block test rejects has every tile pair rejected too (ranges of subsets)
-    tile_ok = np.asarray(may(flat(qp), flat(kp), flat(seg[r, qi][..., None, :]),
-                             flat(seg[j_shard, kj][..., None, :])))
-    computed = tile_ok.reshape(r.shape).sum(axis=(1, 2, 3))  # per shard
-    return computed / (cp * (local // t) ** 2)
+    n = length // cp // split  # sub-block length
+    pos = jnp.asarray(order.reshape(cp, split, 1, n))  # [shard, sub-block, batch 1, token]
+    seg = jnp.ones_like(pos)
+    kind = jax.vmap(jax.vmap(lambda qp, qs, kp, ks: block_kind(
+        Causal() & Document(), bounds(qp, qs), bounds(kp, ks)), (None, None, 0, 0)),
+        (0, 0, None, None))  # [q sub-block, kv sub-block] over all sub-blocks of all shards
+    flat = lambda x: x.reshape(cp * split, 1, n)
+    kept = np.asarray(kind(flat(pos), flat(seg), flat(pos), flat(seg)) != 0)
+    per_shard = kept.reshape(cp, split, cp * split).sum(axis=(1, 2))
+    return per_shard / (cp * split * split)
+
+
+def mla_bytes(length, cp, strategy, *, heads, kv_lora_rank, nope, rope, v_dim, dtype):
+    """(latent on the wire, expanded K/V on the wire) collective bytes per device, fwd+bwd."""
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.devices()[:cp]), "cp")
+    sds = jax.ShapeDtypeStruct
+    act = p.sharding(("batch", "length", "act_heads", "act_head_dim"), "attention")
+    lat = p.sharding(("batch", "length", None), "attention")
+    pos = sds((1, length), jnp.int32, sharding=p.sharding(("batch", "length"), "attention"))
+    args = (sds((1, length, heads, nope + rope), dtype, sharding=act),
+            sds((1, length, kv_lora_rank), dtype, sharding=lat),
+            sds((1, length, rope), dtype, sharding=lat),
+            sds((kv_lora_rank, heads, nope + v_dim), dtype), pos)
+    kw = dict(partitioner=p, implementation=strategy)
+    out = []
+    for on_wire in (True, False):
+        def f(q, latent, k_pe, kv_up, pos, on_wire=on_wire):
+            if on_wire:
+                o = mla_attention(q, latent, k_pe, kv_up, qk_nope_head_dim=nope,
+                                  q_positions=pos, kv_positions=pos, **kw)
+            else:
+                kv = jnp.einsum("bsr,rnd->bsnd", latent, kv_up)
+                k_pe = jnp.broadcast_to(k_pe[:, :, None], (*kv.shape[:3], rope))
+                o = attention(q, jnp.concatenate([kv[..., :nope], k_pe], -1), kv[..., nope:],
+                              q_positions=pos, kv_positions=pos, **kw)
+            return jnp.sum(o.astype(jnp.float32))
+
+        text = jax.jit(jax.grad(f, (0, 1, 2, 3))).lower(*args).compile().as_text()
+        moved = hlo.collective_bytes(text, floats_only=True)
+        # not all-reduce: kv_up's gradient summed over the shards, the same in both programs
+        out.append(sum(b for kind, b in moved.items() if kind != "all-reduce"))
+    return tuple(out)
 
 
 def main():
@@ -91,6 +123,10 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mla-lengths", default="4096",
+                    help="lengths of the MLA bytes table (cp = the largest --cps)")
+    ap.add_argument("--mla", default="128,512,128,64,128",
+                    help="heads,kv_lora_rank,qk_nope,qk_rope,v_head_dim (DeepSeek-V3)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
@@ -116,8 +152,8 @@ def main():
         print(f"| {length} | dense reference | {dense / 2**20:.1f} MiB ({dense / base:.1f}x) | "
               + " | ".join("-" for _ in cps[1:]) + " |", flush=True)
 
-    print(f"\n## Work per shard: computed ({Q_TILE}x{Q_TILE} tile pairs) / all pairs, causal "
-          f"mask, length {lengths[-1]}\n")
+    print(f"\n## Work per shard: computed (query, key) pairs / all pairs, causal mask, length "
+          f"{lengths[-1]}, 2x2 sub-blocks per ring block\n")
     print("| cp | order | per shard | busiest / mean |")
     print("|---|---|---|---|")
     for cp in cps:
@@ -126,6 +162,18 @@ def main():
             shown = " ".join(f"{f:.2f}" for f in frac)
             print(f"| {cp} | {'load-balanced' if balanced else 'contiguous'} | {shown} | "
                   f"{frac.max() / frac.mean():.3f} |", flush=True)
+    cp = cps[-1]
+    heads, rank, nope, rope, v_dim = (int(x) for x in args.mla.split(","))
+    print(f"\n## MLA: collective bytes per device, forward+backward, cp={cp} ({heads} heads, "
+          f"kv_lora_rank {rank}, qk dims {nope}+{rope}, v {v_dim}, {dtype.name}; batch 1)\n")
+    print("| length | strategy | latent on the wire | expanded K/V on the wire | ratio |")
+    print("|---|---|---|---|---|")
+    for length in (int(x) for x in args.mla_lengths.split(",") if x):
+        for strategy in ("ring", "all_gather"):
+            lat, exp = mla_bytes(length, cp, strategy, heads=heads, kv_lora_rank=rank,
+                                 nope=nope, rope=rope, v_dim=v_dim, dtype=dtype)
+            print(f"| {length} | {strategy} | {lat / 2**20:.1f} MiB | {exp / 2**20:.1f} MiB | "
+                  f"{lat / exp:.4f} |", flush=True)
     print(f"\n({time.time() - start:.0f} s)")
 
 

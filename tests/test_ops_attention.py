@@ -3,8 +3,10 @@
 Each sharded case runs forward and backward (dq, dk, dv of a weighted sum of the outputs) on
 *permuted* inputs (contiguous or load-balanced chunk order) and compares with the reference on
 the original order, so masks that leaned on array indices would fail. Inputs are packed
-documents of uneven lengths that cross chunk boundaries, with trailing padding. Compiled
-programs are shared between tests through `_runner`.
+documents of uneven lengths that cross chunk boundaries, with trailing padding. Every mask kind
+(`MASKS`) runs under both strategies, spread over the meshes (cp = 1, 2, 4, 8, EP-as-CP, with a
+tensor axis). Compiled programs are shared between tests through `_runner`; the flash kernel
+uses 8x16 tiles so short test sequences still take many tiles per block.
 """
 
 import functools
@@ -15,7 +17,10 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.ops import attention, attention_mask, dot_product_attention, flash
+from zoo.ops import attention, attention_mask, dot_product_attention
+from zoo.ops.flash import FlashKernel
+from zoo.ops.masks import (Causal, Chunked, Document, MaskFn, PrefixLM, SlidingWindow,
+                           prefix_segment_ids)
 
 B, L = 2, 64
 SHAPES = {  # name: (N, K, H, Hv)
@@ -33,37 +38,42 @@ MESHES = {  # name: (strategy, mesh sizes)
     "cp4_tensor2": ("cp", dict(context=4, tensor=2)),
     "cp2_fsdp4": ("cp", dict(fsdp=4, context=2)),
 }
-# (mesh, implementation, order, shape, sliding_window, causal): every value of every factor,
-# each strategy with both implementations, both orders on the CP meshes.
+
+
+def _sentence(q_pos, kv_pos, q_seg, kv_seg):
+    """A user's rule: same 5-token "sentence", or one of the document's first 4 tokens."""
+    return (q_pos // 5 == kv_pos // 5) | (kv_pos < 4)
+
+
+MASKS = {  # name: the mask value (None: the causal default, the shorthand path)
+    "causal": None,
+    "window": Causal() & SlidingWindow(7) & Document(),
+    "chunked": Chunked(16) & Causal() & Document(),
+    "prefix": PrefixLM() & Document(),  # the data carries prefix-marked segment ids
+    "document": Document(),  # bidirectional within documents
+    "user": MaskFn(_sentence) & Causal() & Document(),
+}
+# (mesh, implementation, order, shape, mask): every mask kind with both strategies, every
+# strategy on every mesh, both orders on the CP meshes.
 CASES = [
-    ("fsdp8", "all_gather", "contiguous", "gqa", None, True),
-    ("fsdp8", "ring", "contiguous", "mqa", 7, True),
-    ("cp8", "ring", "balanced", "gqa", 7, True),
-    ("cp8", "all_gather", "balanced", "mha", None, False),
-    ("cp8", "ring", "contiguous", "mla", None, True),
-    ("cp8", "all_gather", "contiguous", "mqa", 20, True),
-    ("cp4_data2", "ring", "balanced", "mqa", None, True),
-    ("cp4_data2", "all_gather", "contiguous", "gqa", 7, True),
-    ("ep4_fsdp2", "ring", "balanced", "mla", 20, True),
-    ("ep4_fsdp2", "all_gather", "balanced", "gqa", None, True),
-    ("ep2_cp2_fsdp2", "ring", "balanced", "gqa", 7, True),
-    ("ep2_cp2_fsdp2", "all_gather", "contiguous", "mla", None, True),
-    ("cp4_tensor2", "ring", "balanced", "mqa", None, True),  # kv head repeated over tensor
-    ("cp4_tensor2", "all_gather", "balanced", "gqa", 7, True),  # kv heads split over tensor
-    ("cp2_fsdp4", "all_gather", "balanced", "mqa", 7, True),  # K/V gathered in one piece
-    ("cp2_fsdp4", "ring", "contiguous", "gqa", None, True),
+    ("fsdp8", "all_gather", "contiguous", "gqa", "causal"),
+    ("fsdp8", "ring", "contiguous", "mqa", "window"),
+    ("cp8", "ring", "balanced", "gqa", "window"),
+    ("cp8", "all_gather", "balanced", "mha", "document"),
+    ("cp8", "ring", "contiguous", "mla", "chunked"),
+    ("cp8", "all_gather", "contiguous", "mqa", "prefix"),
+    ("cp4_data2", "ring", "balanced", "mqa", "user"),
+    ("cp4_data2", "all_gather", "contiguous", "gqa", "chunked"),
+    ("ep4_fsdp2", "ring", "balanced", "mla", "prefix"),
+    ("ep4_fsdp2", "all_gather", "balanced", "gqa", "user"),
+    ("ep2_cp2_fsdp2", "ring", "balanced", "gqa", "document"),
+    ("ep2_cp2_fsdp2", "all_gather", "contiguous", "mla", "window"),
+    ("cp4_tensor2", "ring", "balanced", "mqa", "causal"),  # kv head repeated over tensor
+    ("cp4_tensor2", "all_gather", "balanced", "gqa", "prefix"),  # kv heads split over tensor
+    ("cp2_fsdp4", "all_gather", "balanced", "mqa", "user"),  # K/V gathered in one piece
+    ("cp2_fsdp4", "ring", "contiguous", "gqa", "chunked"),
 ]
-
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def small_tiles():
-    """Tiles of 8 queries x 16 keys, so short test sequences still take many tiles per block."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "Q_TILE", 8)
-        mp.setattr(flash, "KV_TILE", 16)
-        yield
+KERNEL = FlashKernel(q_tile=8, kv_tile=16)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -95,7 +105,7 @@ def partitioner(name):
 
 
 @functools.cache
-def data(shape, dtype="float32", full_pad_row=False):
+def data(shape, dtype="float32", full_pad_row=False, prefix=False):
     """(q, k, v, positions, segment ids, output weights) in the original token order."""
     N, K, H, Hv = SHAPES[shape]
     rng = np.random.default_rng(0)
@@ -107,6 +117,8 @@ def data(shape, dtype="float32", full_pad_row=False):
         rows[1] = (np.zeros(L, np.int32), np.arange(L, dtype=np.int32))
     seg = np.stack([r[0] for r in rows])
     pos = np.stack([r[1] for r in rows])
+    if prefix:  # PrefixLM: the first tokens of each document are its prefix
+        seg = prefix_segment_ids(seg, [[4, 10, 3], [2, 12, 5]])
     dt = jnp.dtype(dtype)
     return (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(pos),
             jnp.asarray(seg), jnp.asarray(w, jnp.float32))
@@ -118,17 +130,21 @@ def _fwd_bwd(fn, q, k, v, pos, seg, w):
     return (out, *vjp(w.astype(out.dtype)))
 
 
+def _mask_kw(mask):
+    return {} if MASKS[mask] is None else dict(mask=MASKS[mask])
+
+
 @functools.cache
-def _reference(window, causal):
-    fn = functools.partial(dot_product_attention, sliding_window=window, causal=causal)
+def _reference(mask):
+    fn = functools.partial(dot_product_attention, **_mask_kw(mask))
     return jax.jit(functools.partial(_fwd_bwd, fn))
 
 
 @functools.cache
-def _runner(mesh, impl, shape, window, causal, dtype="float32"):
+def _runner(mesh, impl, shape, mask, dtype="float32"):
     """AOT-compiled forward+backward of `attention` (its HLO text is checked too)."""
-    fn = functools.partial(attention, sliding_window=window, causal=causal,
-                           partitioner=partitioner(mesh), implementation=impl)
+    fn = functools.partial(attention, partitioner=partitioner(mesh), implementation=impl,
+                           kernel=KERNEL, **_mask_kw(mask))
     return jax.jit(functools.partial(_fwd_bwd, fn)).lower(*data(shape, dtype)).compile()
 
 
@@ -218,14 +234,14 @@ def _compare(got, want, dtype="float32"):
         np.testing.assert_allclose(g, r, rtol=tol[0], atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("mesh,impl,order,shape,window,causal", CASES,
+@pytest.mark.parametrize("mesh,impl,order,shape,mask", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
-def test_sharded_matches_reference(mesh, impl, order, shape, window, causal):
-    q, k, v, pos, seg, w = data(shape)
-    want = _reference(window, causal)(q, k, v, pos, seg, w)
+def test_sharded_matches_reference(mesh, impl, order, shape, mask):
+    q, k, v, pos, seg, w = data(shape, prefix=mask == "prefix")
+    want = _reference(mask)(q, k, v, pos, seg, w)
     cp = zoo.Partitioner.context_size(partitioner(mesh))
     perm = balanced_order(L, cp) if order == "balanced" else np.arange(L)
-    got = _runner(mesh, impl, shape, window, causal)(*_permute((q, k, v, pos, seg, w), perm))
+    got = _runner(mesh, impl, shape, mask)(*_permute((q, k, v, pos, seg, w), perm))
     _compare(got, _permute(want, perm))
     out, dq, dk, dv = (np.asarray(x) for x in got)
     pad = np.asarray(seg)[:, perm] == 0
@@ -248,15 +264,15 @@ def test_kv_shorter_than_queries(impl):
         return (out, *vjp(w))
 
     got = jax.jit(lambda: run(functools.partial(
-        attention, partitioner=partitioner("cp4_data2"), implementation=impl)))()
+        attention, partitioner=partitioner("cp4_data2"), implementation=impl, kernel=KERNEL)))()
     _compare(got, jax.jit(lambda: run(dot_product_attention))())
 
 
 @pytest.mark.parametrize("impl", ["auto", "ring", "all_gather"])
 def test_unsharded_matches_reference(impl):
     q, k, v, pos, seg, w = data("gqa")
-    got = _runner(None, impl, "gqa", 7, True)(q, k, v, pos, seg, w)
-    _compare(got, _reference(7, True)(q, k, v, pos, seg, w))
+    got = _runner(None, impl, "gqa", "window")(q, k, v, pos, seg, w)
+    _compare(got, _reference("window")(q, k, v, pos, seg, w))
 
 
 def test_reference_implementation_and_no_segments():
@@ -271,11 +287,11 @@ def test_reference_implementation_and_no_segments():
 def test_bf16_ring_within_bf16_tolerance():
     q, k, v, pos, seg, w = data("gqa", "bfloat16")
     perm = balanced_order(L, 4)
-    got = _runner("cp4_data2", "ring", "gqa", None, True, "bfloat16")(
+    got = _runner("cp4_data2", "ring", "gqa", "causal", "bfloat16")(
         *_permute((q, k, v, pos, seg, w), perm))
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
     f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
-    want = _reference(None, True)(*f32, pos, seg, w)
+    want = _reference("causal")(*f32, pos, seg, w)
     _compare(got, _permute(want, perm), "bfloat16")
 
 
@@ -283,17 +299,17 @@ def test_bf16_ring_within_bf16_tolerance():
 def test_fully_padded_rows_no_nan(impl):
     q, k, v, pos, seg, w = data("gqa", full_pad_row=True)
     perm = balanced_order(L, 8)
-    got = _runner("cp8", impl, "gqa", 7, True)(*_permute((q, k, v, pos, seg, w), perm))
+    got = _runner("cp8", impl, "gqa", "window")(*_permute((q, k, v, pos, seg, w), perm))
     for x in got:
         x = np.asarray(x)
         assert np.all(np.isfinite(x))
         assert np.all(x[1] == 0)  # the all-padding row: zero output and zero gradients
-    _compare(got, _permute(_reference(7, True)(q, k, v, pos, seg, w), perm))
+    _compare(got, _permute(_reference("window")(q, k, v, pos, seg, w), perm))
 
 
 def test_compiled_collectives():
-    ring = _runner("cp8", "ring", "gqa", 7, True).as_text()
-    gather = _runner("cp8", "all_gather", "mqa", 20, True).as_text()
+    ring = _runner("cp8", "ring", "gqa", "window").as_text()
+    gather = _runner("cp8", "all_gather", "mqa", "prefix").as_text()
     assert "collective-permute" in ring and "all-gather" not in ring
     assert "all-gather" in gather and "reduce-scatter" in gather
     assert "collective-permute" not in gather
@@ -323,30 +339,18 @@ def test_errors_are_clear():
         attention(q, k, v, q_segment_ids=seg, **kw)
     with pytest.raises(ValueError, match="q_positions has shape"):
         attention(q, k, v, q_positions=pos[:, :5], kv_positions=pos)
-    if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="needs a GPU"):
-            attention(q, k, v, implementation="cudnn", **kw)
-
-
-@pytest.mark.parametrize("mesh,causal,window", [(None, True, None), ("fsdp8", True, 5),
-                                                 (None, False, 5)])
-def test_cudnn_wrapper_semantics(monkeypatch, mesh, causal, window):
-    """The cuDNN path's mask/window/sharding mapping, run through XLA's implementation here."""
-    if jax.default_backend() != "gpu":
-        real = jax.nn.dot_product_attention
-        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-        monkeypatch.setattr(jax.nn, "dot_product_attention",
-                            lambda *a, implementation=None, **kw: real(*a, **kw))
-    q, k, v, _, _, _ = data("gqa", "bfloat16")
-    pos = jnp.tile(jnp.arange(L), (B, 1))
-    kw = dict(q_positions=pos, kv_positions=pos, causal=causal, sliding_window=window)
-    got = attention(q, k, v, implementation="cudnn", partitioner=partitioner(mesh), **kw)
-    want = dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kw)
-    _compare((got,), (want,), "bfloat16")
-    with pytest.raises(ValueError, match=r"unpacked, unpadded"):
-        attention(q, k, v, implementation="cudnn", q_segment_ids=pos, kv_segment_ids=pos, **kw)
-    with pytest.raises(ValueError, match="sequence sharded"):
-        attention(q, k, v, implementation="cudnn", partitioner=partitioner("cp8"), **kw)
+    with pytest.raises(ValueError, match="is the whole mask"):
+        attention(q, k, v, mask=Causal(), causal=True, **kw)
+    with pytest.raises(ValueError, match="is the whole mask"):
+        attention(q, k, v, mask=Document(), sliding_window=4, **kw)
+    with pytest.raises(ValueError, match="kernel='fast' is not registered"):
+        attention(q, k, v, kernel="fast", **kw)
+    with pytest.raises(ValueError, match=r"sinks has shape \(3,\)"):
+        attention(q, k, v, sinks=jnp.zeros(3), **kw)
+    with pytest.raises(ValueError, match="logits_soft_cap=0"):
+        attention(q, k, v, logits_soft_cap=0, **kw)
+    with pytest.raises(TypeError, match="MaskFn"):
+        Causal() & (lambda *a: True)
 
 
 def test_auto_rule():
@@ -361,6 +365,11 @@ def test_auto_rule():
     # MLA: per-head K/V with a wider q/k head than v head
     assert choose(partitioner=cp8, num_heads=16, num_kv_heads=16, q_length=8192,
                   kv_length=8192, head_dim=192, v_head_dim=128) == "ring"
+    # ... but with its latent on the wire (512 + 64 values per token) one gather is enough
+    assert choose(partitioner=cp8, num_heads=128, num_kv_heads=128, q_length=8192,
+                  kv_length=8192, head_dim=192, v_head_dim=128) == "ring"
+    assert choose(partitioner=cp8, num_heads=128, num_kv_heads=128, q_length=8192,
+                  kv_length=8192, head_dim=192, v_head_dim=128, wire_width=576) == "all_gather"
 
 
 def test_gather_slices():

@@ -10,6 +10,11 @@
   there once.
 * Written to be subclassed: `project`, `apply_rope`, `attend` and `out` are the steps
   `__call__` composes; override one (e.g. ``class MyAttention(Attention): def attend(...)``).
+  The mask is a value (`zoo.ops.masks`): ``mask=`` in the constructor, or one line in a
+  subclass, ``class Local(Attention): mask = Chunked(512) & Causal() & Document()``.
+* Score modifiers: ``logits_soft_cap`` (Gemma-2) and ``sinks=True`` (gpt-oss: a learned
+  [num_heads] logit in every row's softmax, parameter ``sinks``; off by default, so checkpoints
+  without sinks load unchanged).
 
 Legend: B batch, L length, S kv length (= L here), D embed, N heads, K kv heads, H head dim.
 """
@@ -26,6 +31,8 @@ from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
 from zoo.ops.attention import IMPLEMENTATIONS, check_attention_shapes, choose_implementation
 from zoo.ops.attention import attention as attention_op
+from zoo.ops.kernels import get_kernel
+from zoo.ops.masks import Mask
 from zoo.partitioning import Partitioner, resolve
 
 SCOPE = "attention"
@@ -88,7 +95,7 @@ def check_inputs_shape(inputs_shape: Sequence[int], p: Partitioner, *, num_heads
 
 def resolve_implementation(implementation: str, p: Partitioner, *, length: int, num_heads: int,
                            num_kv_heads: int, head_dim: int, v_head_dim: int,
-                           what: str = "Attention") -> str:
+                           wire_width: int | None = None, what: str = "Attention") -> str:
     """Check ``implementation`` and resolve ``"auto"`` once, at construction."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{what}: implementation={implementation!r}; valid values are "
@@ -96,15 +103,49 @@ def resolve_implementation(implementation: str, p: Partitioner, *, length: int, 
     if implementation == "auto":
         return choose_implementation(partitioner=p, q_length=length, kv_length=length,
                                      num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, v_head_dim=v_head_dim)
-    if implementation == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ValueError(f'{what}: implementation="cudnn" needs a GPU backend, this is '
-                             f'{jax.default_backend()!r}; use "auto"')
-        if p.context_size(SCOPE) > 1:
-            raise ValueError(f'{what}: implementation="cudnn" cannot shard the sequence '
-                             f'({p.context_size(SCOPE)} ways here); use "ring" or "all_gather"')
+                                     head_dim=head_dim, v_head_dim=v_head_dim,
+                                     wire_width=wire_width)
     return implementation
+
+
+def resolve_scores(module, what: str, *, mask, sliding_window, logits_soft_cap, sinks, kernel,
+                   num_heads: int, p: Partitioner, param_dtype, rngs: nnx.Rngs) -> None:
+    """Check and store the mask, soft cap, sinks parameter and kernel of an attention layer.
+
+    A ``mask`` given here replaces the class attribute ``mask`` (None: causal, with
+    ``sliding_window``, within documents); ``mask`` and ``sliding_window`` do not combine.
+    """
+    if mask is not None:
+        if not isinstance(mask, Mask):
+            raise ValueError(f"{what}: mask={mask!r} must be a zoo.ops.masks.Mask, e.g. "
+                             f"Causal() & Document()")
+        module.mask = mask
+    if module.mask is not None and sliding_window is not None:
+        raise ValueError(f"{what}: mask={module.mask!r} is the whole mask; fold "
+                         f"sliding_window={sliding_window} into it (& SlidingWindow(w))")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                            and logits_soft_cap > 0):
+        raise ValueError(f"{what}: logits_soft_cap={logits_soft_cap!r} must be a positive "
+                         f"number or None")
+    module.logits_soft_cap = logits_soft_cap
+    try:
+        get_kernel(kernel)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    module.kernel = kernel
+    module.sinks = (nnx.Param(p.param(nnx.initializers.zeros, ("heads",), SCOPE)(
+        rngs.params(), (num_heads,), param_dtype)) if sinks else None)
+
+
+def score_kwargs(module) -> dict:
+    """The mask / modifier / kernel keyword arguments of `zoo.ops.attention` for a layer."""
+    kw = dict(logits_soft_cap=module.logits_soft_cap, kernel=module.kernel,
+              sinks=None if module.sinks is None else module.sinks[...])
+    if module.mask is None:
+        kw["sliding_window"] = getattr(module, "sliding_window", None)
+    else:
+        kw["mask"] = module.mask
+    return kw
 
 
 def check_call(module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
@@ -128,10 +169,12 @@ class AttentionBlock(nnx.Module):
     """What `Attention` and `MLA` share: the step composition in `__call__` and `out`.
 
     Subclasses provide ``project``, ``apply_rope``, ``attend``, an ``o_proj`` and
-    ``partitioner``; ``block_name`` names the `jax.named_scope` of the block.
+    ``partitioner``; ``block_name`` names the `jax.named_scope` of the block. ``mask``: None
+    (causal within documents) or a `zoo.ops.masks.Mask` -- a subclass sets it in one line.
     """
 
     block_name = "attention"
+    mask: Mask | None = None
 
     def out(self, o: jax.Array) -> jax.Array:
         """o [B, L, N, Hv] -> [B, L, D]."""
@@ -163,8 +206,13 @@ class Attention(AttentionBlock):
       partitioner: how the mesh cuts parameters and activations (None: unsharded).
       rope: a `RoPE` (None: ``RoPE(theta=10000.0)``, half-split layout).
       sliding_window: a query sees keys less than this many positions back (None: all).
-      implementation: ``"auto"`` (resolved here), ``"reference"``, ``"all_gather"``,
-        ``"ring"`` or ``"cudnn"``; see `zoo.ops.attention`.
+      implementation: ``"auto"`` (resolved here), ``"reference"``, ``"all_gather"`` or
+        ``"ring"``; see `zoo.ops.attention`.
+      mask: a `zoo.ops.masks.Mask` replacing the default (causal within documents, with
+        ``sliding_window``); None keeps the class attribute ``mask``.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax (None: off).
+      sinks: learn one sink logit per head (parameter ``sinks``, zeros at init).
+      kernel: the block kernel (``"auto"``, ``"flash"``, ``"tokamax"``, registered, instance).
       use_bias: biases on the q/k/v/o projections.
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
@@ -173,7 +221,9 @@ class Attention(AttentionBlock):
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
                  rope: RoPE | None = None, sliding_window: int | None = None,
                  implementation: str = "auto", use_bias: bool = False, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, mask: Mask | None = None,
+                 logits_soft_cap: float | None = None, sinks: bool = False,
+                 kernel="auto", rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_kv_heads, what="Attention")
@@ -195,6 +245,9 @@ class Attention(AttentionBlock):
         self.implementation = resolve_implementation(
             implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, v_head_dim=head_dim, what="Attention")
+        resolve_scores(self, "Attention", mask=mask, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
+                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs)
         # Fewer kv heads than tensor shards: kv heads stay whole (replicated), the op repeats them.
         split_kv = num_kv_heads % p.size("act_heads", SCOPE) == 0
         kv_axis = "kv_heads" if split_kv else None
@@ -228,10 +281,10 @@ class Attention(AttentionBlock):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
                segment_ids: jax.Array | None) -> jax.Array:
-        """Causal attention of q over k/v -> [B, L, N, H] via `zoo.ops.attention`."""
+        """Attention of q over k/v under ``self.mask`` -> [B, L, N, H] (`zoo.ops.attention`)."""
         o = attention_op(q, k, v, q_positions=positions, kv_positions=positions,
-                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
-                         sliding_window=self.sliding_window, scale=self.scale,
-                         partitioner=self.partitioner, implementation=self.implementation)
+                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                         scale=self.scale, partitioner=self.partitioner,
+                         implementation=self.implementation, **score_kwargs(self))
         return self.partitioner.constrain(o, ("batch", "length", "act_heads", "act_head_dim"),
                                           SCOPE)

@@ -11,9 +11,16 @@ Follows Hugging Face ``DeepseekV3Attention`` (submodule names match its checkpoi
 * decoupled RoPE: only the trailing Hr dims of q and k rotate; ``k = concat(k_nope, k_pe
   broadcast to N heads)``. Interleaved pair layout by default (DeepSeek checkpoints).
 * softmax scale ``Hqk**-0.5 * rope.softmax_scale_multiplier()`` (YaRN's mscale correction);
-  `zoo.ops.attention` with K = N kv heads, H = Hqk, Hv = v_head_dim; ``o_proj`` (N, Hv) -> D.
+  ``o_proj`` (N, Hv) -> D.
+* The latent goes on the wire: `zoo.ops.mla_attention` moves the normalised latent [B, L, Rkv]
+  and the rotated ``k_pe`` [B, L, Hr] around the ring / through the all-gather (Rkv + Hr values
+  per token instead of N * (Hqk + Hv)) and expands them with ``kv_b_proj``'s kernel on each
+  shard; gradients come back the same way.
 
-Same overridable steps as `zoo.layers.Attention`: `project`, `apply_rope`, `attend`, `out`.
+Same overridable steps as `zoo.layers.Attention`: `project`, `apply_rope`, `attend`, `out`;
+here ``project`` returns ``(q, k_pe, latent)`` -- ``k_pe`` takes k's place (it is what RoPE
+rotates) and the latent v's -- and ``attend(q, k_pe, latent)`` expands them. Mask, soft cap,
+sinks and kernel as in `Attention` (``mask`` class attribute or argument).
 
 Legend: B batch, L length, D embed, N heads, Rq q_lora_rank, Rkv kv_lora_rank,
 Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hqk = Hn + Hr, Hv v_head_dim.
@@ -32,11 +39,14 @@ from zoo.layers.attention import (
     AttentionBlock,
     check_inputs_shape,
     resolve_implementation,
+    resolve_scores,
+    score_kwargs,
 )
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import attention as attention_op
+from zoo.ops.attention import mla_attention
+from zoo.ops.masks import Mask
 from zoo.partitioning import Partitioner, resolve
 
 _HEADS = ("batch", "length", "act_heads", "act_head_dim")
@@ -59,6 +69,7 @@ class MLA(AttentionBlock):
       rms_norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``.
       implementation: see `zoo.ops.attention` (``"auto"`` is resolved here).
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
+      mask, logits_soft_cap, sinks, kernel: as in `zoo.layers.Attention`.
     """
 
     block_name = "mla"
@@ -68,7 +79,8 @@ class MLA(AttentionBlock):
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
                  rope: RoPE | None = None, rms_norm_eps: float = 1e-6,
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 mask: Mask | None = None, logits_soft_cap: float | None = None,
+                 sinks: bool = False, kernel="auto", rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -96,7 +108,11 @@ class MLA(AttentionBlock):
         self.scale = self.qk_head_dim ** -0.5 * self.rope.softmax_scale_multiplier()
         self.implementation = resolve_implementation(
             implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_heads,
-            head_dim=self.qk_head_dim, v_head_dim=v_head_dim, what="MLA")
+            head_dim=self.qk_head_dim, v_head_dim=v_head_dim,
+            wire_width=kv_lora_rank + qk_rope_head_dim, what="MLA")
+        resolve_scores(self, "MLA", mask=mask, sliding_window=None,
+                       logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
+                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs)
 
         kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         heads = ("heads", "head_dim")
@@ -131,42 +147,36 @@ class MLA(AttentionBlock):
             q = self.q_b_proj(self.q_a_layernorm(c(self.q_a_proj(x), _LATENT, SCOPE)))
         return c(q, _HEADS, SCOPE)
 
-    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, L, D] -> k_nope [B, L, N, Hn], k_pe [B, L, 1, Hr] (shared, before RoPE),
-        v [B, L, N, Hv]."""
+    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, L, D] -> k_pe [B, L, 1, Hr] (shared, before RoPE), latent [B, L, Rkv]
+        (after ``kv_a_layernorm``): what crosses the wire."""
         c = self.partitioner.constrain
         kv_a = c(self.kv_a_proj_with_mqa(x), _LATENT, SCOPE)  # [B, L, Rkv + Hr]
         latent, k_pe = kv_a[..., :self.kv_lora_rank], kv_a[..., self.kv_lora_rank:]
-        kv = c(self.kv_b_proj(self.kv_a_layernorm(latent)), _HEADS, SCOPE)  # [B, L, N, Hn+Hv]
-        return kv[..., :self.qk_nope_head_dim], k_pe[:, :, None, :], kv[..., self.qk_nope_head_dim:]
+        return k_pe[:, :, None, :], c(self.kv_a_layernorm(latent), _LATENT, SCOPE)
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, L, D] -> q [B, L, N, Hqk], k [B, L, N, Hqk], v [B, L, N, Hv] (before RoPE).
+        """x [B, L, D] -> q [B, L, N, Hqk], k_pe [B, L, 1, Hr], latent [B, L, Rkv] (before
+        RoPE); `attend` expands the latent into per-head K/V with ``kv_b_proj``."""
+        return (self.project_q(x), *self.project_kv(x))
 
-        ``k = concat(k_nope, k_pe)`` with the single rotary key broadcast to every head, so the
-        attention op sees ordinary multi-head K/V and its gradient sums over the heads.
-        """
-        q = self.project_q(x)
-        k_nope, k_pe, v = self.project_kv(x)
-        k_pe = jnp.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
-        k = self.partitioner.constrain(jnp.concatenate([k_nope, k_pe], axis=-1), _HEADS, SCOPE)
-        return q, k, v
-
-    def apply_rope(self, q: jax.Array, k: jax.Array,
+    def apply_rope(self, q: jax.Array, k_pe: jax.Array,
                    positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Rotate only the trailing Hr dims of q and k (decoupled RoPE)."""
+        """Rotate only the trailing Hr dims of q, and the shared rotary key (decoupled RoPE)."""
         n = self.qk_nope_head_dim
+        q = jnp.concatenate([q[..., :n], self.rope.apply(q[..., n:], positions)], axis=-1)
+        return q, self.rope.apply(k_pe, positions)
 
-        def rotate(t):
-            return jnp.concatenate([t[..., :n], self.rope.apply(t[..., n:], positions)], axis=-1)
-
-        return rotate(q), rotate(k)
-
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
-               segment_ids: jax.Array | None) -> jax.Array:
-        """Causal attention -> [B, L, N, Hv] via `zoo.ops.attention` (K = N heads)."""
-        o = attention_op(q, k, v, q_positions=positions, kv_positions=positions,
-                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
-                         scale=self.scale, partitioner=self.partitioner,
-                         implementation=self.implementation)
+    def attend(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array, *,
+               positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """Attention under ``self.mask`` -> [B, L, N, Hv] via `zoo.ops.mla_attention` (the
+        latent and k_pe cross the wire, each shard expands them with ``kv_b_proj``)."""
+        dtype = self.kv_b_proj.dtype or latent.dtype
+        o = mla_attention(q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
+                          self.kv_b_proj.kernel[...].astype(dtype),
+                          qk_nope_head_dim=self.qk_nope_head_dim, q_positions=positions,
+                          kv_positions=positions, q_segment_ids=segment_ids,
+                          kv_segment_ids=segment_ids, scale=self.scale,
+                          partitioner=self.partitioner, implementation=self.implementation,
+                          **score_kwargs(self))
         return self.partitioner.constrain(o, _HEADS, SCOPE)

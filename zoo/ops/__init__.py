@@ -1,13 +1,23 @@
 """Pure functions without parameters.
 
-Attention (`attention`: reference, all-gather, ring, cuDNN; `dot_product_attention`: the
-reference) and its masks from positions/segment ids; `zoo.ops.moe` holds the mixture-of-experts
-routing and dispatch functions.
+Attention as an open op (`attention`, `mla_attention`; `dot_product_attention` is the
+reference): masks as values (`zoo.ops.masks`: `Causal`, `SlidingWindow`, `Chunked`, `PrefixLM`,
+`Document`, `MaskFn`, combined with ``&``/``|``), score modifiers (`ScoreMod`, soft caps, sinks),
+context-parallel strategies (`zoo.ops.ring`) calling pluggable block kernels
+(`zoo.ops.kernels`: `FlashKernel`, `TokamaxKernel`, `register_kernel`). `zoo.ops.moe` holds the
+mixture-of-experts routing and dispatch functions.
 """
 
 from zoo.ops.attention import (IMPLEMENTATIONS, attention, check_attention_shapes,
-                               choose_implementation, dot_product_attention)
-from zoo.ops.masks import attention_mask, block_may_attend
+                               choose_implementation, dot_product_attention, mla_attention)
+from zoo.ops.flash import FlashKernel
+from zoo.ops.kernels import (BlockKernel, ScoreMod, Scores, TokamaxKernel, get_kernel,
+                             register_kernel)
+from zoo.ops.masks import (Causal, Chunked, Document, Mask, MaskFn, PrefixLM, SlidingWindow,
+                           attention_mask, block_may_attend)
 
-__all__ = ["IMPLEMENTATIONS", "attention", "attention_mask", "block_may_attend",
-           "check_attention_shapes", "choose_implementation", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "BlockKernel", "Causal", "Chunked", "Document", "FlashKernel",
+           "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow", "TokamaxKernel",
+           "attention", "attention_mask", "block_may_attend", "check_attention_shapes",
+           "choose_implementation", "dot_product_attention", "get_kernel", "mla_attention",
+           "register_kernel"]

@@ -1,19 +1,31 @@
-"""Dot-product attention: the unsharded reference and the context-parallel entry point.
+"""Dot-product attention as an open op: the unsharded reference and the context-parallel entry.
 
-* `dot_product_attention` -- the plain reference: dense fp32 logits [B, N, L, S], masks from
-  positions and segment ids only (`zoo.ops.masks`), exact zeros for padding rows.
-* `attention` -- the same function for real use: ``implementation`` is ``"reference"``,
-  ``"all_gather"`` (gather K/V over the sequence shards, local Q attends), ``"ring"`` (rotate
-  K/V around the sequence shards with `ppermute`, fp32 online-softmax merge, empty blocks
-  skipped), ``"cudnn"`` (GPU, contiguous causal/windowed masks without packing) or ``"auto"``.
-  It runs under `jax.shard_map` over the partitioner's attention batch, sequence and head axes;
-  inputs of any sharding are resharded by the (Auto-axis) mesh. Gradients come from a
-  flash-style `custom_vjp` (see `zoo.ops.flash` and `zoo.ops.ring`).
+* `dot_product_attention` -- the plain reference: dense fp32 logits [B, N, L, S], the mask
+  evaluated densely from positions and segment ids (`zoo.ops.masks`), score modifiers and sinks
+  as formulas, exact zeros for padding rows; autodiff gives its gradients.
+* `attention` -- the same function for real use. ``implementation`` names the
+  context-parallel *strategy*: ``"reference"``, ``"all_gather"`` (gather K/V over the sequence
+  shards, local Q attends), ``"ring"`` (rotate K/V with `ppermute`, fp32 online-softmax merge)
+  or ``"auto"`` (`choose_implementation`). ``kernel`` names the *block kernel* the strategies
+  call (`zoo.ops.kernels`: ``"flash"``, ``"tokamax"``, a registered name or an instance;
+  ``"auto"``: tokamax on GPU/TPU, flash on CPU). It runs under `jax.shard_map` over the
+  partitioner's attention batch, sequence and head axes; gradients come from an exact
+  `custom_vjp` (`zoo.ops.ring`).
+* `mla_attention` -- DeepSeek's multi-head latent attention with the compressed latent on the
+  wire: [B, S, kv_lora_rank] and the shared rotary key [B, S, Hr] go around the ring / through
+  the all-gather, and each shard expands them to per-head K/V with ``kv_up``.
+
+Masks are values (``mask=Causal() & Document()``, `zoo.ops.masks`); ``causal``/
+``sliding_window`` remain as shorthands (``causal=None`` means causal when no mask is given)
+and may not be combined with ``mask``. Score modifiers: ``logits_soft_cap`` (``cap *
+tanh(logits / cap)``), ``score_mod`` (`zoo.ops.kernels.ScoreMod`) and ``sinks`` ([N] logits
+that join every row's softmax and carry no value, as in gpt-oss).
 
 Head layout (Hugging Face convention): query head n uses kv head n // (N // K).
 
 Legend: B batch, L query length, S kv length, N query heads, K kv heads, G = N // K query heads
-per kv head, H q/k head dim, Hv value head dim.
+per kv head, H q/k head dim, Hv value head dim, R kv_lora_rank, Hn/Hr MLA no-position/rotary
+key dims.
 """
 
 from __future__ import annotations
@@ -24,20 +36,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zoo.ops import flash as _flash  # noqa: F401  (registers the "flash" kernel)
 from zoo.ops import ring as _ring
-from zoo.ops.masks import attention_mask
+from zoo.ops.kernels import BlockKernel, ScoreMod, Scores, get_kernel
+from zoo.ops.masks import Mask, attention_mask, default_mask
 from zoo.partitioning import Partitioner, resolve
 
-IMPLEMENTATIONS = ("auto", "reference", "all_gather", "ring", "cudnn")
+IMPLEMENTATIONS = ("auto", "reference", "all_gather", "ring")
 
 
 # -- reference -------------------------------------------------------------------------------
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
                           kv_positions: jax.Array, q_segment_ids: jax.Array | None = None,
-                          kv_segment_ids: jax.Array | None = None, causal: bool = True,
-                          sliding_window: int | None = None,
-                          scale: float | None = None) -> jax.Array:
+                          kv_segment_ids: jax.Array | None = None, causal: bool | None = None,
+                          sliding_window: int | None = None, mask: Mask | None = None,
+                          scale: float | None = None, logits_soft_cap: float | None = None,
+                          sinks: jax.Array | None = None,
+                          score_mod: ScoreMod | None = None) -> jax.Array:
     """Unsharded reference attention. q [B,L,N,H], k [B,S,K,H], v [B,S,K,Hv] -> [B,L,N,Hv].
 
     Computes in fp32 with the dense mask; rows that see no key (padding, segment 0) are exactly
@@ -45,22 +61,31 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positio
     """
     B, L, N, H = q.shape
     K = k.shape[2]
+    G = N // K
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  sliding_window)
-    scale = H ** -0.5 if scale is None else scale
+                  sliding_window, logits_soft_cap, sinks, score_mod)
+    scores = Scores(default_mask(causal, sliding_window, mask),
+                    H ** -0.5 if scale is None else float(scale), logits_soft_cap, score_mod)
+    qseg = jnp.ones((B, L), jnp.int32) if q_segment_ids is None else q_segment_ids
+    kseg = jnp.ones(kv_positions.shape, jnp.int32) if kv_segment_ids is None else kv_segment_ids
     with jax.named_scope("dot_product_attention"):
-        mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                              causal=causal, sliding_window=sliding_window)  # [B, L, S]
-        qg = q.astype(jnp.float32).reshape(B, L, K, N // K, H)
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k.astype(jnp.float32)) * scale
-        m = mask[:, None, None]
-        s = jnp.where(m, s, -jnp.inf)
+        visible = attention_mask(q_positions, kv_positions, qseg, kseg, mask=scores.mask)
+        qg = q.astype(jnp.float32).reshape(B, L, K, G, H)
+        s = jnp.einsum("blkgh,bskh->bkgls", qg, k.astype(jnp.float32)) * scores.scale
+        tokens = (q_positions[:, None, None, :, None], kv_positions[:, None, None, None, :],
+                  qseg[:, None, None, :, None], kseg[:, None, None, None, :])
+        s = scores.modify(s, *tokens, jnp.arange(N).reshape(1, K, G, 1, 1))
+        s = jnp.where(visible[:, None, None], s, -jnp.inf)
+        # the sink: one more logit per head in the softmax, with no value (-inf: no sink)
+        sink = (jnp.full((N,), -jnp.inf) if sinks is None else sinks.astype(jnp.float32))
+        sink = jnp.broadcast_to(sink.reshape(1, K, G, 1, 1), (B, K, G, L, 1))
+        s = jnp.concatenate([s, sink], axis=-1)
         # max over visible keys; a fully masked row has max -inf, replaced by 0 so exp gives 0
         mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         p = jnp.exp(s - mx)  # exp(-inf) = 0 on masked entries, and its gradient is 0 too
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        p = p / jnp.where(denom > 0, denom, 1.0)
+        p = (p / jnp.where(denom > 0, denom, 1.0))[..., :-1]
         out = jnp.einsum("bkgls,bskh->blkgh", p, v.astype(jnp.float32))
         return out.reshape(B, L, N, v.shape[-1]).astype(q.dtype)
 
@@ -68,7 +93,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positio
 # -- validation ------------------------------------------------------------------------------
 
 def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  sliding_window):
+                  sliding_window, logits_soft_cap=None, sinks=None, score_mod=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects q [B,L,N,H], k [B,S,K,H], v [B,S,K,Hv]; got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
@@ -93,6 +118,16 @@ def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
                          "no padding)")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                            and logits_soft_cap > 0):
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be a positive number "
+                         f"(logits become cap * tanh(logits / cap)) or None")
+    if sinks is not None and tuple(sinks.shape) != (N,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected [num_heads] = ({N},), "
+                         f"one logit per query head")
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise ValueError(f"score_mod={score_mod!r} must be a zoo.ops.ScoreMod(fn) with "
+                         f"fn(score, q_pos, kv_pos, q_seg, kv_seg, head) -> score")
 
 
 def check_attention_shapes(*, partitioner: Partitioner | None, batch: int, q_length: int,
@@ -130,7 +165,7 @@ def check_attention_shapes(*, partitioner: Partitioner | None, batch: int, q_len
 
 def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_length: int,
                           num_heads: int, num_kv_heads: int, head_dim: int,
-                          v_head_dim: int | None = None) -> str:
+                          v_head_dim: int | None = None, wire_width: int | None = None) -> str:
     """What ``implementation="auto"`` runs: ``"all_gather"`` or ``"ring"``.
 
     Without sequence sharding both are the same local flash kernel (no collective); we name it
@@ -141,60 +176,136 @@ def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_
     otherwise (MHA, MLA's per-head K/V, large cp), where a gather would have to be sliced into
     ``cp``-ish pieces to keep memory ~1/cp and the ring's neighbour-only exchange is the better
     fit. On the 8-device CPU of the tests the two run within ~20% of each other either way.
+    ``wire_width`` is what crosses the wire per token (default ``K * (H + Hv)``; MLA sends
+    its latent, ``kv_lora_rank + Hr``), so "the whole K/V" is ``S * wire_width``.
     """
     p = resolve(partitioner)
     cp = p.axis_size(p.sequence_axes("attention"))
     if cp == 1:
         return "all_gather"
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    gathered = kv_length * num_kv_heads * (head_dim + v_head_dim)
+    if wire_width is None:
+        wire_width = num_kv_heads * (head_dim + v_head_dim)
+    gathered = kv_length * wire_width
     local_q = q_length // cp * num_heads * head_dim
     return "all_gather" if gathered <= local_q else "ring"
 
 
-# -- entry point -----------------------------------------------------------------------------
+# -- entry points ----------------------------------------------------------------------------
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               kv_positions: jax.Array, q_segment_ids: jax.Array | None = None,
-              kv_segment_ids: jax.Array | None = None, causal: bool = True,
-              sliding_window: int | None = None, scale: float | None = None,
-              partitioner: Partitioner | None = None, implementation: str = "auto") -> jax.Array:
+              kv_segment_ids: jax.Array | None = None, causal: bool | None = None,
+              sliding_window: int | None = None, mask: Mask | None = None,
+              scale: float | None = None, logits_soft_cap: float | None = None,
+              sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
+              partitioner: Partitioner | None = None, implementation: str = "auto",
+              kernel: str | BlockKernel = "auto", split: int = 2) -> jax.Array:
     """Attention of q [B,L,N,H] over k [B,S,K,H], v [B,S,K,Hv] -> [B,L,N,Hv] in q's dtype.
 
     Same semantics as `dot_product_attention` (masks from positions/segment ids, segment 0 =
-    padding -> zero rows, no NaN, fp32 softmax); see the module docstring for the
-    implementations. Any order of the sequence is correct; the load-balanced order (shard r
+    padding -> zero rows, no NaN, fp32 softmax); see the module docstring for the strategies
+    and kernels. ``split``: sub-blocks per side that the strategies classify (empty / full /
+    partial) per block. Any order of the sequence is correct; the load-balanced order (shard r
     holds chunks r and 2*cp-1-r of 2*cp) makes the causal work even across shards.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; valid values are "
-                         f"{', '.join(repr(i) for i in IMPLEMENTATIONS)}")
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  sliding_window)
-    kw = dict(causal=causal, sliding_window=sliding_window, scale=scale)
-    if implementation == "reference":
-        return dot_product_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
-                                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                     **kw)
+                  sliding_window, logits_soft_cap, sinks, score_mod)
+    m = default_mask(causal, sliding_window, mask)
+    reference = functools.partial(
+        dot_product_attention, q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=m, scale=scale,
+        logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
     B, L, N, H = q.shape
     _, S, K, Hv = v.shape
+    return _run(reference, q, (k, v), (), None, q_positions, kv_positions, q_segment_ids,
+                kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod, partitioner,
+                implementation, kernel, split, num_kv_heads=K, head_dim=H, v_head_dim=Hv,
+                wire_width=K * (H + Hv))
+
+
+def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.Array, *,
+                  qk_nope_head_dim: int, q_positions: jax.Array, kv_positions: jax.Array,
+                  q_segment_ids: jax.Array | None = None,
+                  kv_segment_ids: jax.Array | None = None, causal: bool | None = None,
+                  sliding_window: int | None = None, mask: Mask | None = None,
+                  scale: float | None = None, logits_soft_cap: float | None = None,
+                  sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
+                  partitioner: Partitioner | None = None, implementation: str = "auto",
+                  kernel: str | BlockKernel = "auto", split: int = 2) -> jax.Array:
+    """Multi-head latent attention with the latent on the wire.
+
+    q [B,L,N,Hn+Hr] (rotated), latent [B,S,R] (normalised), k_pe [B,S,Hr] (rotated, shared by
+    every head), kv_up [R, N, Hn+Hv] (``kv_b_proj``'s kernel) -> [B,L,N,Hv]. Per head,
+    ``k = concat(latent @ kv_up[..., :Hn], k_pe)`` and ``v = latent @ kv_up[..., Hn:]``; under
+    context parallelism only (latent, k_pe) -- R + Hr values per token instead of
+    N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
+    """
+    B, L, N, Hqk = q.shape
+    R = latent.shape[-1]
+    Hn, Hr = qk_nope_head_dim, k_pe.shape[-1]
+    if (latent.ndim != 3 or k_pe.ndim != 3 or latent.shape[:2] != k_pe.shape[:2]
+            or kv_up.shape[:2] != (R, N) or Hn + Hr != Hqk or kv_up.shape[2] <= Hn):
+        raise ValueError(f"mla_attention expects q [B,L,N,Hn+Hr], latent [B,S,R], k_pe "
+                         f"[B,S,Hr], kv_up [R,N,Hn+Hv] with Hn=qk_nope_head_dim={Hn}; got "
+                         f"{q.shape}, {latent.shape}, {k_pe.shape}, {kv_up.shape}")
+    expand = functools.partial(_mla_expand, Hn)
+    k, v = jax.eval_shape(expand, (kv_up,), (latent, k_pe))
+    _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                  sliding_window, logits_soft_cap, sinks, score_mod)
+    m = default_mask(causal, sliding_window, mask)
+
+    def reference():
+        k, v = expand((kv_up,), (latent, k_pe))
+        return dot_product_attention(
+            q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=m, scale=scale,
+            logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
+
+    return _run(reference, q, (latent, k_pe), (kv_up,), expand, q_positions, kv_positions,
+                q_segment_ids, kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod,
+                partitioner, implementation, kernel, split, num_kv_heads=N, head_dim=Hqk,
+                v_head_dim=v.shape[-1], wire_width=R + Hr)
+
+
+def _mla_expand(qk_nope_head_dim, params, payload):
+    """(kv_up,), (latent [B,S,R], k_pe [B,S,Hr]) -> k [B,S,N,Hn+Hr], v [B,S,N,Hv]."""
+    (kv_up,), (latent, k_pe) = params, payload
+    kv = jnp.einsum("bsr,rnd->bsnd", latent, kv_up.astype(latent.dtype))
+    k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], k_pe.shape[-1]))
+    return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
+
+
+def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, scale, soft_cap,
+         sinks, score_mod, partitioner, implementation, kernel, split, *, num_kv_heads,
+         head_dim, v_head_dim, wire_width):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; valid values are "
+                         f"{', '.join(repr(i) for i in IMPLEMENTATIONS)} (block kernels are "
+                         f"chosen with kernel=...)")
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"split={split!r} must be a positive int (sub-blocks per side)")
+    kern = get_kernel(kernel)
+    if implementation == "reference":
+        return reference()
+    B, L, N, H = q.shape
+    S = kpos.shape[1]
     p = resolve(partitioner)
     check_attention_shapes(partitioner=p, batch=B, q_length=L, kv_length=S, num_heads=N,
-                           num_kv_heads=K)
-    if implementation == "cudnn":
-        return _cudnn(q, k, v, q_segment_ids, kv_segment_ids, p, **kw)
+                           num_kv_heads=num_kv_heads)
     if implementation == "auto":
-        implementation = choose_implementation(partitioner=p, q_length=L, kv_length=S,
-                                               num_heads=N, num_kv_heads=K, head_dim=H,
-                                               v_head_dim=Hv)
-    if q_segment_ids is None:  # one document, no padding
-        q_segment_ids = jnp.ones((B, L), jnp.int32)
-        kv_segment_ids = jnp.ones((B, S), jnp.int32)
-    scale = H ** -0.5 if scale is None else float(scale)
-    return _sharded(q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32),
-                    q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32), p,
-                    strategy=implementation, causal=causal, sliding_window=sliding_window,
-                    scale=scale)
+        implementation = choose_implementation(
+            partitioner=p, q_length=L, kv_length=S, num_heads=N, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, v_head_dim=v_head_dim, wire_width=wire_width)
+    if qseg is None:  # one document, no padding
+        qseg, kseg = jnp.ones((B, L), jnp.int32), jnp.ones((B, S), jnp.int32)
+    scores = Scores(mask, H ** -0.5 if scale is None else float(scale),
+                    None if soft_cap is None else float(soft_cap), score_mod)
+    cfg = _ring.Config(implementation, (), scores, kern, expand, split, sinks is not None)
+    sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks
+    tokens = tuple(x.astype(jnp.int32) for x in (qpos, kpos, qseg, kseg))
+    return _sharded(cfg, p, q, payload, params, sinks, *tokens, plain=expand is None)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -212,64 +323,23 @@ def _layout(p: Partitioner, B: int, K: int):
     return batch_axes, p.sequence_axes("attention"), head_axes, repeat
 
 
-def _sharded(q, k, v, qpos, kpos, qseg, kseg, p: Partitioner, *, strategy, causal,
-             sliding_window, scale):
-    batch_axes, seq_axes, head_axes, repeat = _layout(p, q.shape[0], k.shape[2])
-    if repeat > 1:  # fewer kv heads than tensor shards: each shard gets a copy of its kv head
-        k = jnp.repeat(k, repeat, axis=2)
-        v = jnp.repeat(v, repeat, axis=2)
-    local = functools.partial(_ring.attend_shard, strategy=strategy, axes=seq_axes,
-                              causal=causal, sliding_window=sliding_window, scale=scale)
+def _sharded(cfg, p: Partitioner, q, payload, params, sinks, qpos, kpos, qseg, kseg, *, plain):
+    batch_axes, seq_axes, head_axes, repeat = _layout(p, q.shape[0], q.shape[2] if not plain
+                                                      else payload[0].shape[2])
+    if plain and repeat > 1:  # fewer kv heads than tensor shards: each shard gets its copy
+        payload = tuple(jnp.repeat(x, repeat, axis=2) for x in payload)
     if p.mesh is None:
-        return local(q, k, v, qpos, kpos, qseg, kseg)
+        return _ring.attend_shard(q, payload, params, sinks, qpos, kpos, qseg, kseg, cfg=cfg)
+    cfg = _ring.Config(cfg.strategy, tuple(seq_axes), cfg.scores, cfg.kernel, cfg.expand,
+                       cfg.split, cfg.sinks)
     b, s, h = _entry(batch_axes), _entry(seq_axes), _entry(head_axes)
     act, tok = P(b, s, h, None), P(b, s)
-    with jax.named_scope(f"attention_{strategy}"):
-        return jax.shard_map(local, mesh=p.mesh, in_specs=(act, act, act, tok, tok, tok, tok),
-                             out_specs=act, check_vma=False)(q, k, v, qpos, kpos, qseg, kseg)
-
-
-def _cudnn(q, k, v, q_segment_ids, kv_segment_ids, p: Partitioner, *, causal, sliding_window,
-           scale):
-    """cuDNN fused attention (GPU) via `jax.nn.dot_product_attention`.
-
-    cuDNN builds its mask from array indices, so this path *assumes* q and kv positions are
-    0..L-1 in order (they are not read) and accepts no segment ids (no packing, no padding),
-    no sequence sharding, and equal q/v head dims. Batch and heads are sharded as elsewhere.
-    """
-    if jax.default_backend() != "gpu":
-        raise ValueError(f'implementation="cudnn" needs a GPU backend, this is '
-                         f'{jax.default_backend()!r}; use "auto", "ring" or "all_gather"')
-    if q_segment_ids is not None:
-        raise ValueError('implementation="cudnn" supports only unpacked, unpadded sequences '
-                         '(segment ids None); packed documents need "ring" or "all_gather"')
-    cp = p.axis_size(p.sequence_axes("attention"))
-    if cp > 1:
-        raise ValueError(f'implementation="cudnn" cannot run with the sequence sharded {cp} '
-                         f'ways; use "ring" or "all_gather" for context parallelism')
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f'implementation="cudnn" needs q and kv of equal length, got '
-                         f'{q.shape[1]} and {k.shape[1]}')
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f'implementation="cudnn" needs bfloat16 or float16 inputs, got '
-                         f'{q.dtype}; cast q, k and v or use "auto"')
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError(f'implementation="cudnn" needs the value head dim ({v.shape[-1]}) to '
-                         f'equal the query/key head dim ({q.shape[-1]}) -- not MLA; use "auto"')
-    # our window: q - k < W, one-sided; cuDNN's (left, right) counts tokens on each side
-    window = None if sliding_window is None else (sliding_window - 1,
-                                                  0 if causal else k.shape[1])
-
-    def local(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                            local_window_size=window, implementation="cudnn")
-
-    if p.mesh is None:
-        return local(q, k, v)
-    batch_axes, _, head_axes, repeat = _layout(p, q.shape[0], k.shape[2])
-    if repeat > 1:
-        k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    spec = P(_entry(batch_axes), None, _entry(head_axes), None)
-    return jax.shard_map(local, mesh=p.mesh, in_specs=(spec,) * 3, out_specs=spec,
-                         check_vma=False)(q, k, v)
-
+    # MLA: the latent and rotary key are not split by head; kv_up is [R, N, Hn+Hv]
+    pay_specs = (act, act) if plain else (P(b, s, None), P(b, s, None))
+    par_specs = tuple(P(None, h, None) for _ in params)
+    local = functools.partial(_ring.attend_shard, cfg=cfg)
+    with jax.named_scope(f"attention_{cfg.strategy}"):
+        return jax.shard_map(local, mesh=p.mesh,
+                             in_specs=(act, pay_specs, par_specs, P(h), tok, tok, tok, tok),
+                             out_specs=act, check_vma=False)(
+            q, payload, params, sinks, qpos, kpos, qseg, kseg)

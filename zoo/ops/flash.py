@@ -1,17 +1,22 @@
-"""Tiled (flash-style) attention of one query block against one key/value block, in pure JAX.
+"""The zoo flash kernel: tiled (flash-style) attention of one query block over one key block.
 
-The building block of `zoo.ops.ring`: nothing here communicates. Both passes walk tiles of
-``q_tile`` queries by ``kv_tile`` keys with `lax.fori_loop` and dynamic slices (no tiled copies
-of the operands), so one [B, N, q_tile, kv_tile] logit tile is the largest temporary, and
-skip tiles the mask empties (`lax.cond` on `block_may_attend`).
+A `zoo.ops.kernels.BlockKernel` in pure JAX that runs on any platform. Both passes walk every
+(``q_tile`` x ``kv_tile``) tile pair of the block with `lax.fori_loop` over *static* trip counts
+and dynamic slices: no per-tile `lax.cond` (on GPU each would send its predicate to the host)
+and no loop whose length is known only at run time, so one [B, N, q_tile, kv_tile] logit tile
+is the largest temporary and the compiled program holds no conditional at all. Skipping is the
+strategy's job, per block and sub-block (`zoo.ops.ring`): empty ones are never handed to the
+kernel and fully visible ones come with ``masked=False``, so the mask is not evaluated there;
+within a partial block the kernel masks elementwise.
 
-* `block_forward` merges this key block into a running (out, lse): ``out`` [B,L,N,V] fp32 is
-  normalised over the keys seen so far and ``lse`` [B,N,L] fp32 their log-sum-exp (-inf for
-  rows that have seen nothing; their ``out`` is 0). Starting from (0, -inf) it is plain
-  attention; called once per ring step it is the online-softmax merge of the ring.
-* `block_backward` accumulates this block's gradients into dq, dk, dv (fp32) from the *final*
-  log-sum-exp and ``delta = sum(dout * out)``: p = exp(s - lse) are then the true
-  probabilities, so every key block contributes independently (the flash-attention backward).
+* `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32).
+* `FlashKernel.backward` from the global (out, lse): p = exp(s - lse) are the true
+  probabilities and delta = sum(dout * out) the true softmax-Jacobian term, so the block's
+  (dq, dk, dv) are exact on their own. Score modifiers (soft cap, `ScoreMod`) are
+  differentiated with their exact VJP per tile.
+
+Matmuls take the operands' dtype (bf16 stays bf16) and accumulate in fp32
+(``preferred_element_type``); softmax statistics are fp32.
 
 Legend: B batch, L queries, S keys, Q query tile, C key tile, K kv heads, G query heads per kv
 head (N = K*G), H q/k head dim, V value head dim.
@@ -19,17 +24,21 @@ head (N = K*G), H q/k head dim, V value head dim.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zoo.ops.masks import attention_mask, block_may_attend
+from zoo.ops.kernels import BlockKernel, Scores, register_kernel
+from zoo.ops.masks import evaluate
 
-# Tile sizes, read at trace time. Small tiles keep the per-device constant (a few
-# [B, N, Q, C] fp32 temporaries) small next to the 1/cp-sized activations and skip the masked
-# triangle finely; on CPU 64x64 was also the fastest of 32..256. Accelerators may prefer larger.
-Q_TILE = 64
-KV_TILE = 64
 F32 = jnp.float32
+# Default tiles: on CPU 64x64 was the fastest of 32..256 and keeps the per-device constant
+# small next to the 1/cp-sized activations; accelerators want wide tiles to fill the
+# MXU/tensor cores.
+CPU_TILES = (64, 64)
+ACCELERATOR_TILES = (512, 512)
 
 
 def tile_size(n: int, target: int) -> int:
@@ -48,49 +57,51 @@ def _put(x, update, i, size, axis=1):
     return lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), i * size, axis)
 
 
-def _logits(q, k, qp, kp, qs, ks, cfg):
-    """Masked logits [B,K,G,Q,C] in fp32 (-inf where masked) and the mask [B,1,1,Q,C]."""
-    s = jnp.einsum("bqkgh,bckh->bkgqc", q, k, preferred_element_type=F32) * cfg.scale
-    mask = attention_mask(qp, kp, qs, ks, causal=cfg.causal,
-                          sliding_window=cfg.sliding_window)[:, None, None]
-    return jnp.where(mask, s, -jnp.inf), mask
-
-
-def _may(qp, kp, qs, ks, cfg):
-    return block_may_attend(qp, kp, qs, ks, causal=cfg.causal, sliding_window=cfg.sliding_window)
-
-
 def _bqkg(x):
     """[B,K,G,Q] -> [B,Q,K,G,1], to scale a [B,Q,K,G,V] tile per row."""
     return jnp.moveaxis(x, -1, 1)[..., None]
 
 
-def block_forward(q, k, v, qp, kp, qs, ks, out, lse, cfg, active=True):
-    """Merge attention of q [B,L,N,H] over k [B,S,K,H], v [B,S,K,V] into (out, lse).
+def _tile_logits(scores: Scores, masked, q, k, qp, kp, qs, ks, head):
+    """Logits [B,K,G,Q,C] fp32 (-inf where masked) and the VJP of the score modifiers."""
+    s = jnp.einsum("bqkgh,bckh->bkgqc", q, k, preferred_element_type=F32) * scores.scale
+    tokens = (qp[:, None, None, :, None], kp[:, None, None, None, :],
+              qs[:, None, None, :, None], ks[:, None, None, None, :])
+    mod_vjp = None
+    if scores.modified:
+        s, mod_vjp = jax.vjp(lambda x: scores.modify(x, *tokens, head), s)
+    if masked:
+        s = jnp.where(evaluate(scores.mask, *tokens), s, -jnp.inf)
+    return s, mod_vjp
 
-    ``active=False`` (a traced bool) leaves (out, lse) as they are: the tile loop runs zero
-    times, which skips a block without the copies a `lax.cond` around the loop would make.
-    """
-    B, L, N, H = q.shape
-    _, S, K, V = v.shape
-    G = N // K
-    tq, tk = tile_size(L, cfg.q_tile), tile_size(S, cfg.kv_tile)
-    q = q.reshape(B, L, K, G, H)
 
-    def q_body(i, carry):
-        out, lse = carry
-        qi, qpi, qsi = _slice(q, i, tq), _slice(qp, i, tq), _slice(qs, i, tq)
-        lse_i = _slice(lse, i, tq, axis=2).reshape(B, K, G, tq)
-        # the running (out, lse) is the online-softmax state (acc=out, m=lse, den=1) in disguise
-        seen = jnp.isfinite(lse_i)
-        state = (lse_i, seen.astype(F32), _slice(out, i, tq).reshape(B, tq, K, G, V))
+@dataclasses.dataclass(frozen=True)
+class FlashKernel(BlockKernel):
+    """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
+    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths."""
+    q_tile: int | None = None
+    kv_tile: int | None = None
 
-        def kv_body(j, state):
-            kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kp, ks))
+    def tiles(self, L: int, S: int) -> tuple[int, int]:
+        dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
+        return tile_size(L, self.q_tile or dq), tile_size(S, self.kv_tile or dk)
 
-            def update(state):
+    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
+        B, L, N, H = q.shape
+        _, S, K, V = v.shape
+        G = N // K
+        tq, tk = self.tiles(L, S)
+        q = q.reshape(B, L, K, G, H)
+        head = jnp.arange(N).reshape(1, K, G, 1, 1)
+
+        def q_body(i, carry):
+            out, lse = carry
+            qi, qpi, qsi = _slice(q, i, tq), _slice(q_pos, i, tq), _slice(q_seg, i, tq)
+
+            def kv_body(j, state):
                 m, den, acc = state  # max [B,K,G,Q], denominator [B,K,G,Q], [B,Q,K,G,V]
-                s, _ = _logits(qi, kj, qpi, kpj, qsi, ksj, cfg)
+                kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
+                s, _ = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing seen yet
                 alpha = jnp.exp(m - m_safe)  # 0 when m is -inf
@@ -99,63 +110,62 @@ def block_forward(q, k, v, qp, kp, qs, ks, out, lse, cfg, active=True):
                                 preferred_element_type=F32)
                 return m_new, den * alpha + jnp.sum(p, axis=-1), acc * _bqkg(alpha) + pv
 
-            return lax.cond(_may(qpi, kpj, qsi, ksj, cfg), update, lambda s: s, state)
+            init = (jnp.full((B, K, G, tq), -jnp.inf, F32), jnp.zeros((B, K, G, tq), F32),
+                    jnp.zeros((B, tq, K, G, V), F32))
+            m, den, acc = lax.fori_loop(0, S // tk, kv_body, init)
+            seen = den > 0
+            den = jnp.where(seen, den, 1.0)
+            lse_i = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
+            return (_put(out, (acc / _bqkg(den)).reshape(B, tq, N, V), i, tq),
+                    _put(lse, lse_i.reshape(B, N, tq), i, tq, axis=2))
 
-        m, den, acc = lax.fori_loop(0, S // tk, kv_body, state)
-        seen = den > 0
-        den = jnp.where(seen, den, 1.0)
-        acc = acc / _bqkg(den)
-        lse_i = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
-        return (_put(out, acc.reshape(B, tq, N, V), i, tq),
-                _put(lse, lse_i.reshape(B, N, tq), i, tq, axis=2))
+        init = (jnp.zeros((B, L, N, V), F32), jnp.full((B, N, L), -jnp.inf, F32))
+        return lax.fori_loop(0, L // tq, q_body, init)
 
-    return lax.fori_loop(0, jnp.where(active, L // tq, 0), q_body, (out, lse))
+    def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
+                 masked):
+        B, L, N, H = q.shape
+        _, S, K, V = v.shape
+        G = N // K
+        tq, tk = self.tiles(L, S)
+        head = jnp.arange(N).reshape(1, K, G, 1, 1)
+        # delta_i = sum_v dout * out over the *global* out: the softmax-Jacobian term
+        delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p = 0 anyway
+        q, dout = q.reshape(B, L, K, G, H), dout.astype(q.dtype).reshape(B, L, K, G, V)
 
+        def kv_body(j, carry):
+            dq, dk, dv = carry
+            kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
 
-def block_backward(q, k, v, qp, kp, qs, ks, dout, lse, delta, dq, dk, dv, cfg, active=True):
-    """Accumulate this block pair's gradients into dq [B,L,N,H], dk [B,S,K,H], dv [B,S,K,V].
-
-    ``lse`` [B,N,L] is the final log-sum-exp over *all* keys and ``delta`` [B,N,L] is
-    sum(dout * out) over V. Accumulators are fp32. ``active`` as in `block_forward`.
-    """
-    B, L, N, H = q.shape
-    _, S, K, V = v.shape
-    G = N // K
-    tq, tk = tile_size(L, cfg.q_tile), tile_size(S, cfg.kv_tile)
-    q, dout = q.reshape(B, L, K, G, H), dout.reshape(B, L, K, G, V)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p = 0 anyway
-
-    def kv_body(j, carry):
-        dq, dk, dv = carry
-        kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kp, ks))
-
-        def q_body(i, carry):
-            dq, dkj, dvj = carry
-            qi, doi, qpi, qsi = (_slice(x, i, tq) for x in (q, dout, qp, qs))
-            lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
-                              for x in (lse, delta))
-
-            def update(args):
-                dqi, dkj, dvj = args
-                s, mask = _logits(qi, kj, qpi, kpj, qsi, ksj, cfg)
-                p = jnp.where(mask, jnp.exp(s - lse_i), 0.0)
+            def q_body(i, carry):
+                dq, dkj, dvj = carry
+                qi, doi, qpi, qsi = (_slice(x, i, tq) for x in (q, dout, q_pos, q_seg))
+                lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
+                                  for x in (lse, delta))
+                s, mod_vjp = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head)
+                p = jnp.exp(s - lse_i)  # exp(-inf) = 0 on masked entries
                 dvj = dvj + jnp.einsum("bkgqc,bqkgv->bckv", p.astype(doi.dtype), doi,
                                        preferred_element_type=F32)
                 dp = jnp.einsum("bqkgv,bckv->bkgqc", doi, vj, preferred_element_type=F32)
+                ds = p * (dp - delta_i)
+                if mod_vjp is not None:
+                    ds = jnp.where(p > 0, mod_vjp(ds)[0], 0.0)
                 # ds in the operands' dtype, as flash kernels do: mixing fp32 with bf16 operands
                 # would let XLA hoist fp32 copies of the whole q and k out of the loops
-                ds = (p * (dp - delta_i) * cfg.scale).astype(qi.dtype)
-                dqi = dqi + jnp.einsum("bkgqc,bckh->bqkgh", ds, kj,
-                                       preferred_element_type=F32).reshape(dqi.shape)
+                ds = (ds * scores.scale).astype(qi.dtype)
+                dqi = jnp.einsum("bkgqc,bckh->bqkgh", ds, kj, preferred_element_type=F32)
                 dkj = dkj + jnp.einsum("bkgqc,bqkgh->bckh", ds, qi, preferred_element_type=F32)
-                return dqi, dkj, dvj
+                dq = _put(dq, _slice(dq, i, tq) + dqi.reshape(B, tq, N, H), i, tq)
+                return dq, dkj, dvj
 
-            dqi, dkj, dvj = lax.cond(_may(qpi, kpj, qsi, ksj, cfg), update, lambda a: a,
-                                     (_slice(dq, i, tq), dkj, dvj))
-            return _put(dq, dqi, i, tq), dkj, dvj
+            dq, dkj, dvj = lax.fori_loop(0, L // tq, q_body, (
+                dq, jnp.zeros((B, tk, K, H), F32), jnp.zeros((B, tk, K, V), F32)))
+            return dq, _put(dk, dkj, j, tk), _put(dv, dvj, j, tk)
 
-        dq, dkj, dvj = lax.fori_loop(0, L // tq, q_body, (dq, _slice(dk, j, tk),
-                                                          _slice(dv, j, tk)))
-        return dq, _put(dk, dkj, j, tk), _put(dv, dvj, j, tk)
+        init = (jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
+                jnp.zeros((B, S, K, V), F32))
+        return lax.fori_loop(0, S // tk, kv_body, init)
 
-    return lax.fori_loop(0, jnp.where(active, S // tk, 0), kv_body, (dq, dk, dv))
+
+register_kernel("flash", FlashKernel())

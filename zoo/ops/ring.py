@@ -1,21 +1,32 @@
-"""Context-parallel attention inside one shard: all-gather and ring, with a flash `custom_vjp`.
+"""Context-parallel attention inside one shard: all-gather and ring, with an exact `custom_vjp`.
 
 `attend_shard` runs under `shard_map` (or unsharded, with ``axes=()``). Each device holds
-``L/cp`` queries and ``S/cp`` keys/values with their positions and segment ids.
+``L/cp`` queries and ``S/cp`` tokens of the *wire payload* -- what crosses the network -- with
+their positions and segment ids. For ordinary attention the payload is (k, v); for MLA it is
+the compressed latent and the shared rotary key, and ``expand(params, payload) -> (k, v)``
+builds the per-head K/V on each shard after the transfer (its VJP sends the latent's gradient
+back the same way, and the parameters' gradients stay local; `shard_map` sums them).
 
-* ``"all_gather"``: gather K/V (+ positions, segments) over the sequence axes -- in one piece
-  when it is no larger than the local queries, else in slices (`_gather_chunks`) -- and attend
-  with the local queries (`zoo.ops.flash` tiles, empty tiles skipped). Backward re-gathers K/V
-  (the forward's gathered copy is not kept) and reduce-scatters dK/dV.
-* ``"ring"``: ``cp`` steps; at step t device r holds the K/V block of shard r - t, attends to it
-  unless `block_may_attend` says the mask empties it (the tile loop then runs zero times),
-  merges it into the running fp32 online softmax (`flash.block_forward`), and passes the block
-  on with `ppermute`. Backward walks the same ring
-  from the saved log-sum-exp; dK/dV travel with their block and arrive home after ``cp`` hops.
+* ``"all_gather"``: gather the payload (+ positions, segments) over the sequence axes -- in
+  one piece when the expanded K/V are no larger than the local queries, else in slices
+  (`gather_slices`) -- and attend with the local queries. Backward re-gathers and
+  reduce-scatters the payload's gradient.
+* ``"ring"``: ``cp`` steps; at step t device r holds the payload of shard r - t. Each step
+  first *sends* the block on (`ppermute`, independent of this step's compute, so XLA may
+  overlap them), then attends to it and merges into the fp32 online softmax. Backward walks the
+  same ring; the payload gradient accumulator of a block travels with it, and each step's
+  block gradients are computed before the accumulator that just arrived is touched, so its
+  transfer overlaps the compute.
 
-The forward keeps only (q, k, v, positions, segments, out, lse) for the backward, so per-device
-memory is O(local activations + one K/V block): 1/cp of the unsharded program plus small
-constants (see benchmarks/context_parallel.py).
+Skipping: a block is split into ``split`` x ``split`` sub-blocks (per gathered shard for
+all-gather); each is classified from position/segment bounds (`zoo.ops.masks.block_kind`) and
+one `lax.switch` picks "skip" (empty), the kernel with ``masked=False`` (full) or with the mask
+(partial). That is ``split**2`` conditionals per ring step, none per tile: the count does not
+grow with the sequence length. ``split=2`` matches the load-balanced layout (each shard holds
+two chunks), so causal blocks are classified exactly at chunk granularity.
+
+Sinks (``[N]`` logits with no value) join each row's softmax after the merge; their gradient is
+``-sum(exp(sink - lse) * delta)``.
 
 Legend: B batch, L local query length, S local kv length, N query heads, K kv heads,
 H head dim, V value head dim; cp the number of sequence shards.
@@ -25,13 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zoo.ops import flash
-from zoo.ops.masks import block_may_attend
+from zoo.ops.flash import _put, _slice
+from zoo.ops.kernels import BlockKernel, Scores
+from zoo.ops.masks import block_kind, bounds
 
 F32 = jnp.float32
 
@@ -40,32 +53,26 @@ F32 = jnp.float32
 class Config:
     strategy: str  # "ring" | "all_gather"
     axes: tuple[str, ...]  # mesh axes sharding the sequence (empty: unsharded)
-    causal: bool
-    sliding_window: int | None
-    scale: float
-    q_tile: int
-    kv_tile: int
+    scores: Scores
+    kernel: BlockKernel
+    expand: Callable | None = None  # (params, payload) -> (k, v); None: payload is (k, v)
+    split: int = 2
+    sinks: bool = False
 
 
-def attend_shard(q, k, v, qpos, kpos, qseg, kseg, *, strategy, axes, causal, sliding_window,
-                 scale, q_tile=None, kv_tile=None):
-    """One shard's attention output [B, L, N, V] in q's dtype (see module docstring).
-
-    Tile sizes default to `flash.Q_TILE` / `flash.KV_TILE`, read at trace time.
-    """
-    if strategy not in ("ring", "all_gather"):
-        raise ValueError(f"strategy {strategy!r} must be 'ring' or 'all_gather'")
-    cfg = Config(strategy, tuple(axes), causal, sliding_window, scale,
-                 q_tile or flash.Q_TILE, kv_tile or flash.KV_TILE)
-    return _attend(cfg, q, k, v, qpos, kpos, qseg, kseg)
+def attend_shard(q, payload, params, sinks, qpos, kpos, qseg, kseg, *, cfg: Config):
+    """One shard's attention output [B, L, N, V] in q's dtype (see module docstring)."""
+    if cfg.strategy not in ("ring", "all_gather"):
+        raise ValueError(f"strategy {cfg.strategy!r} must be 'ring' or 'all_gather'")
+    return _attend(cfg, q, tuple(payload), tuple(params), sinks, qpos, kpos, qseg, kseg)
 
 
 def _cp(cfg: Config) -> int:
     return lax.axis_size(cfg.axes) if cfg.axes else 1
 
 
-def _gather(x, cfg):
-    return lax.all_gather(x, cfg.axes, axis=1, tiled=True) if cfg.axes else x
+def _expand(cfg, params, payload):
+    return tuple(payload) if cfg.expand is None else tuple(cfg.expand(params, payload))
 
 
 def _shift(xs, cfg):
@@ -77,27 +84,19 @@ def _shift(xs, cfg):
     return jax.tree.map(lambda x: lax.ppermute(x, cfg.axes, perm), xs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg, q, k, v, qpos, kpos, qseg, kseg):
-    out, _ = _forward(cfg, q, k, v, qpos, kpos, qseg, kseg)
-    return out
-
-
-def _gather_chunks(cfg, q, k, v):
-    """(number of gather steps m, keys per shard per step) for the all-gather strategy.
-
-    One gather (m=1, Llama-3 style) when the whole K/V is no larger than the local queries
-    (``S*K*(H+V) <= L/cp * N * H``: GQA/MQA with few kv heads, small cp). Otherwise K/V are
-    gathered in m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
-    divisor of the local kv length that keeps a gathered slice within that size, so per-device
-    memory stays ~1/cp; the backward reduce-scatters dK/dV slice by slice. Either way the bytes
-    moved equal one gather (and one reduce-scatter).
-    """
-    return gather_slices(_cp(cfg), q.shape, k.shape, v.shape)
+def _gather(x, cfg):
+    return lax.all_gather(x, cfg.axes, axis=1, tiled=True) if cfg.axes else x
 
 
 def gather_slices(cp, q_shape, k_shape, v_shape):
-    """`_gather_chunks` on local shapes [B, L/cp, N, H], [B, S/cp, K, H], [B, S/cp, K, V]."""
+    """(number of gather steps m, keys per shard per step) for the all-gather strategy, from
+    local shapes [B, L/cp, N, H], [B, S/cp, K, H], [B, S/cp, K, V] of the *expanded* K/V.
+
+    One gather (m=1, Llama-3 style) when the whole K/V is no larger than the local queries.
+    Otherwise m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
+    divisor of the local kv length that keeps a gathered slice within that size, so per-device
+    memory stays ~1/cp. Either way the bytes moved equal one gather (and one reduce-scatter).
+    """
     s_local = k_shape[1]
     if cp == 1:
         return 1, s_local
@@ -109,114 +108,226 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     return m, s_local // m
 
 
-def _gathered(cfg, t, c, xs):
-    """Slice t of every shard's arrays, gathered: [B, cp*c, ...] in shard order."""
-    return tuple(_gather(flash._slice(x, t, c), cfg) for x in xs)
+# -- visiting the sub-blocks of one block pair ------------------------------------------------
+
+def _pieces(cfg, L, S, kv_groups):
+    """(query piece length, number, key piece length, number): ``split`` pieces per side, and
+    per gathered shard (``kv_groups``) on the key side."""
+    lq = L // cfg.split if L % cfg.split == 0 else L
+    per = S // kv_groups
+    lk = per // cfg.split if per % cfg.split == 0 else per
+    return lq, L // lq, lk, S // lk
 
 
-def _may(cfg, qpos, kpos, qseg, kseg):
-    return block_may_attend(qpos, kpos, qseg, kseg, causal=cfg.causal,
-                            sliding_window=cfg.sliding_window)
+def _merge(out, lse, o, l):
+    """Online-softmax merge of (o, l) into the running (out [B,L,N,V], lse [B,N,L])."""
+    new = jnp.logaddexp(lse, l)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    w1, w2 = (jnp.moveaxis(jnp.exp(x - safe), 1, 2)[..., None] for x in (lse, l))
+    return out * w1 + o * w2, new
 
 
-def _forward(cfg, q, k, v, qpos, kpos, qseg, kseg):
-    """(out in q's dtype, lse [B,N,L] fp32)."""
+def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
+    """Merge attention of q over one (k, v) block into the running (out, lse)."""
     B, L, N, _ = q.shape
-    state = (jnp.zeros((B, L, N, v.shape[-1]), F32), jnp.full((B, N, L), -jnp.inf, F32))
+    S, V = k.shape[1], v.shape[-1]
+    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
 
-    def attend(kb, vb, kpb, ksb, state):
-        # blocks the mask empties are skipped (the tile loop runs 0 times); collectives stay
-        # outside any data-dependent control flow: every device must take part in them
-        return flash.block_forward(q, kb, vb, qpos, kpb, qseg, ksb, *state, cfg,
-                                   active=_may(cfg, qpos, kpb, qseg, ksb))
+    def pair(idx, state):
+        a, b = idx // nk, idx % nk
+        qa, qpa, qsa = _slice(q, a, lq), _slice(qp, a, lq), _slice(qs, a, lq)
+        kb, vb, kpb, ksb = (_slice(x, b, lk) for x in (k, v, kp, ks))
+        kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
 
-    if cfg.strategy == "all_gather" or _cp(cfg) == 1:
-        m, c = _gather_chunks(cfg, q, k, v)
+        def run(masked):
+            return lambda: cfg.kernel.forward(qa, kb, vb, qpa, kpb, qsa, ksb,
+                                              scores=cfg.scores, masked=masked)
 
-        def gather_step(t, state):
-            with jax.named_scope("all_gather_kv"):
-                kb, vb, kpb, ksb = _gathered(cfg, t, c, (k, v, kpos, kseg))
-            return attend(kb, vb, kpb, ksb, state)
+        def skip():
+            return jnp.zeros((B, lq, N, V), F32), jnp.full((B, N, lq), -jnp.inf, F32)
 
-        out, lse = lax.fori_loop(0, m, gather_step, state)
-        return out.astype(q.dtype), lse
+        o, l = lax.switch(kind, (skip, run(False), run(True)))
+        out, lse = state
+        oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, l)
+        return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
 
-    def ring_step(carry, _):
-        kb, vb, kpb, ksb, state = carry
-        with jax.named_scope("ring_block"):
-            state = attend(kb, vb, kpb, ksb, state)
-        # the last hop brings each block home again; it is not needed, but keeping the scan
-        # body uniform compiles the block kernel once instead of twice
-        kb, vb, kpb, ksb = _shift((kb, vb, kpb, ksb), cfg)
-        return (kb, vb, kpb, ksb, state), None
-
-    (*_, (out, lse)), _ = lax.scan(ring_step, (k, v, kpos, kseg, state), None, length=_cp(cfg))
-    return out.astype(q.dtype), lse
+    return lax.fori_loop(0, nq * nk, pair, state)
 
 
-def _attend_fwd(cfg, q, k, v, qpos, kpos, qseg, kseg):
-    out, lse = _forward(cfg, q, k, v, qpos, kpos, qseg, kseg)
-    return out, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1):
+    """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse)."""
+    L, S = q.shape[1], k.shape[1]
+    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
+
+    def pair(idx, acc):
+        a, b = idx // nk, idx % nk
+        qa, qpa, qsa, oa, da = (_slice(x, a, lq) for x in (q, qp, qs, out, dout))
+        la = _slice(lse, a, lq, axis=2)
+        kb, vb, kpb, ksb = (_slice(x, b, lk) for x in (k, v, kp, ks))
+        kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
+
+        def run(masked):
+            return lambda: cfg.kernel.backward(qa, kb, vb, qpa, kpb, qsa, ksb, oa, la, da,
+                                               scores=cfg.scores, masked=masked)
+
+        def skip():
+            return (jnp.zeros(qa.shape, F32), jnp.zeros(kb.shape, F32),
+                    jnp.zeros(vb.shape, F32))
+
+        gq, gk, gv = lax.switch(kind, (skip, run(False), run(True)))
+        dq, dk, dv = acc
+        return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
+                _put(dv, _slice(dv, b, lk) + gv, b, lk))
+
+    init = (dq, _zeros_after(dout, k.shape), _zeros_after(dout, v.shape))
+    return lax.fori_loop(0, nq * nk, pair, init)
 
 
 def _zeros_after(x, shape):
-    """fp32 zeros of `shape` that XLA can only materialise once `x` exists.
+    """fp32 zeros of `shape` that XLA can only materialise once `x` (a backward value) exists.
 
     Plain `jnp.zeros` accumulators are constants: XLA's scheduler fills them at the start of
-    the program and keeps them alive through the whole forward ring (and CSE may share them
-    with the forward's zero-filled state), adding q + k + v sized fp32 buffers to the forward's
-    peak. Multiplying by one (finite) element of `x` ties them to the backward; XLA does not
-    fold ``y * 0`` for floats; the select keeps an inf/NaN in `x` out of the gradients and
-    `abs` makes the zero +0.0 (untouched gradient entries stay exactly +0.0).
+    the program and keeps them alive through the whole forward, adding q + k + v sized fp32
+    buffers to the peak. Multiplying by one (finite) element of `x` ties them to the backward
+    (XLA does not fold ``y * 0`` for floats); the select keeps an inf/NaN in `x` out of the
+    gradients and `abs` makes the zero +0.0.
     """
-    if x.size == 0:
-        return jnp.zeros(shape, F32)
-    anchor = x.ravel()[0]
+    anchor = x.ravel()[0].astype(F32)
     return jnp.full(shape, jnp.where(jnp.isfinite(anchor), jnp.abs(anchor), 0.0) * 0.0, F32)
 
 
-def _attend_bwd(cfg, res, dout):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = res
-    # delta_i = sum_v dout * out: the softmax-Jacobian term of the flash backward
-    delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
+# -- the custom_vjp ----------------------------------------------------------------------------
 
-    def grads(kb, vb, kpb, ksb, acc):
-        return flash.block_backward(q, kb, vb, qpos, kpb, qseg, ksb, dout, lse, delta, *acc,
-                                    cfg, active=_may(cfg, qpos, kpb, qseg, ksb))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
+    out, _ = _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg)
+    return out
+
+
+def _gathered(cfg, t, c, xs):
+    """Slice t of every shard's arrays, gathered: [B, cp*c, ...] in shard order."""
+    return tuple(_gather(_slice(x, t, c), cfg) for x in xs)
+
+
+def _slices(cfg, q, params, payload):
+    k, v = jax.eval_shape(lambda: _expand(cfg, params, payload))
+    return gather_slices(_cp(cfg), q.shape, k.shape, v.shape)
+
+
+def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
+    """(out in q's dtype, lse [B,N,L] fp32), sinks included."""
+    B, L, N, _ = q.shape
+    k0, v0 = jax.eval_shape(lambda: _expand(cfg, params, payload))
+    state = (jnp.zeros((B, L, N, v0.shape[-1]), F32), jnp.full((B, N, L), -jnp.inf, F32))
+
+    def attend(pl, kpb, ksb, state, groups):
+        k, v = _expand(cfg, params, pl)
+        return _forward_block(cfg, q, qpos, qseg, k, v, kpb, ksb, state, groups)
 
     if cfg.strategy == "all_gather" or _cp(cfg) == 1:
-        m, c = _gather_chunks(cfg, q, k, v)
+        m, c = _slices(cfg, q, params, payload)
 
-        def gather_step(t, carry):
-            dq, dk, dv = carry
+        def gather_step(t, state):
             with jax.named_scope("all_gather_kv"):
-                kb, vb, kpb, ksb = _gathered(cfg, t, c, (k, v, kpos, kseg))
-            dq, dkb, dvb = grads(kb, vb, kpb, ksb, (dq, jnp.zeros(kb.shape, F32),
-                                                    jnp.zeros(vb.shape, F32)))
-            if cfg.axes:
-                with jax.named_scope("reduce_scatter_dkv"):
-                    dkb = lax.psum_scatter(dkb, cfg.axes, scatter_dimension=1, tiled=True)
-                    dvb = lax.psum_scatter(dvb, cfg.axes, scatter_dimension=1, tiled=True)
-            return dq, flash._put(dk, dkb, t, c), flash._put(dv, dvb, t, c)
+                *pl, kpb, ksb = _gathered(cfg, t, c, (*payload, kpos, kseg))
+            return attend(tuple(pl), kpb, ksb, state, _cp(cfg))
 
-        # (plain zeros here: `_zeros_after` measured worse for this path, +0.8 MiB at cp=1)
-        dq, dk, dv = lax.fori_loop(0, m, gather_step, (jnp.zeros(q.shape, F32),
-                                                       jnp.zeros(k.shape, F32),
-                                                       jnp.zeros(v.shape, F32)))
+        out, lse = lax.fori_loop(0, m, gather_step, state)
     else:
         def ring_step(carry, _):
-            kb, vb, kpb, ksb, dkb, dvb, dq = carry
-            with jax.named_scope("ring_block_grad"):
-                dq, dkb, dvb = grads(kb, vb, kpb, ksb, (dq, dkb, dvb))
-            # dK/dV travel with their block; after cp hops both are back at their owner
-            kb, vb, kpb, ksb, dkb, dvb = _shift((kb, vb, kpb, ksb, dkb, dvb), cfg)
-            return (kb, vb, kpb, ksb, dkb, dvb, dq), None
+            pl, kpb, ksb, state = carry
+            nxt = _shift((pl, kpb, ksb), cfg)  # sent before (and independent of) the compute
+            with jax.named_scope("ring_block"):
+                state = attend(pl, kpb, ksb, state, 1)
+            return (*nxt, state), None
 
-        # accumulators zero-filled only once the backward starts (see `_zeros_after`)
-        zeros = functools.partial(_zeros_after, delta)
-        init = (k, v, kpos, kseg, zeros(k.shape), zeros(v.shape), zeros(q.shape))
-        (*_, dk, dv, dq), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+        (*_, (out, lse)), _ = lax.scan(ring_step, (payload, kpos, kseg, state), None,
+                                       length=_cp(cfg))
+    if cfg.sinks:  # a sink is one more logit per head in every row's softmax, with no value
+        total = jnp.logaddexp(lse, sinks.astype(F32)[None, :, None])
+        out = out * jnp.moveaxis(jnp.exp(lse - total), 1, 2)[..., None]
+        lse = total
+    return out.astype(q.dtype), lse
+
+
+def _attend_fwd(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
+    out, lse = _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg)
+    return out, (q, payload, params, sinks, qpos, kpos, qseg, kseg, out, lse)
+
+
+def _payload_vjp(cfg, params, pl):
+    """((k, v), vjp) of the expansion; the cotangents come back in fp32."""
+    if cfg.expand is None:
+        return tuple(pl), lambda g: (jax.tree.map(jnp.zeros_like, params), tuple(g))
+
+    def f(params, pl):
+        return tuple(x.astype(F32) for x in _expand(cfg, params, pl))
+
+    kv32, vjp = jax.vjp(f, params, tuple(pl))
+    shapes = jax.eval_shape(lambda: _expand(cfg, params, pl))
+    k, v = (y.astype(s.dtype) for y, s in zip(kv32, shapes))
+
+    def back(g):
+        dparams, dpl = vjp(tuple(g))
+        return dparams, tuple(x.astype(F32) for x in dpl)
+
+    return (k, v), back
+
+
+def _attend_bwd(cfg, res, dout):
+    q, payload, params, sinks, qpos, kpos, qseg, kseg, out, lse = res
+
+    def grads(pl, kpb, ksb, dq, groups):
+        (k, v), back = _payload_vjp(cfg, params, pl)
+        dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out, lse, dout, dq, k, v, kpb, ksb,
+                                     groups)
+        dparams, dpl = back((dk, dv))
+        return dq, dparams, dpl
+
+    # accumulators zero-filled only once the backward starts (see `_zeros_after`)
+    zeros = functools.partial(jax.tree.map, lambda x: _zeros_after(dout, x.shape))
+    dq, dparams = _zeros_after(dout, q.shape), zeros(params)
+    if cfg.strategy == "all_gather" or _cp(cfg) == 1:
+        m, c = _slices(cfg, q, params, payload)
+
+        def gather_step(t, carry):
+            dq, dparams, dpayload = carry
+            with jax.named_scope("all_gather_kv"):
+                *pl, kpb, ksb = _gathered(cfg, t, c, (*payload, kpos, kseg))
+            dq, dparams_b, dpl = grads(tuple(pl), kpb, ksb, dq, _cp(cfg))
+            if cfg.axes:
+                with jax.named_scope("reduce_scatter_dkv"):
+                    dpl = tuple(lax.psum_scatter(x, cfg.axes, scatter_dimension=1, tiled=True)
+                                for x in dpl)
+            dpayload = tuple(_put(d, x, t, c) for d, x in zip(dpayload, dpl))
+            return dq, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
+
+        dq, dparams, dpayload = lax.fori_loop(0, m, gather_step, (dq, dparams, zeros(payload)))
+    else:
+        def ring_step(carry, _):
+            pl, kpb, ksb, acc, dq, dparams = carry
+            nxt = _shift((pl, kpb, ksb), cfg)
+            with jax.named_scope("ring_block_grad"):
+                dq, dparams_b, dpl = grads(pl, kpb, ksb, dq, 1)  # independent of `acc`
+            # the accumulator that arrived last step is used only now, so its transfer
+            # overlaps the block's compute; it travels on with its block, home after cp hops
+            acc = _shift(tuple(a + d for a, d in zip(acc, dpl)), cfg)
+            return (*nxt, acc, dq, jax.tree.map(jnp.add, dparams, dparams_b)), None
+
+        init = (payload, kpos, kseg, zeros(payload), dq, dparams)
+        (*_, dpayload, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
+    dsinks = None
+    if cfg.sinks:  # d lse_total / d sink = p_sink; d loss / d lse_total = -delta
+        delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
+        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - jnp.where(jnp.isfinite(lse), lse,
+                                                                      jnp.inf))
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    else:
+        dsinks = jnp.zeros_like(sinks)
+    cast = lambda ds, xs: tuple(d.astype(x.dtype) for d, x in zip(ds, xs))
+    return (dq.astype(q.dtype), cast(dpayload, payload),
+            jax.tree.map(lambda d, p: d.astype(p.dtype), dparams, params), dsinks,
+            None, None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -1,0 +1,91 @@
+"""Attention block kernels timed under context parallelism on the device at hand.
+
+`run(report)` times forward+backward of `zoo.ops.attention` for each block kernel (``"flash"``:
+the zoo's pure-JAX kernel; ``"tokamax"``: tokamax's Pallas kernels on GPU/TPU) under each
+strategy (``ring``, ``all_gather``) with the sequence sharded over every local device, one
+causal document, bf16 inputs, and checks each against the flash kernel's output. It calls
+``report(section, row)`` with one dict per row; `benchmarks/accelerator_check.py` imports it
+when present, and ``python benchmarks/accel_attention.py`` prints the rows itself. On CPU it
+runs tiny shapes (an import/path check, not a measurement).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zoo
+from zoo.ops import attention
+
+SECTION = "attention kernels under CP"
+SHAPES = {  # name: (heads, kv heads, q/k head dim, v head dim)
+    "gqa": (32, 8, 128, 128),
+    "mla-like": (16, 16, 192, 128),
+}
+
+
+def _inputs(length, shape, dtype):
+    N, K, H, V = shape
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, length, n, d)), dtype)
+               for n, d in ((N, H), (K, H), (K, V)))
+    pos = jnp.arange(length, dtype=jnp.int32)[None]
+    return q, k, v, pos, jnp.ones((1, length), jnp.int32)
+
+
+def _timed(fn, *args, repeats=5):
+    out = jax.block_until_ready(fn(*args))  # compile + warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats, out
+
+
+def run(report, lengths=None):
+    accel = jax.default_backend() in ("gpu", "tpu")
+    lengths = lengths or ((8192, 32768) if accel else (256,))
+    shapes = SHAPES if accel else {"tiny": (4, 2, 16, 16)}
+    cp = jax.local_device_count()
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.local_devices()), "cp")
+    kernels = ("flash", "tokamax")
+    for length in lengths:
+        for name, shape in shapes.items():
+            q, k, v, pos, seg = _inputs(length, shape, jnp.bfloat16)
+            # causal: half of 2*L^2*N*(H+V) forward, x3.5 with the backward
+            flops = length * length * shape[0] * (shape[2] + shape[3]) * 3.5
+            base = None
+            for strategy in ("ring", "all_gather"):
+                for kernel in kernels:
+                    row = dict(length=length, shape=name, cp=cp, strategy=strategy,
+                               kernel=kernel)
+
+                    def loss(q, k, v, kernel=kernel, strategy=strategy):
+                        o = attention(q, k, v, q_positions=pos, kv_positions=pos,
+                                      q_segment_ids=seg, kv_segment_ids=seg, partitioner=p,
+                                      implementation=strategy, kernel=kernel)
+                        return jnp.sum(o.astype(jnp.float32)), o
+
+                    fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+                    try:
+                        seconds, ((_, out), _) = _timed(fn, q, k, v)
+                    except Exception as e:  # noqa: BLE001 -- a row per failure, keep going
+                        report(SECTION, {**row, "error": f"{type(e).__name__}: {e}"[:200]})
+                        continue
+                    out = np.asarray(out, np.float32)
+                    base = out if base is None else base
+                    row.update(ms=round(seconds * 1e3, 2),
+                               tflops=round(flops / seconds / 1e12, 2),
+                               max_abs_diff_vs_first=float(np.abs(out - base).max()))
+                    report(SECTION, row)
+
+
+def _print(section, row):
+    print(f"[{section}] " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    functools.partial(run, _print)()

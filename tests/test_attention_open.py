@@ -1,0 +1,422 @@
+"""Attention as an open op: masks, score modifiers, block kernels, MLA's latent on the wire.
+
+* every mask kind's reference against a numpy loop with independently written rules, and its
+  block classification (empty / full) against the dense mask on random blocks;
+* soft cap, sinks and a `ScoreMod` under ring CP against the reference (forward, dq/dk/dv and
+  the sinks' gradient), and the formulas against transformers (Gemma-2, gpt-oss);
+* the tokamax kernel under CP (its XLA implementation on CPU) and a user-registered kernel;
+* the compiled program's executed `conditional` count does not grow with the sequence, and the
+  flash kernel alone has none;
+* MLA's collective bytes under ring and all-gather fall by the latent/expanded ratio;
+* a user mask of a few lines trains a step of mini DeepSeek-V3 under ring CP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zoo
+from zoo.layers.mla import MLA
+from zoo.ops import (Causal, Chunked, Document, FlashKernel, MaskFn, PrefixLM, ScoreMod,
+                     SlidingWindow, attention, dot_product_attention, mla_attention)
+from zoo.ops import hlo, kernels
+from zoo.ops.masks import EMPTY, FULL, block_kind, bounds, evaluate, prefix_segment_ids
+
+KERNEL = FlashKernel(q_tile=8, kv_tile=8)
+
+
+def _sentence(q_pos, kv_pos, q_seg, kv_seg):
+    return (q_pos // 5 == kv_pos // 5) | (kv_pos < 4)
+
+
+MASKS = {  # name: (mask, the same rule written independently for one (q, k) pair)
+    "causal": (Causal() & Document(), lambda qp, kp, qs, ks: kp <= qp and abs(qs) == abs(ks)),
+    "window": (Causal() & SlidingWindow(3) & Document(),
+               lambda qp, kp, qs, ks: 0 <= qp - kp < 3 and abs(qs) == abs(ks)),
+    "chunked": (Chunked(4) & Document(),
+                lambda qp, kp, qs, ks: qp // 4 == kp // 4 and abs(qs) == abs(ks)),
+    "prefix": (PrefixLM() & Document(), lambda qp, kp, qs, ks: abs(qs) == abs(ks) and (
+        kp <= qp or (qs < 0 and ks < 0))),
+    "document": (Document(), lambda qp, kp, qs, ks: abs(qs) == abs(ks)),
+    "user": (MaskFn(_sentence) | Causal(), lambda qp, kp, qs, ks: (
+        qp // 5 == kp // 5 or kp < 4 or kp <= qp)),
+}
+
+
+def _small():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(2, 12, 4, 8)), rng.normal(size=(2, 12, 2, 8)), rng.normal(
+        size=(2, 12, 2, 6))
+    seg = prefix_segment_ids(np.array([[1] * 5 + [2] * 4 + [0] * 3, [3] * 12]), [[2, 1], [0, 0,
+                                                                                     4]])
+    pos = np.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12))])
+    return q, k, v, pos, seg
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_mask_kinds_match_numpy_loop(name):
+    mask, rule = MASKS[name]
+    q, k, v, pos, seg = _small()
+    got = dot_product_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos),
+                                q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg),
+                                mask=mask)
+    want = np.zeros(got.shape)
+    for b in range(2):
+        for i in range(12):
+            keys = [j for j in range(12) if seg[b, i] and seg[b, j]
+                    and rule(pos[b, i], pos[b, j], seg[b, i], seg[b, j])]
+            for n in range(4):
+                if keys:
+                    s = np.array([q[b, i, n] @ k[b, j, n // 2] for j in keys]) / np.sqrt(8)
+                    p = np.exp(s - s.max())
+                    want[b, i, n] = (p / p.sum()) @ v[b, keys, n // 2]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_block_classification_is_sound(name):
+    """EMPTY only if the dense block is all False, FULL only if all True; both do occur."""
+    mask = MASKS[name][0]
+    rng = np.random.default_rng(2)
+    n = 3000
+    # blocks of 3 tokens at nearby positions: start + 0..2 steps of 0 or 1
+    qp, kp = (rng.integers(0, 12, (n, 1, 1)) + np.cumsum(rng.integers(0, 2, (n, 1, 3)), -1)
+              for _ in range(2))
+    qs, ks = rng.integers(-2, 3, (n, 1, 3)), rng.integers(-2, 3, (n, 1, 3))
+    # half of the blocks: one document, no padding, so FULL blocks exist
+    one = rng.random(n) < 0.5
+    qs[one], ks[one] = np.sign(qs[one]) + (qs[one] == 0), np.sign(ks[one]) + (ks[one] == 0)
+    args = tuple(jnp.asarray(x, jnp.int32) for x in (qp, kp, qs, ks))
+    kind = jax.vmap(lambda a, b, c, d: block_kind(mask, bounds(a, c), bounds(b, d)))(*args)
+    dense = jax.vmap(lambda a, b, c, d: evaluate(mask, a[:, :, None], b[:, None, :],
+                                                 c[:, :, None], d[:, None, :]))(*args)
+    kind, dense = np.asarray(kind), np.asarray(dense).reshape(n, -1)
+    assert not dense[kind == EMPTY].any() and dense[kind == FULL].all()
+    if name != "user":  # MaskFn says "partial"; the others prune
+        assert (kind == EMPTY).mean() > 0.005 and (kind == FULL).mean() > 0.005
+
+
+# -- score modifiers ---------------------------------------------------------------------------
+
+def _packed(B=2, L=32, N=4, K=2, H=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+               for s in ((B, L, N, H), (B, L, K, H), (B, L, K, H)))
+    seg = np.repeat([[1] * 11 + [2] * 15 + [3] * 4 + [0] * 2], B, 0)
+    pos = np.concatenate([np.arange(11), np.arange(15), np.arange(4), [0, 0]])
+    w = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
+    return q, k, v, jnp.asarray(np.tile(pos, (B, 1)), jnp.int32), jnp.asarray(seg), w
+
+
+def _grads(fn, q, k, v, pos, seg, w, sinks):
+    def loss(q, k, v, sinks):
+        o = fn(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
+               kv_segment_ids=seg, sinks=sinks)
+        return jnp.sum(o * w), o
+    (_, o), g = jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    return (o, *g)
+
+
+def _alibi(s, q_pos, kv_pos, q_seg, kv_seg, head):
+    return s - 0.1 * (head + 1) * jnp.abs(q_pos - kv_pos)
+
+
+ALIBI = ScoreMod(_alibi)
+
+
+def _close(got, want, names=("out", "dq", "dk", "dv", "dsinks"), tol=2e-5):
+    for n, g, r in zip(names, got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4,
+                                   atol=tol * max(1.0, float(np.abs(r).max())), err_msg=n)
+
+
+def test_soft_cap_sinks_and_score_mod_under_ring_and_all_gather():
+    q, k, v, pos, seg, w = _packed()
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+    kw = dict(logits_soft_cap=2.0, score_mod=ALIBI)
+    want = jax.jit(lambda: _grads(functools.partial(dot_product_attention, **kw), q, k, v, pos,
+                                  seg, w, sinks))()
+    p = zoo.Partitioner(zoo.make_mesh(context=4, data=2), "cp")
+    for impl in ("ring", "all_gather"):
+        got = jax.jit(lambda: _grads(functools.partial(
+            attention, partitioner=p, implementation=impl, kernel=KERNEL, **kw), q, k, v, pos,
+            seg, w, sinks))()
+        _close(got, want)
+    assert float(jnp.abs(want[4]).max()) > 1e-3  # the sinks' gradient is not trivially zero
+
+
+def test_soft_cap_and_sinks_formulas():
+    """Against softmax([cap * tanh(s / cap), sink]) written out, one document, no mask."""
+    q, k, v, _, _, _ = _packed(B=1, L=6, N=2, K=2)
+    pos = jnp.arange(6)[None]
+    sinks = jnp.asarray([1.0, -0.5])
+    got = dot_product_attention(q, k, v, q_positions=pos, kv_positions=pos, causal=False,
+                                logits_soft_cap=3.0, sinks=sinks)
+    s = np.einsum("blnh,bsnh->bnls", np.asarray(q), np.asarray(k)) / np.sqrt(8)
+    s = 3.0 * np.tanh(s / 3.0)
+    e = np.exp(s)
+    p = e / (e.sum(-1, keepdims=True) + np.exp(np.asarray(sinks))[None, :, None, None])
+    want = np.einsum("bnls,bsnh->blnh", p, np.asarray(v))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def _hf_inputs(N=4, K=2, L=10, H=8):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, L, N, H), (1, L, K, H),
+                                                               (1, L, K, H)))
+    causal = np.tril(np.ones((L, L), bool))
+    hf_mask = torch.tensor(np.where(causal, 0.0, -np.inf)[None, None], dtype=torch.float32)
+    t = lambda x: torch.tensor(x).transpose(1, 2)  # [B, L, N, H] -> [B, N, L, H]
+    pos = jnp.arange(L)[None]
+    return torch, (q, k, v), (t(q), t(k), t(v)), hf_mask, pos
+
+
+def test_soft_cap_matches_gemma2():
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    torch, (q, k, v), tq, mask, pos = _hf_inputs()
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False, head_dim=8)
+    want, _ = eager_attention_forward(module, *tq, mask, scaling=8 ** -0.5, softcap=1.5)
+    got = attention(*(jnp.asarray(x) for x in (q, k, v)), q_positions=pos, kv_positions=pos,
+                    logits_soft_cap=1.5, kernel=KERNEL)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_match_gpt_oss():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    torch, (q, k, v), tq, mask, pos = _hf_inputs()
+    sinks = np.asarray([0.3, -1.0, 2.5, 0.0], np.float32)
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False,
+                                   sinks=torch.tensor(sinks))
+    want, _ = eager_attention_forward(module, *tq, mask, scaling=8 ** -0.5)
+    got = attention(*(jnp.asarray(x) for x in (q, k, v)), q_positions=pos, kv_positions=pos,
+                    sinks=jnp.asarray(sinks), kernel=KERNEL)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# -- kernels -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl,sizes", [("ring", dict(context=4, data=2)),
+                                        ("all_gather", dict(context=2, fsdp=4))])
+def test_tokamax_kernel_under_cp(impl, sizes):
+    """The tokamax kernel (XLA implementation on CPU) with packed documents, padding, a
+    window and sinks, load-balanced order, against the reference."""
+    q, k, v, pos, seg, w = _packed()
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+    mask = Causal() & SlidingWindow(9) & Document()
+    want = jax.jit(lambda: _grads(functools.partial(dot_product_attention, mask=mask), q, k, v,
+                                  pos, seg, w, sinks))()
+    p = zoo.Partitioner(zoo.make_mesh(**sizes), "cp")
+    run = jax.jit(lambda *a: _grads(functools.partial(
+        attention, mask=mask, partitioner=p, implementation=impl, kernel="tokamax"), *a, sinks))
+    compiled = run.lower(q, k, v, pos, seg, w).compile()
+    assert "tokamax" in compiled.as_text()  # tokamax's op is in the program (its named scope)
+    _close(compiled(q, k, v, pos, seg, w), want)
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingKernel(FlashKernel):
+    """A user's kernel: the flash kernel with its own tiles, recording its calls at trace."""
+    calls: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    def forward(self, *args, **kw):
+        self.calls.append("forward")
+        return super().forward(*args, **kw)
+
+
+def test_registered_user_kernel():
+    user = CountingKernel(q_tile=4, kv_tile=4)
+    kernels.register_kernel("counting", user)
+    q, k, v, pos, seg, _ = _packed()
+    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    got = attention(q, k, v, kernel="counting", **kw)
+    assert user.calls
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dot_product_attention(q, k, v, **kw)),
+                               rtol=2e-5, atol=2e-6)
+
+
+def _fwd_bwd_text(L, impl="ring", cp=4):
+    sds = jax.ShapeDtypeStruct
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.devices()[:cp]), "cp")
+
+    def f(q, k, v, pos):
+        return jnp.sum(attention(q, k, v, q_positions=pos, kv_positions=pos, partitioner=p,
+                                 implementation=impl, kernel=KERNEL))
+
+    args = (sds((1, L, 2, 8), jnp.float32), sds((1, L, 1, 8), jnp.float32),
+            sds((1, L, 1, 8), jnp.float32), sds((1, L), jnp.int32))
+    return jax.jit(jax.grad(f, (0, 1, 2))).lower(*args).compile().as_text()
+
+
+def test_conditionals_do_not_grow_with_length():
+    """Block-level skipping runs split**2 conditionals per ring step and pass, whatever the
+    length; the tile loops run more often at the longer length, the conditionals do not."""
+    short, long = _fwd_bwd_text(64), _fwd_bwd_text(256)
+    counts = [hlo.count_executed(t, "conditional") for t in (short, long)]
+    assert counts[0] == counts[1] == 2 * 4 * 2 * 2  # fwd + bwd, 4 ring steps, 2x2 sub-blocks
+    assert hlo.count_executed(long, "while") > hlo.count_executed(short, "while")
+    # the flash kernel alone, forward and backward: no conditional at all
+    q, kv = jnp.ones((1, 128, 2, 8)), jnp.ones((1, 128, 1, 8))
+    pos, seg = jnp.arange(128)[None], jnp.ones((1, 128), jnp.int32)
+    scores = kernels.Scores(Causal() & Document(), 0.3, 5.0, ALIBI)
+
+    def both(q, k, v):
+        out, lse = KERNEL.forward(q, k, v, pos, pos, seg, seg, scores=scores, masked=True)
+        return KERNEL.backward(q, k, v, pos, pos, seg, seg, out, lse, out, scores=scores,
+                               masked=True)
+
+    assert hlo.count_executed(jax.jit(both).lower(q, kv, kv).compile().as_text(),
+                              "conditional") == 0
+
+
+# -- MLA: the latent on the wire --------------------------------------------------------------
+
+def _mla_bytes(impl, latent_on_wire, cp=4):
+    """Float bytes moved by collectives per device, forward + backward, mini DeepSeek-V3."""
+    B, L, N, R, Hn, Hr, Hv = 2, 64, 4, 32, 16, 16, 32  # DeepSeek3Config.mini()'s attention
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.devices()[:cp]), "cp")
+    sds = jax.ShapeDtypeStruct
+    pos = sds((B, L), jnp.int32)
+    kw = dict(partitioner=p, implementation=impl, kernel=KERNEL)
+
+    def f(q, latent, k_pe, kv_up, pos):
+        if latent_on_wire:
+            o = mla_attention(q, latent, k_pe, kv_up, qk_nope_head_dim=Hn, q_positions=pos,
+                              kv_positions=pos, **kw)
+        else:  # the expanded per-head K/V cross the wire instead
+            kv = jnp.einsum("bsr,rnd->bsnd", latent, kv_up)
+            k = jnp.concatenate([kv[..., :Hn], jnp.broadcast_to(k_pe[:, :, None], (B, L, N, Hr))],
+                                -1)
+            o = attention(q, k, kv[..., Hn:], q_positions=pos, kv_positions=pos, **kw)
+        return jnp.sum(o)
+
+    args = (sds((B, L, N, Hn + Hr), jnp.float32), sds((B, L, R), jnp.float32),
+            sds((B, L, Hr), jnp.float32), sds((R, N, Hn + Hv), jnp.float32), pos)
+    text = jax.jit(jax.grad(f, (0, 1, 2, 3))).lower(*args).compile().as_text()
+    moved = hlo.collective_bytes(text, floats_only=True)
+    # all-reduce: kv_up's gradient summed over the sequence shards, the same in both programs
+    # (any replicated weight's gradient is); the rest is the attention's own traffic
+    return sum(b for kind, b in moved.items() if kind != "all-reduce"), (R + Hr) / (
+        N * (Hn + Hr + Hv))
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_gather"])
+def test_mla_sends_its_latent(impl):
+    latent, ratio = _mla_bytes(impl, True)
+    expanded, _ = _mla_bytes(impl, False)
+    assert latent / expanded == pytest.approx(ratio, rel=1e-6), (latent, expanded, ratio)
+
+
+# -- a user's mask trains mini DeepSeek-V3 under ring CP ----------------------------------------
+
+def same_sentence_or_head(q_pos, kv_pos, q_seg, kv_seg):
+    """Attend within the same 8-token "sentence", plus the document's first 4 tokens."""
+    return (q_pos // 8 == kv_pos // 8) | (kv_pos < 4)
+
+
+class SentenceMLA(MLA):
+    mask = MaskFn(same_sentence_or_head) & Causal() & Document()
+
+
+def test_user_mask_trains_mini_deepseek3_under_ring():
+    from zoo.models import deepseek3
+    B, L = 2, 32
+    layer = type("Layer", (deepseek3.DeepSeek3DecoderLayer,), {"attention_cls": SentenceMLA})
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 264, (B, L)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 12], B, 0))
+    pos = jnp.asarray(np.repeat([list(range(20)) + list(range(12))], B, 0))
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def build(impl, partitioner):
+        cfg = deepseek3.DeepSeek3Config.mini(num_hidden_layers=1, attention_implementation=impl)
+        return deepseek3.DeepSeek3(cfg, inputs_shape=(B, L), partitioner=partitioner,
+                                   rngs=nnx.Rngs(0), decoder_layer_cls=layer)
+
+    def loss(model):
+        logits, _ = model(tokens, positions=pos, segment_ids=seg)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+    @jax.jit
+    def value_and_grads(model):
+        return nnx.value_and_grad(loss)(model)
+
+    def step(model):  # plain SGD, one compiled program per model
+        value, grads = value_and_grads(model)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params,
+                                       nnx.state(grads, nnx.Param)))
+        return value, value_and_grads(model)[0], grads
+
+    p = zoo.Partitioner(zoo.make_mesh(context=4, fsdp=2), "cp")
+    ring = build("ring", p)
+    ref = build("reference", None)
+    before, after, g_ring = step(ring)
+    before_ref, _, g_ref = step(ref)
+    assert np.isfinite(float(before)) and float(after) < float(before)
+    np.testing.assert_allclose(float(before), float(before_ref), rtol=1e-5)
+    leaves = lambda g: [np.asarray(x) for x in jax.tree.leaves(nnx.state(g, nnx.Param))]
+    for a, b in zip(leaves(g_ring), leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5 * max(1.0, np.abs(b).max()))
+
+
+# -- overlap: what each ring transfer waits for ------------------------------------------------
+
+COMPUTE = ("scan", "while", "cond")  # the loop over sub-blocks (a fori_loop) holds the kernel
+
+
+def _scan_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"]
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _scan_bodies(sub)
+
+
+def test_ring_transfers_are_independent_of_the_block_compute():
+    """In the ring's scan bodies (jaxpr dependency analysis): the K/V (payload) sends depend on
+    no block compute (the loop over sub-blocks) of the same step, so they can overlap it; in
+    the backward, the block compute does not read the dK/dV accumulator that arrived from the
+    previous step (it is only added at the end), so that transfer overlaps the compute too."""
+    q, k, v, pos, seg, w = _packed()
+    p = zoo.Partitioner(zoo.make_mesh(context=4, data=2), "cp")
+    fn = functools.partial(attention, partitioner=p, implementation="ring", kernel=KERNEL)
+    jaxpr = jax.make_jaxpr(lambda *a: _grads(fn, *a, None))(q, k, v, pos, seg, w).jaxpr
+    bodies = list(_scan_bodies(jaxpr))
+    bodies = [(b, n) for b, n in bodies if any(e.primitive.name == "ppermute" for e in b.eqns)]
+    assert len(bodies) == 2  # forward and backward ring
+    for body, num_consts in bodies:
+        computed, reads = set(), {}  # vars derived from a block compute; invars each eqn reads
+        index = {v: i for i, v in enumerate(body.invars)}
+        deps = {v: {i} for v, i in index.items()}
+        sends = []
+        for eqn in body.eqns:
+            ins = [x for x in eqn.invars if isinstance(x, jex.core.Var)]
+            d = set().union(*(deps.get(x, set()) for x in ins))
+            after = any(x in computed for x in ins)
+            for o in eqn.outvars:
+                deps[o] = d
+                if after or eqn.primitive.name in COMPUTE:
+                    computed.add(o)
+            if eqn.primitive.name == "ppermute":
+                sends.append((eqn, after))
+            if eqn.primitive.name in COMPUTE:
+                reads.setdefault("compute", set()).update(d)
+        payload_sends = [e for e, after in sends if not after]
+        assert payload_sends, "every K/V send waits for the block compute"
+        acc_outs = {o for e, after in sends if after for o in e.outvars}
+        acc_carry = {num_consts + i for i, o in enumerate(body.outvars)
+                     if isinstance(o, jex.core.Var) and o in acc_outs}
+        assert not (acc_carry & reads["compute"]), "the block compute reads the arriving dK/dV"
+    assert any(after for e, after in sends)  # the backward does send an accumulator

@@ -1,0 +1,230 @@
+"""Block kernels: attention of one query block against one key/value block, pluggable.
+
+The context-parallel strategies (`zoo.ops.ring`: all-gather, ring) own communication, block
+classification and the online-softmax merge; a *block kernel* owns the arithmetic of one block
+pair. Its contract (`BlockKernel`):
+
+* ``forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked) -> (out, lse)``:
+  ``out`` [B,L,N,V] fp32 normalised over this block's keys, ``lse`` [B,N,L] fp32 their
+  log-sum-exp (-inf, with ``out`` 0, for rows that see no key here).
+* ``backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores, masked)
+  -> (dq, dk, dv)`` fp32, where ``out`` and ``lse`` are the *global* ones (over every block and
+  the sinks): then exp(s - lse) are the true probabilities and ``sum(dout * out)`` the true
+  softmax-Jacobian term, so every block's gradients are exact on their own and simply add up.
+  This is the signature flash-attention backward kernels already have (tokamax's VJP ops take
+  the output and the softmax residuals).
+
+``scores`` (`Scores`) carries the mask, scale, soft cap and `ScoreMod`; ``masked=False`` (a
+Python bool) says the strategy proved the block fully visible: the kernel must not evaluate the
+mask there. Kernels are frozen dataclasses (hashable: they are part of the compiled program's
+key). Kernels here: `zoo.ops.flash.FlashKernel` (``"flash"``, pure JAX, any platform) and
+`TokamaxKernel` (``"tokamax"``); `register_kernel` adds a user's, `get_kernel` resolves a name
+(``"auto"``: tokamax on GPU/TPU, flash on CPU).
+
+Legend: B batch, L queries, S keys, N query heads, K kv heads, H q/k head dim, V value head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from zoo.ops.masks import Mask, evaluate
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+    """A logit modifier ``fn(score, q_pos, kv_pos, q_seg, kv_seg, head) -> score``, elementwise
+    and differentiable (kernels take its exact VJP). ``score`` is the scaled q.k logit, fp32;
+    ``head`` the query head index. Applied before the soft cap and the mask."""
+    fn: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """How a block's logits are made: ``mask(scale * q.k -> score_mod -> soft cap)``."""
+    mask: Mask
+    scale: float
+    soft_cap: float | None = None
+    score_mod: ScoreMod | None = None
+
+    @property
+    def modified(self) -> bool:
+        return self.soft_cap is not None or self.score_mod is not None
+
+    def modify(self, s, q_pos, kv_pos, q_seg, kv_seg, head):
+        """The score modifiers on fp32 logits ``s`` (elementwise, broadcasting)."""
+        if self.score_mod is not None:
+            s = self.score_mod.fn(s, q_pos, kv_pos, q_seg, kv_seg, head).astype(F32)
+        if self.soft_cap is not None:
+            s = self.soft_cap * jnp.tanh(s / self.soft_cap)
+        return s
+
+
+class BlockKernel:
+    """Base class documenting the contract (see the module docstring)."""
+
+    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores: Scores, masked: bool):
+        raise NotImplementedError
+
+    def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *,
+                 scores: Scores, masked: bool):
+        raise NotImplementedError
+
+
+_KERNELS: dict[str, BlockKernel] = {}
+
+
+def register_kernel(name: str, kernel: BlockKernel) -> None:
+    """Make ``kernel`` available as ``zoo.ops.attention(..., kernel=name)``."""
+    if not isinstance(name, str) or name == "auto":
+        raise ValueError(f"kernel name {name!r} must be a string other than 'auto'")
+    if not (callable(getattr(kernel, "forward", None))
+            and callable(getattr(kernel, "backward", None))):
+        raise ValueError(f"kernel {kernel!r} needs forward(...) and backward(...) methods; see "
+                         f"zoo.ops.kernels.BlockKernel")
+    _KERNELS[name] = kernel
+
+
+def kernel_names() -> tuple[str, ...]:
+    return ("auto", *_KERNELS)
+
+
+def get_kernel(kernel: str | BlockKernel) -> BlockKernel:
+    """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
+    or the instance itself."""
+    if not isinstance(kernel, str):
+        if not callable(getattr(kernel, "forward", None)):
+            raise ValueError(f"kernel={kernel!r} is neither a registered name "
+                             f"{kernel_names()} nor an object with forward/backward methods")
+        return kernel
+    if kernel == "auto":
+        kernel = "tokamax" if jax.default_backend() in ("gpu", "tpu") else "flash"
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
+                         f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")
+    return _KERNELS[kernel]
+
+
+# -- tokamax ---------------------------------------------------------------------------------
+
+def _dense_mask(scores, q_pos, kv_pos, q_seg, kv_seg):
+    """[B, 1, L, S] bool of this block (tokamax takes a boolean mask)."""
+    return evaluate(scores.mask, q_pos[:, None, :, None], kv_pos[:, None, None, :],
+                    q_seg[:, None, :, None], kv_seg[:, None, None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxKernel(BlockKernel):
+    """tokamax's dot-product attention as a block kernel.
+
+    Forward: the op with ``return_residuals=True`` (residuals (max, denominator) give the lse).
+    Backward: the op's own VJP op (Pallas Triton / Mosaic GPU / Mosaic TPU), given the global
+    output and residuals ``(lse, 1)``: it computes ``delta = sum(dout * out)`` and
+    ``p = exp(s - max) / denominator`` from them, which are then the global quantities.
+
+    tokamax's XLA implementation (what runs on CPU) has no VJP op: its backward is autodiff of
+    the forward, which recomputes a *block-local* softmax. There the kernel makes the local
+    softmax equal the global one by appending, per query, one extra key with a zero key vector
+    whose logit (a bias) carries the mass of every other block and the sinks and whose value is
+    their mean value, ``(out - w * out_block) / (1 - w)``; autodiff of that augmented call is
+    the exact block gradient. That costs one forward and an [L, S+L] logit block: a testing
+    path, and one that cannot take a soft cap (the cap would bend the extra logit).
+
+    ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
+    then XLA).
+    The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.
+    """
+    implementation: tuple[str, ...] | None = None
+
+    def _ops(self):
+        from absl import flags
+        from tokamax._src.ops.attention import api  # imported lazily: optional at import time
+        if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; the host program may not
+            flags.FLAGS.mark_as_parsed()  # use absl (pytest's own -q would be "unknown")
+        backend = jax.default_backend()
+        names = self.implementation or (("mosaic_gpu", "triton", "xla") if backend == "gpu"
+                                        else ("mosaic_tpu", "xla") if backend == "tpu"
+                                        else ("xla",))
+        return [api.IMPLEMENTATIONS[n] for n in names]
+
+    def _kwargs(self, scores, masked, q_pos, kv_pos, q_seg, kv_seg):
+        if scores.score_mod is not None:
+            raise ValueError("kernel='tokamax' does not take a ScoreMod; use kernel='flash'")
+        mask = _dense_mask(scores, q_pos, kv_pos, q_seg, kv_seg) if masked else None
+        return mask, dict(logits_scale=scores.scale, logits_soft_cap=scores.soft_cap)
+
+    def _call(self, fn):
+        errors = []
+        for op in self._ops():
+            try:
+                return op, fn(op)
+            except NotImplementedError as e:
+                errors.append(e)
+        raise NotImplementedError(f"no tokamax implementation runs here: {errors}")
+
+    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
+        mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
+        _, (out, (m, den)) = self._call(
+            lambda op: op(q, k, v, mask=mask, return_residuals=True, **kw))
+        lse = m.astype(F32) + jnp.log(den.astype(F32))
+        out = out.astype(F32)
+        if mask is not None:  # tokamax masks with a finite minimum: empty rows are not empty
+            seen = jnp.any(mask, axis=-1)  # [B, 1, L]
+            lse = jnp.where(seen, lse, -jnp.inf)
+            out = jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, 0.0)
+        return out, lse
+
+    def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
+                 masked):
+        mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
+        # the op whose forward runs here (an unused forward call is removed by XLA)
+        op, _ = self._call(lambda op: op(q, k, v, mask=mask, **kw))
+        lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        if op.vjp is not None:
+            ba = op.bind(q, k, v, mask=mask, **kw)
+            kwargs = dict(ba.kwargs)
+            kwargs.pop("return_residuals", None)
+            grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
+                           dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
+            grads = grads[0] if isinstance(grads, tuple) else grads
+            return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
+        if scores.soft_cap is not None:
+            raise ValueError("kernel='tokamax' on its XLA implementation (CPU) cannot take "
+                             "logits_soft_cap under context parallelism; use kernel='flash'")
+        return self._xla_backward(op, q, k, v, mask, out, lse_safe, dout, scores,
+                                  (q_pos, kv_pos, q_seg, kv_seg))
+
+    def _xla_backward(self, op, q, k, v, mask, out, lse, dout, scores, tokens):
+        B, L, N, H = q.shape
+        _, S, K, V = v.shape
+        G = N // K
+        o_b, lse_b = self.forward(q, k, v, *tokens, scores=scores, masked=mask is not None)
+        w = jnp.exp(lse_b - lse)  # this block's share of each row's softmax mass, [B, N, L]
+        rest = 1.0 - w
+        ok = rest > 1e-6
+        extra_logit = jnp.where(ok, lse + jnp.log(jnp.where(ok, rest, 1.0)), -1e30)
+        wt, rt = (jnp.moveaxis(x, 1, 2)[..., None] for x in (w, jnp.where(ok, rest, 1.0)))
+        v_extra = jnp.where(jnp.moveaxis(ok, 1, 2)[..., None],
+                            (out.astype(F32) - wt * o_b) / rt, 0.0).astype(v.dtype)
+        eye = jnp.eye(L, dtype=bool)
+        bias = jnp.concatenate([jnp.zeros((B, N, L, S), F32),
+                                jnp.where(eye, extra_logit[..., None], 0.0)], axis=-1)
+        mask_aug = jnp.concatenate([jnp.ones((B, 1, L, S), bool) if mask is None else mask,
+                                    jnp.broadcast_to(eye, (B, 1, L, L))], axis=-1)
+
+        def attend(q, k, v):
+            k = jnp.concatenate([jnp.repeat(k, G, axis=2), jnp.zeros((B, L, N, H), k.dtype)], 1)
+            v = jnp.concatenate([jnp.repeat(v, G, axis=2), v_extra], 1)
+            return op(q, k, v, bias=bias, mask=mask_aug, logits_scale=scores.scale)
+
+        _, vjp = jax.vjp(attend, q, k, v)
+        return tuple(g.astype(F32) for g in vjp(dout.astype(q.dtype)))
+
+
+register_kernel("tokamax", TokamaxKernel())
