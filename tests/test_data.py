@@ -276,17 +276,25 @@ def test_deterministic_and_seeded(small_corpus):
 
 
 def test_load_balanced_rows_are_valid_after_restore(small_corpus):
+    """Every strategy's batches are per-row permutations of the plain ones (`load_balance` of the
+    plain batch, by positions and segments) and `restore_order` gives the plain batch back."""
     d, want = small_corpus
     kw = dict(seq_len=L, batch_size=4, num_epochs=1, seed=5, **ONE)
-    balanced = list(text_dataset(d, context_parallel=4, **kw))
     plain = list(text_dataset(d, context_parallel=4, load_balance=False, **kw))
-    assert len(balanced) == len(plain)
-    for bal, ref in zip(balanced, plain):
-        restored = {k: restore_order(v, 4, axis=1) for k, v in bal.items()}
-        for k in ref:
-            np.testing.assert_array_equal(restored[k], ref[k])
-            np.testing.assert_array_equal(bal[k], load_balance(ref[k], 4))
-        _check_rows(restored)
+    assert plain and all(_same(a, b) for a, b in zip(
+        plain, text_dataset(d, context_parallel=4, balance="none", **kw)))
+    for strategy in ("auto", "row", "document"):
+        balanced = list(text_dataset(d, context_parallel=4, balance=strategy, **kw))
+        assert len(balanced) == len(plain)
+        for bal, ref in zip(balanced, plain):
+            restored = restore_order(bal, 4)  # positions/segment_ids from the batch
+            for k in ref:
+                np.testing.assert_array_equal(restored[k], ref[k])
+            np.testing.assert_array_equal(bal["inputs"], load_balance(ref, 4, strategy=strategy)[
+                "inputs"])
+            if strategy == "row":
+                np.testing.assert_array_equal(bal["inputs"], load_balance(ref["inputs"], 4))
+            _check_rows(restored)
     assert sorted(_pieces(plain)) == sorted(want)
 
 
