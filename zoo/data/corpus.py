@@ -25,6 +25,7 @@ import json
 import os
 import re
 import sysconfig
+import threading
 from collections.abc import Sequence
 
 __all__ = ["SUFFIXES", "RANGE_BYTES", "find_files", "stdlib_files", "index_ranges",
@@ -112,14 +113,18 @@ def _jsonl_text(line: bytes, path: str, offset: int) -> str:
     return record["text"]
 
 
+# CPython 3.11's parser is not safe in several threads at once ("AST constructor recursion
+# depth mismatch", SystemError); the pipeline reads with threads, so parses take turns.
+_PARSE_LOCK = threading.Lock()
 _TOP_LEVEL = re.compile(r"(async\s+def|def|class)\s|@")  # a top-level definition starts
 
 
 def _definition_lines(text: str, lines: list[str]) -> set[int]:
     """0-based first and end lines of every top-level function/class (decorators included)."""
     try:
-        body = ast.parse(text).body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        with _PARSE_LOCK:
+            body = ast.parse(text).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError, SystemError):
         # not valid Python (a range of a large file, another version's syntax): cut at lines
         # that start a definition at column 0, a decorator only when it opens a run of them
         return {i for i, line in enumerate(lines)

@@ -33,7 +33,10 @@ tile test stays as tight as the layout allows and padding ends every shard.
 `restore_order` inverts any strategy from the *reordered* batch's positions and segment ids:
 sorting a row by (padding last, segment id, position) gives packing order back, as long as
 segment ids number the documents of a row in packing order (1, 2, ...; padding 0 at the end),
-which `zoo.data.text_dataset` guarantees. Without positions it inverts ``"row"``.
+which `zoo.data.text_dataset` guarantees. Padding tokens (all alike in a batch) keep their
+relative order under every strategy but ``"row"``, which moves whole chunks; after ``"row"``
+they come back in their balanced order (``"auto"`` re-sorts the padding of whichever candidate
+it picks). Without positions it inverts ``"row"`` exactly.
 
 ``"row"`` works on numpy arrays and on jax arrays or tracers (static slices and one
 concatenation, so under `jax.jit` it lowers to copies, not gathers). The other strategies read
@@ -250,7 +253,11 @@ def balance_candidates(positions, segment_ids, *, cp: int, tile: int | None = No
 def _auto(positions, segment_ids, cp: int, tile: int | None) -> np.ndarray:
     scored = balance_candidates(positions, segment_ids, cp=cp, tile=tile)
     best = min(enumerate(scored.values()), key=lambda it: (it[1][1].max(), it[1][1].sum(), it[0]))
-    return best[1][0]
+    perm = best[1][0].copy()
+    # padding keeps its relative order (free: padding never attends), so restore_order is exact
+    slots = np.flatnonzero(segment_ids[perm] == 0)
+    perm[slots] = np.sort(perm[slots])
+    return perm
 
 
 def _check_tile(tile) -> int:
