@@ -12,11 +12,11 @@
 """
 
 from zoo.data.pipeline import PipelineStateMismatch, text_dataset
-from zoo.data.reorder import (STRATEGIES, balance_candidates, balance_permutation, load_balance,
-                              restore_order)
+from zoo.data.reorder import (STRATEGIES, balance_candidates, balance_permutation,
+                              best_candidate, load_balance, restore_order)
 from zoo.data.tokenizer import ByteTokenizer, HFTokenizer
 from zoo.data.work import TILE, shard_pairs, shard_tiles
 
 __all__ = ["STRATEGIES", "TILE", "ByteTokenizer", "HFTokenizer", "PipelineStateMismatch",
-           "balance_candidates", "balance_permutation", "load_balance", "restore_order",
+           "balance_candidates", "balance_permutation", "best_candidate", "load_balance", "restore_order",
            "shard_pairs", "shard_tiles", "text_dataset"]

@@ -59,8 +59,8 @@ import numpy as np
 
 from zoo.data import work
 
-__all__ = ["STRATEGIES", "balance_permutation", "balance_candidates", "load_balance",
-           "restore_order", "chunk_order", "check_length"]
+__all__ = ["STRATEGIES", "balance_permutation", "balance_candidates", "best_candidate",
+           "load_balance", "restore_order", "chunk_order", "check_length"]
 
 STRATEGIES = ("auto", "row", "document", "none")
 
@@ -250,10 +250,18 @@ def balance_candidates(positions, segment_ids, *, cp: int, tile: int | None = No
     return {name: (perm, t) for (name, perm), t in zip(perms.items(), tiles)}
 
 
+def best_candidate(scored: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
+    """The candidate "auto" picks: fewest busiest-shard tiles, then fewest in total, then first."""
+    names = list(scored)
+    return min(names, key=lambda k: (scored[k][1].max(), scored[k][1].sum(), names.index(k)))
+
+
 def _auto(positions, segment_ids, cp: int, tile: int | None) -> np.ndarray:
+    seg = segment_ids
+    if seg[0] != 0 and np.all(seg == seg[0]):  # one document fills the row: "row" is best
+        return _row_order(len(seg), cp)
     scored = balance_candidates(positions, segment_ids, cp=cp, tile=tile)
-    best = min(enumerate(scored.values()), key=lambda it: (it[1][1].max(), it[1][1].sum(), it[0]))
-    perm = best[1][0].copy()
+    perm = scored[best_candidate(scored)][0].copy()
     # padding keeps its relative order (free: padding never attends), so restore_order is exact
     slots = np.flatnonzero(segment_ids[perm] == 0)
     perm[slots] = np.sort(perm[slots])
