@@ -246,7 +246,8 @@ def balance_candidates(positions, segment_ids, *, cp: int, tile: int | None = No
     tile = work.TILE if tile is None else _check_tile(tile)
     perms = _row_candidates(positions, segment_ids, cp, work.tile_size(len(positions) // cp, tile))
     stacked = np.stack(list(perms.values()))
-    tiles = work.shard_tiles(positions[stacked], segment_ids[stacked], cp, tile)
+    tiles = work.shard_tiles(np.take(positions.astype(np.int32), stacked),
+                             np.take(segment_ids.astype(np.int32), stacked), cp, tile)
     return {name: (perm, t) for (name, perm), t in zip(perms.items(), tiles)}
 
 
