@@ -87,6 +87,12 @@ def measure(seq_len: int, batch_size: int, tokens: float, paths, cp: int = 1,
                 tokens_per_s=slots / elapsed, fill=filled / slots)
 
 
+def print_header(header: str) -> None:
+    """A markdown table's header and its separator line."""
+    print(header)
+    print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
+
+
 def packed_rows(corpus_docs: str, seq_len: int, rows: int, seed: int):
     """positions, segment ids [rows, seq_len] of rows packed from the built-in corpus."""
     it = text_dataset(seq_len=seq_len, batch_size=rows, balance="none", corpus_docs=corpus_docs,
@@ -130,8 +136,7 @@ def balance_table(seq_lens, cps, rows: int, tile: int | None, seed: int) -> None
           f"{tile or 64}; tiles and pairs per shard, averaged over rows")
     header = ("| corpus | seq | cp | strategy | busiest tiles | mean tiles | busiest/mean | "
               "total vs contiguous | busiest vs row | pairs busiest/mean | auto picks |")
-    print(header)
-    print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
+    print_header(header)
     for corpus_docs, label in (("file", "long docs"), ("short", "short docs")):
         for seq_len in seq_lens:
             positions, segment_ids = packed_rows(corpus_docs, seq_len, rows, seed)
@@ -183,8 +188,7 @@ def main(argv=None) -> None:
           f"; recipe tokens/s: {source}")
     header = ("| seq_len | batch | cp | balance | first batch (s) | pipeline tokens/s | fill | "
               "recipe tokens/s | headroom |")
-    print(header)
-    print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
+    print_header(header)
     for r in rows:
         if recipe is None:
             rec, head = NO_RECIPE, "n/a"
