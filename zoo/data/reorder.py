@@ -259,7 +259,8 @@ def best_candidate(scored: dict[str, tuple[np.ndarray, np.ndarray]]) -> str:
 
 def _auto(positions, segment_ids, cp: int, tile: int | None) -> np.ndarray:
     seg = segment_ids
-    if seg[0] != 0 and np.all(seg == seg[0]):  # one document fills the row: "row" is best
+    if seg[0] != 0 and np.all(seg == seg[0]):  # one document fills the row: "document" and
+        # every split hybrid are "row" itself, the rest cut it contiguously: nothing to search
         return _row_order(len(seg), cp)
     scored = balance_candidates(positions, segment_ids, cp=cp, tile=tile)
     perm = scored[best_candidate(scored)][0].copy()
