@@ -1,8 +1,8 @@
 """The zoo.data pipeline: throughput against the recipe, and context-parallel load balance.
 
-**Throughput** (default). For each ``seq_len`` it builds `zoo.data.text_dataset` on the built-in corpus (or ``--paths``),
-times the first batch (start-up: indexing + first reads + first packing), then pulls batches as
-fast as possible and reports row slots per second (``tokens/s``, what a train step consumes),
+**Throughput** (default). For each ``seq_len`` it builds `zoo.data.text_dataset` on the
+built-in corpus (or ``--paths``), times the first batch (start-up: indexing + first reads + first
+packing), then pulls batches as fast as possible and reports row slots per second (``tokens/s``, what a train step consumes),
 the fill fraction (non-padding share of the slots) and the headroom over the recipe: the
 median ``tokens_per_s`` of ``runs/mini_deepseek3/metrics.jsonl`` when that file exists, else
 ``--recipe-tokens-per-s``. Rows are reordered for ``--cps`` (default 4, the recipe's context
