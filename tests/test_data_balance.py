@@ -80,6 +80,11 @@ def test_every_strategy_is_a_permutation_and_restore_inverts_it(cp, data, lens):
                     assert np.all(abs(counts[d] - 2 * size / m) <= 1), (size, counts[d])
                 real = (shards != 0).sum(1)
                 assert real.max() - real.min() <= 1
+        if strategy == "auto":  # rows sharing a device: still a permutation restore inverts
+            shared = balance_permutation(pos, seg, cp=cp, tile=tile, rows_per_device=len(lens))
+            z = take(x, shared)
+            np.testing.assert_array_equal(restore_order(z, cp, positions=take(pos, shared),
+                                                        segment_ids=take(seg, shared)), x)
         if strategy == "auto" and cp > 1:
             scored = balance_candidates(pos[0], seg[0], cp=cp, tile=tile)
             got = shard_tiles(bpos[:1], bseg[:1], cp, tile)[0].max()
@@ -244,3 +249,28 @@ def test_auto_never_worse_than_row_or_document_and_wins_where_it_can(short_rows)
     # busiest-shard tiles summed over the rows: auto strictly below both at cp=2 and cp=4
     for cp in (2, 4):
         assert totals[cp][0] < min(totals[cp][1:]), totals[cp]
+
+
+def _union_busiest(pos, seg, perm, cp, rows_per_device):
+    """Busiest shard's tiles when ``rows_per_device`` rows share a device: a tile is computed
+    when any of them needs it (the kernels' skip test is over the whole local batch)."""
+    m = work.tile_map(take(pos, perm), take(seg, perm), cp)
+    m = m.reshape(-1, rows_per_device, *m.shape[1:]).any(1)
+    return m.sum(-1).reshape(len(m), cp, -1).sum(-1).max(-1).sum()
+
+
+def test_auto_for_rows_sharing_a_device(short_rows):
+    """With 4 rows per device the kernels compute the union of the rows' tiles: per-row "auto"
+    can lose to "row" there, ``rows_per_device=4`` never does."""
+    pos, seg = short_rows
+    got = {}
+    for cp in (4, 8):
+        perms = {s: balance_permutation(pos, seg, cp=cp, strategy=s) for s in ("row", "document")}
+        perms["auto per row"] = balance_permutation(pos, seg, cp=cp)
+        perms["auto per device"] = balance_permutation(pos, seg, cp=cp, rows_per_device=4)
+        got[cp] = {k: int(_union_busiest(pos, seg, p, cp, 4)) for k, p in perms.items()}
+        assert got[cp]["auto per device"] <= min(got[cp]["row"], got[cp]["document"])
+    print(got)
+    assert any(g["auto per row"] > g["row"] for g in got.values())  # why the option exists
+    with pytest.raises(ValueError, match="rows_per_device=3"):
+        balance_permutation(pos, seg, cp=4, rows_per_device=3)

@@ -45,7 +45,7 @@ same arguments repeats exactly the batches that followed. The state records the 
 shape the stream (seq_len, context_parallel, balance, tile, corpus_docs, seed, shuffle, the
 tokenizer's identity, the paths and a digest of the files found); ``set_state`` with a state
 saved under other ones raises `PipelineStateMismatch` naming each difference (``batch_size``,
-``num_epochs`` and the process layout may change).
+``rows_per_device``, ``num_epochs`` and the process layout may change).
 
 Legend: B rows per process, L ``seq_len``.
 """
@@ -175,7 +175,7 @@ class _Finish:
     """Global packed batch -> this process's rows with targets, weights, reorder (all int32)."""
 
     def __init__(self, *, global_batch, process_index, process_count, pad_id, cp, balance,
-                 tile):
+                 tile, rows_per_device):
         self.global_batch = global_batch
         self.rows = slice(process_index * (global_batch // process_count),
                           (process_index + 1) * (global_batch // process_count))
@@ -183,6 +183,7 @@ class _Finish:
         self.cp = cp
         self.balance = balance if cp > 1 else "none"
         self.tile = tile
+        self.rows_per_device = rows_per_device
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         tokens = batch["tokens"].astype(np.int32)  # [rows<=global, L]
@@ -205,7 +206,8 @@ class _Finish:
         out = {"inputs": tokens, "targets": targets, "positions": positions,
                "segment_ids": segments, "loss_weights": weights}
         if self.balance != "none":  # one permutation per row, computed from this batch
-            out = _load_balance(out, self.cp, axis=1, strategy=self.balance, tile=self.tile)
+            out = _load_balance(out, self.cp, axis=1, strategy=self.balance, tile=self.tile,
+                                rows_per_device=self.rows_per_device)
         return out
 
 
@@ -235,7 +237,8 @@ def _positive_int(name: str, value) -> int:
 def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
                  seq_len: int, batch_size: int, context_parallel: int = 1,
                  balance: str = "auto", load_balance: bool = True,
-                 balance_tile: int | None = None, corpus_docs: str = "file",
+                 balance_tile: int | None = None, rows_per_device: int = 1,
+                 corpus_docs: str = "file",
                  tokenizer=None, seed: int = 0,
                  shuffle: bool = True, num_epochs: int | None = None,
                  process_index: int | None = None,
@@ -253,6 +256,9 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
         `zoo.data.reorder`. ``load_balance=False`` is the older spelling of ``"none"``.
       balance_tile: the attention kernel's tile that ``"auto"`` counts work in (default
         `zoo.data.work.TILE` = 64, zoo's flash kernel on CPU).
+      rows_per_device: consecutive rows of this process's batch that one device's attention
+        holds; ``"auto"`` balances them together, since the kernels skip a tile only when it is
+        empty in every row (the recipes pass their batch sharding's rows per device).
       corpus_docs: ``"file"`` (a document per file, per ``.jsonl`` line) or ``"short"`` (``.py``
         files cut into one document per top-level function or class).
       tokenizer: anything with ``encode``/``bos_id``/``eos_id``/``pad_id``; default
@@ -299,6 +305,10 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     balance_tile = work.TILE if balance_tile is None else _positive_int("balance_tile",
                                                                         balance_tile)
     balance = balance if load_balance else "none"
+    rows_per_device = _positive_int("rows_per_device", rows_per_device)
+    if (batch_size // process_count) % rows_per_device:
+        raise ValueError(f"text_dataset: rows_per_device={rows_per_device} does not divide the "
+                         f"{batch_size // process_count} rows of each process")
     if balance != "none" and context_parallel > 1:
         check_length(seq_len, context_parallel, what="text_dataset: seq_len")
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
@@ -328,7 +338,7 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     ds = ds.batch(batch_size, drop_remainder=False)
     ds = ds.map(_Finish(global_batch=batch_size, process_index=int(process_index),
                         process_count=process_count, pad_id=pad_id, cp=context_parallel,
-                        balance=balance, tile=balance_tile))
+                        balance=balance, tile=balance_tile, rows_per_device=rows_per_device))
     it = _PrefetchIterator(iter(ds), _PREFETCH_BATCHES, arguments)  # packing runs ahead
     _OPEN_ITERATORS.add(it)
     return it

@@ -263,11 +263,43 @@ def _auto(positions, segment_ids, cp: int, tile: int | None) -> np.ndarray:
         # every split hybrid are "row" itself, the rest cut it contiguously: nothing to search
         return _row_order(len(seg), cp)
     scored = balance_candidates(positions, segment_ids, cp=cp, tile=tile)
-    perm = scored[best_candidate(scored)][0].copy()
-    # padding keeps its relative order (free: padding never attends), so restore_order is exact
+    return _padding_in_order(scored[best_candidate(scored)][0], segment_ids)
+
+
+def _padding_in_order(perm: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """Padding keeps its relative order (free: padding never attends): restore_order is exact."""
+    perm = perm.copy()
     slots = np.flatnonzero(segment_ids[perm] == 0)
     perm[slots] = np.sort(perm[slots])
     return perm
+
+
+def _auto_device(positions, segment_ids, cp: int, tile: int | None) -> list[np.ndarray]:
+    """"auto" for rows that share a device: the kernels skip a tile only when it is empty in
+    every row, so the cost is the busiest shard's tiles in the *union* of the rows' tile maps.
+    Start from the candidate that is best for all rows alike (``"row"`` among them, so never
+    worse than it or ``"document"``), then let each row in turn switch to the candidate that
+    lowers the union, once."""
+    scored = [balance_candidates(p, s, cp=cp, tile=tile) for p, s in zip(positions, segment_ids)]
+    names = list(dict.fromkeys(k for sc in scored for k in sc))
+    perms = [[sc.get(k, sc["document"])[0] for k in names] for sc in scored]  # [rows][C]
+    maps = np.stack([work.tile_map(np.take(p, np.stack(pr)), np.take(s, np.stack(pr)), cp, tile)
+                     for p, s, pr in zip(positions, segment_ids, perms)])  # [rows, C, T, T]
+    rows = np.arange(len(maps))
+
+    def cost(choice):
+        per_shard = maps[rows, choice].any(0).sum(-1).reshape(cp, -1).sum(-1)
+        return per_shard.max(), per_shard.sum()
+
+    best = min(range(len(names)), key=lambda c: (*cost([c] * len(rows)), c))
+    choice = [best] * len(rows)
+    for i in rows:
+        current = cost(choice)
+        for c in range(len(names)):
+            trial = choice[:i] + [c] + choice[i + 1:]
+            if cost(trial) < current:
+                choice, current = trial, cost(trial)
+    return [_padding_in_order(perms[i][c], segment_ids[i]) for i, c in zip(rows, choice)]
 
 
 def _check_tile(tile) -> int:
@@ -278,18 +310,24 @@ def _check_tile(tile) -> int:
 
 
 def balance_permutation(positions, segment_ids, *, cp: int, strategy: str = "auto",
-                        tile: int | None = None) -> np.ndarray:
+                        tile: int | None = None, rows_per_device: int = 1) -> np.ndarray:
     """The load-balancing permutation of every row: int ``[B, L]`` (``[L]`` for ``[L]`` input).
 
     Row ``b`` of the balanced batch is ``x[b, perm[b]]``; shard ``r`` holds
     ``perm[b, r*L/cp:(r+1)*L/cp]``. ``positions``/``segment_ids`` are the packed batch's
     (segment 0 is padding). ``tile`` is the kernel tile "auto" counts with (default
-    `zoo.data.work.TILE`, 64: zoo's flash kernel on CPU). See the module docstring.
+    `zoo.data.work.TILE`, 64: zoo's flash kernel on CPU). ``rows_per_device``: consecutive rows
+    that one device's attention holds together; "auto" then minimises their common cost (the
+    kernels skip a tile only when every row allows it; see `_auto_device`). See the module
+    docstring.
     """
     cp = _check_cp(cp)
     _check_strategy(strategy)
     if tile is not None:
         tile = _check_tile(tile)
+    if isinstance(rows_per_device, bool) or not isinstance(rows_per_device, (int, np.integer)) \
+            or rows_per_device < 1:
+        raise ValueError(f"rows_per_device={rows_per_device!r} must be a positive integer")
     positions = np.asarray(positions, np.int64)
     segment_ids = np.asarray(segment_ids, np.int64)
     if positions.shape != segment_ids.shape or positions.ndim not in (1, 2):
@@ -305,8 +343,15 @@ def balance_permutation(positions, segment_ids, *, cp: int, strategy: str = "aut
             perm = np.broadcast_to(_row_order(length, cp), rows_p.shape).copy()
         elif strategy == "document":
             perm = np.stack([_document(_Packed(p, s, cp)) for p, s in zip(rows_p, rows_s)])
-        else:
+        elif rows_per_device == 1:
             perm = np.stack([_auto(p, s, cp, tile) for p, s in zip(rows_p, rows_s)])
+        else:
+            if len(rows_p) % rows_per_device:
+                raise ValueError(f"{len(rows_p)} rows do not split into devices of "
+                                 f"rows_per_device={rows_per_device}; use a divisor of the rows")
+            perm = np.stack([q for g in range(0, len(rows_p), rows_per_device)
+                             for q in _auto_device(rows_p[g:g + rows_per_device],
+                                                   rows_s[g:g + rows_per_device], cp, tile)])
     return perm if positions.ndim == 2 else perm[0]
 
 
@@ -346,7 +391,7 @@ def _take(x, perm: np.ndarray, axis: int):
 
 
 def load_balance(x, cp: int, axis: int = 1, *, strategy: str = "auto", positions=None,
-                 segment_ids=None, tile: int | None = None):
+                 segment_ids=None, tile: int | None = None, rows_per_device: int = 1):
     """Reorder ``x`` along ``axis`` for ``cp`` context shards (see the module docstring).
 
     ``x`` is an array (rows on axis 0 for per-row strategies) or a dict of them -- a batch,
@@ -369,7 +414,8 @@ def load_balance(x, cp: int, axis: int = 1, *, strategy: str = "auto", positions
     else:
         perm = balance_permutation(_values(positions, "positions"),
                                    _values(segment_ids, "segment_ids"), cp=cp,
-                                   strategy=strategy, tile=tile)
+                                   strategy=strategy, tile=tile,
+                                   rows_per_device=rows_per_device)
 
     def one(v):
         return _permute_chunks(v, cp, axis, chunk_order(cp)) if perm is None else \

@@ -406,6 +406,7 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
     balance = "none" if args.no_load_balance else args.load_balance
     data = data_lib.text_dataset(args.data or None, seq_len=L, batch_size=B,
                                  context_parallel=cp, balance=balance,
+                                 rows_per_device=batch_sharding.shard_shape((B, L))[0],
                                  corpus_docs=args.corpus_docs, tokenizer=tokenizer,
                                  seed=args.seed)
     run_config = dict(
