@@ -22,6 +22,7 @@ in causal pairs, and which candidates "auto" picked.
 
     python benchmarks/data.py --balance             # seq 8k/16k/32k, cp 2/4/8, 16 rows each
     python benchmarks/data.py --balance --seq-lens 8192 --cps 8 --rows 4
+    python benchmarks/data.py --balance --rows-per-device 4   # 4 rows share each device
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
 
 from zoo.data import (balance_candidates, balance_permutation, best_candidate,  # noqa: E402
-                      shard_pairs, shard_tiles, text_dataset)
+                      shard_pairs, shard_tiles, text_dataset, work as work_model)
 
 NO_RECIPE = "n/a (run recipes/mini_deepseek3.py first)"
 
@@ -102,11 +103,25 @@ def packed_rows(corpus_docs: str, seq_len: int, rows: int, seed: int):
     return batch["positions"], batch["segment_ids"]
 
 
-def balance_rows(positions, segment_ids, cp: int, tile: int | None) -> list[dict]:
+def device_tiles(pos, seg, cp: int, tile: int | None, rows_per_device: int) -> np.ndarray:
+    """[devices, cp] tiles when ``rows_per_device`` rows share a device: a tile is computed when
+    any of them needs it (the kernels test the whole local batch)."""
+    if rows_per_device == 1:
+        return shard_tiles(pos, seg, cp, tile)
+    m = work_model.tile_map(pos, seg, cp, tile)
+    m = m.reshape(-1, rows_per_device, *m.shape[1:]).any(1)
+    return m.sum(-1).reshape(len(m), cp, -1).sum(-1)
+
+
+def balance_rows(positions, segment_ids, cp: int, tile: int | None,
+                 rows_per_device: int = 1) -> list[dict]:
     """One table row per strategy: the work of every shard of every row, summarised."""
     work, picks = {}, Counter()
     for strategy in ("none", "row", "document", "auto"):
-        if strategy == "auto":  # balance_permutation's choice, with the candidate's name
+        if strategy == "auto" and rows_per_device > 1:
+            perm = balance_permutation(positions, segment_ids, cp=cp, tile=tile,
+                                       rows_per_device=rows_per_device)
+        elif strategy == "auto":  # balance_permutation's choice, with the candidate's name
             perm = []
             for p, s in zip(positions, segment_ids):
                 scored = balance_candidates(p, s, cp=cp, tile=tile)
@@ -117,7 +132,8 @@ def balance_rows(positions, segment_ids, cp: int, tile: int | None) -> list[dict
         else:
             perm = balance_permutation(positions, segment_ids, cp=cp, strategy=strategy)
         pos, seg = (np.take_along_axis(a, perm, 1) for a in (positions, segment_ids))
-        work[strategy] = (shard_tiles(pos, seg, cp, tile), shard_pairs(pos, seg, cp))
+        work[strategy] = (device_tiles(pos, seg, cp, tile, rows_per_device),
+                          shard_pairs(pos, seg, cp))
     out = []
     for strategy, (tiles, pairs) in work.items():
         busiest = tiles.max(1).mean()
@@ -131,9 +147,11 @@ def balance_rows(positions, segment_ids, cp: int, tile: int | None) -> list[dict
     return out
 
 
-def balance_table(seq_lens, cps, rows: int, tile: int | None, seed: int) -> None:
+def balance_table(seq_lens, cps, rows: int, tile: int | None, seed: int,
+                  rows_per_device: int = 1) -> None:
     print(f"{rows} packed rows per corpus and length (seed {seed}), kernel tile "
-          f"{tile or 64}; tiles and pairs per shard, averaged over rows")
+          f"{tile or 64}, {rows_per_device} row(s) per device; tiles per shard (of all the "
+          f"device's rows) and pairs per shard, averaged over devices")
     header = ("| corpus | seq | cp | strategy | busiest tiles | mean tiles | busiest/mean | "
               "total vs contiguous | busiest vs row | pairs busiest/mean | auto picks |")
     print_header(header)
@@ -142,7 +160,7 @@ def balance_table(seq_lens, cps, rows: int, tile: int | None, seed: int) -> None
             positions, segment_ids = packed_rows(corpus_docs, seq_len, rows, seed)
             docs = np.median([len(np.unique(r[r > 0])) for r in segment_ids])
             for cp in cps:
-                for r in balance_rows(positions, segment_ids, cp, tile):
+                for r in balance_rows(positions, segment_ids, cp, tile, rows_per_device):
                     print(f"| {label} ({docs:.0f}/row) | {seq_len} | {cp} | {r['strategy']} | "
                           f"{r['busiest']:,.0f} | {r['mean']:,.0f} | "
                           f"{r['busiest'] / r['mean']:.2f} | {r['total_vs_none']:.2f} | "
@@ -172,11 +190,14 @@ def main(argv=None) -> None:
                         help="throughput: documents of the corpus")
     parser.add_argument("--rows", type=int, default=16, help="--balance: rows per corpus/length")
     parser.add_argument("--tile", type=int, default=None, help="--balance: kernel tile (64)")
+    parser.add_argument("--rows-per-device", type=int, default=1,
+                        help="--balance: rows one device holds (tiles: their union; auto: "
+                             "balanced together)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.balance:
         balance_table(args.seq_lens or [8192, 16384, 32768], args.cps or [2, 4, 8],
-                      args.rows, args.tile, args.seed)
+                      args.rows, args.tile, args.seed, args.rows_per_device)
         return
 
     args.cps = args.cps or [4]
