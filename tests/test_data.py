@@ -8,6 +8,7 @@ load-balanced batches against the same pipeline without reordering.
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -17,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoo.data import (ByteTokenizer, HFTokenizer, load_balance, restore_order, text_dataset)
+from zoo.data import (ByteTokenizer, HFTokenizer, PipelineStateMismatch, load_balance,
+                      restore_order, text_dataset)
 from zoo.data import corpus
 
 L = 32  # row length of the small-corpus tests
@@ -276,17 +278,25 @@ def test_deterministic_and_seeded(small_corpus):
 
 
 def test_load_balanced_rows_are_valid_after_restore(small_corpus):
+    """Every strategy's batches are per-row permutations of the plain ones (`load_balance` of the
+    plain batch, by positions and segments) and `restore_order` gives the plain batch back."""
     d, want = small_corpus
     kw = dict(seq_len=L, batch_size=4, num_epochs=1, seed=5, **ONE)
-    balanced = list(text_dataset(d, context_parallel=4, **kw))
     plain = list(text_dataset(d, context_parallel=4, load_balance=False, **kw))
-    assert len(balanced) == len(plain)
-    for bal, ref in zip(balanced, plain):
-        restored = {k: restore_order(v, 4, axis=1) for k, v in bal.items()}
-        for k in ref:
-            np.testing.assert_array_equal(restored[k], ref[k])
-            np.testing.assert_array_equal(bal[k], load_balance(ref[k], 4))
-        _check_rows(restored)
+    assert plain and all(_same(a, b) for a, b in zip(
+        plain, text_dataset(d, context_parallel=4, balance="none", **kw)))
+    for strategy in ("auto", "row", "document"):
+        balanced = list(text_dataset(d, context_parallel=4, balance=strategy, **kw))
+        assert len(balanced) == len(plain)
+        for bal, ref in zip(balanced, plain):
+            restored = restore_order(bal, 4)  # positions/segment_ids from the batch
+            for k in ref:
+                np.testing.assert_array_equal(restored[k], ref[k])
+            np.testing.assert_array_equal(bal["inputs"], load_balance(ref, 4, strategy=strategy)[
+                "inputs"])
+            if strategy == "row":
+                np.testing.assert_array_equal(bal["inputs"], load_balance(ref["inputs"], 4))
+            _check_rows(restored)
     assert sorted(_pieces(plain)) == sorted(want)
 
 
@@ -323,6 +333,38 @@ def test_state_restore_repeats_following_batches(small_corpus):
         fresh.set_state(states[k])
         rest = list(fresh)
         assert len(rest) == n - k and all(_same(a, b) for a, b in zip(rest, batches[k:]))
+
+
+def test_resume_with_other_arguments_is_refused(small_corpus, tmp_path):
+    """A state saved under other seq_len/balance/cp/corpus/paths/tokenizer is refused, naming
+    each difference; the same arguments (and a state from before arguments were saved) pass."""
+    d, _ = small_corpus
+    kw = dict(seq_len=L, batch_size=2, context_parallel=2, seed=4, **ONE)
+    it = text_dataset(d, **kw)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    want = next(it)
+    other = tmp_path / "other.txt"
+    other.write_text("another corpus")
+    changes = [(dict(seq_len=2 * L), "seq_len: saved 32, now 64"),
+               (dict(balance="row"), "balance: saved 'auto', now 'row'"),
+               (dict(context_parallel=4), "context_parallel: saved 2, now 4"),
+               (dict(corpus_docs="short"), "corpus_docs"),
+               (dict(tokenizer=_HalfTokenizer()), "tokenizer: saved 'zoo.data.tokenizer")]
+    for change, message in changes:
+        fresh = text_dataset(d, **kw | change)
+        with pytest.raises(PipelineStateMismatch, match=re.escape(message)):
+            fresh.set_state(state)
+    with pytest.raises(PipelineStateMismatch, match="paths: saved .*; files: saved"):
+        text_dataset(other, **kw).set_state(state)
+    for saved in (state, {k: v for k, v in state.items() if k != "zoo_data_arguments"}):
+        fresh = text_dataset(d, **kw | dict(batch_size=2))
+        fresh.set_state(saved)
+        assert _same(next(fresh), want)
+
+
+class _HalfTokenizer(ByteTokenizer):
+    """Another tokenizer with the same vocabulary: only its identity differs."""
 
 
 def test_state_restore_infinite_builtin_corpus():

@@ -12,18 +12,24 @@
   owns the lines that *start* inside it (the Hadoop split rule), so ranges never overlap and
   never lose a line. A plain-text range is one document (a large file becomes several);
   ``.jsonl`` ranges give one document per line, its ``"text"`` field.
+* `split_short(text)` -- Python source -> short documents, one per top-level function or class
+  (``text_dataset(corpus_docs="short")``, the recipes' ``--corpus-docs short``): packed rows
+  then hold many documents of skewed lengths, as pre-training text does.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
+import re
 import sysconfig
+import threading
 from collections.abc import Sequence
 
 __all__ = ["SUFFIXES", "RANGE_BYTES", "find_files", "stdlib_files", "index_ranges",
-           "read_documents", "Range"]
+           "read_documents", "split_short", "Range"]
 
 SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 RANGE_BYTES = 8 << 20  # 8 MiB: one read per range, many ranges for a big file
@@ -105,6 +111,43 @@ def _jsonl_text(line: bytes, path: str, offset: int) -> str:
         raise ValueError(f"{path}: line at byte {offset} has no string 'text' field; .jsonl "
                          "files need one JSON object with a 'text' field per line")
     return record["text"]
+
+
+# CPython 3.11's parser is not safe in several threads at once ("AST constructor recursion
+# depth mismatch", SystemError); the pipeline reads with threads, so parses take turns.
+_PARSE_LOCK = threading.Lock()
+_TOP_LEVEL = re.compile(r"(async\s+def|def|class)\s|@")  # a top-level definition starts
+
+
+def _definition_lines(text: str, lines: list[str]) -> set[int]:
+    """0-based first and end lines of every top-level function/class (decorators included)."""
+    try:
+        with _PARSE_LOCK:
+            body = ast.parse(text).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError, SystemError):
+        # not valid Python (a range of a large file, another version's syntax): cut at lines
+        # that start a definition at column 0, a decorator only when it opens a run of them
+        return {i for i, line in enumerate(lines)
+                if _TOP_LEVEL.match(line) and not (i and lines[i - 1].startswith("@"))}
+    cuts = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            cuts.add(min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1)
+            cuts.add(node.end_lineno)
+    return cuts
+
+
+def split_short(text: str) -> list[str]:
+    """Python source -> its top-level functions and classes, one document each, in order.
+
+    The module-level code between them (imports, docstring, constants) forms documents of its
+    own, so no line is lost; blank pieces are dropped. Text that does not parse is cut at
+    lines starting with ``def``/``class``/``async def``/``@`` at column 0.
+    """
+    lines = text.split("\n")
+    cuts = sorted({0, len(lines)} | _definition_lines(text, lines))
+    pieces = ("\n".join(lines[a:b]) for a, b in zip(cuts, cuts[1:]))
+    return [p for p in pieces if p.strip()]
 
 
 def index_ranges(files: Sequence[str], range_bytes: int | None = None) -> list[Range]:

@@ -26,16 +26,26 @@ Conventions of one row of ``L`` tokens (all arrays ``[batch_size // process_coun
   (same non-zero segment id), else ``pad_id``. The last token of each piece has no target.
 * ``loss_weights`` -- float32, 1.0 exactly where a target exists, else 0.0.
 
-With ``context_parallel=cp > 1`` and ``load_balance=True`` all five arrays are finally
-reordered along the length axis by `zoo.data.load_balance` (chunks ``r`` and ``2cp-1-r`` for
-context shard ``r``); attention masks come from ``positions``/``segment_ids``, so the model
-never un-permutes and the loss (a weighted mean) needs no inverse.
+With ``context_parallel=cp > 1`` all five arrays are finally reordered along the length axis
+by `zoo.data.load_balance` with ``balance`` (default ``"auto"``: per row, the permutation whose
+busiest context shard computes the fewest kernel tiles; see `zoo.data.reorder`); attention
+masks come from ``positions``/``segment_ids``, so the model never un-permutes and the loss (a
+weighted mean) needs no inverse. `zoo.data.restore_order` with the batch's positions and
+segment ids gives packing order back.
+
+``corpus_docs="short"`` cuts every ``.py`` file into one document per top-level function or
+class (`corpus.split_short`), so rows pack many documents of skewed lengths -- like web or code
+pre-training text -- instead of one long file; ``.jsonl`` lines are documents either way.
 
 Every process builds the same global batch stream (same seed, same files) and keeps rows
 ``[i*b, (i+1)*b)``, ``b = batch_size // process_count``. ``num_epochs=1`` visits every token
 once; the final batch is padded with empty rows (``segment_ids`` 0, weights 0), never dropped.
 ``it.get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator built with the
-same arguments repeats exactly the batches that followed.
+same arguments repeats exactly the batches that followed. The state records the arguments that
+shape the stream (seq_len, context_parallel, balance, tile, corpus_docs, seed, shuffle, the
+tokenizer's identity, the paths and a digest of the files found); ``set_state`` with a state
+saved under other ones raises `PipelineStateMismatch` naming each difference (``batch_size``,
+``rows_per_device``, ``num_epochs`` and the process layout may change).
 
 Legend: B rows per process, L ``seq_len``.
 """
@@ -43,6 +53,7 @@ Legend: B rows per process, L ``seq_len``.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import weakref
 from collections.abc import Sequence
@@ -52,10 +63,14 @@ import numpy as np
 from grain import experimental as gx
 
 from zoo.data import corpus
-from zoo.data.reorder import check_length, load_balance as _load_balance
-from zoo.data.tokenizer import ByteTokenizer
+from zoo.data import work
+from zoo.data.reorder import STRATEGIES, check_length, load_balance as _load_balance
+from zoo.data.tokenizer import ByteTokenizer, identity
 
-__all__ = ["text_dataset", "PACKING_BINS", "SHUFFLE_WINDOW"]
+__all__ = ["text_dataset", "PipelineStateMismatch", "CORPUS_DOCS", "PACKING_BINS",
+           "SHUFFLE_WINDOW"]
+
+CORPUS_DOCS = ("file", "short")  # a document per file (jsonl: per line) / per top-level def
 
 # First-fit packs this many rows at once: more rows, fuller rows (fill is measured by
 # benchmarks/data.py and asserted >= 97% on the built-in corpus by the tests).
@@ -80,8 +95,36 @@ def _close_open_iterators() -> None:
         it.close()
 
 
+class PipelineStateMismatch(ValueError):
+    """A saved pipeline state was made with other arguments than this pipeline's."""
+
+
+_STATE_KEY = "zoo_data_arguments"
+
+
 class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
-    """Grain's thread prefetch, with a `close` that is safe to call twice (atexit, then __del__)."""
+    """Grain's thread prefetch whose state carries the pipeline's arguments (checked on
+    `set_state`), with a `close` that is safe to call twice (atexit, then __del__)."""
+
+    def __init__(self, parent, buffer_size: int, arguments: dict):
+        super().__init__(parent, buffer_size)
+        self.arguments = arguments
+
+    def get_state(self):
+        return {**super().get_state(), _STATE_KEY: dict(self.arguments)}
+
+    def set_state(self, state) -> None:
+        state = dict(state)
+        saved = state.pop(_STATE_KEY, None)  # None: a state from before arguments were saved
+        if saved is not None:
+            diffs = [f"{k}: saved {saved.get(k)!r}, now {v!r}"
+                     for k, v in self.arguments.items() if saved.get(k) != v]
+            if diffs:
+                raise PipelineStateMismatch(
+                    "the data pipeline state was saved with other arguments: "
+                    + "; ".join(diffs) + ". Resume with the saved arguments, or start a new "
+                    "run (another --run-dir) to use the new ones")
+        super().set_state(state)
 
     def close(self) -> None:
         if not self._closed:
@@ -91,14 +134,19 @@ class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
 class _ReadTokenize:
     """Byte range -> list of token arrays, ``[bos] + encode(text) + [eos]`` per document."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, short: bool = False):
         self.tokenizer = tokenizer
+        self.short = short
         self.bos = getattr(tokenizer, "bos_id", None)
         self.eos = getattr(tokenizer, "eos_id", None)
 
     def __call__(self, rng: corpus.Range) -> list[np.ndarray]:
         out = []
-        for text, starts, ends in corpus.read_documents(*rng):
+        docs = corpus.read_documents(*rng)
+        if self.short and not rng[4] and rng[0].endswith(".py"):  # .py: a doc per definition
+            docs = [(piece, True, True) for text, _, _ in docs
+                    for piece in corpus.split_short(text)]
+        for text, starts, ends in docs:
             parts = [np.asarray(self.tokenizer.encode(text), dtype=np.int32).reshape(-1)]
             if not parts[0].size:
                 continue  # an empty document ({"text": ""}) has nothing to learn from
@@ -126,13 +174,16 @@ class _SplitPieces(gx.FlatMapTransform):
 class _Finish:
     """Global packed batch -> this process's rows with targets, weights, reorder (all int32)."""
 
-    def __init__(self, *, global_batch, process_index, process_count, pad_id, cp, balance):
+    def __init__(self, *, global_batch, process_index, process_count, pad_id, cp, balance,
+                 tile, rows_per_device):
         self.global_batch = global_batch
         self.rows = slice(process_index * (global_batch // process_count),
                           (process_index + 1) * (global_batch // process_count))
         self.pad_id = pad_id
         self.cp = cp
-        self.balance = balance and cp > 1
+        self.balance = balance if cp > 1 else "none"
+        self.tile = tile
+        self.rows_per_device = rows_per_device
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         tokens = batch["tokens"].astype(np.int32)  # [rows<=global, L]
@@ -154,9 +205,27 @@ class _Finish:
         weights[:, :-1] = has_next
         out = {"inputs": tokens, "targets": targets, "positions": positions,
                "segment_ids": segments, "loss_weights": weights}
-        if self.balance:
-            out = {k: _load_balance(v, self.cp, axis=1) for k, v in out.items()}
+        if self.balance != "none":  # one permutation per row, computed from this batch
+            out = _load_balance(out, self.cp, axis=1, strategy=self.balance, tile=self.tile,
+                                rows_per_device=self.rows_per_device)
         return out
+
+
+def _paths_text(paths) -> list[str] | None:
+    """The ``paths`` argument as absolute strings (None: the built-in corpus)."""
+    if paths is None:
+        return None
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    return [os.path.abspath(os.path.expanduser(os.fspath(p))) for p in paths]
+
+
+def _files_digest(ranges) -> str:
+    """Which files (and sizes) the paths found: a changed corpus changes the stream."""
+    h = hashlib.sha256()
+    for path, start, _, size, _ in ranges:
+        if start == 0:
+            h.update(f"{path}\0{size}\n".encode())
+    return f"{sum(r[1] == 0 for r in ranges)} files, sha256 {h.hexdigest()[:16]}"
 
 
 def _positive_int(name: str, value) -> int:
@@ -167,7 +236,10 @@ def _positive_int(name: str, value) -> int:
 
 def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None, *,
                  seq_len: int, batch_size: int, context_parallel: int = 1,
-                 load_balance: bool = True, tokenizer=None, seed: int = 0,
+                 balance: str = "auto", load_balance: bool = True,
+                 balance_tile: int | None = None, rows_per_device: int = 1,
+                 corpus_docs: str = "file",
+                 tokenizer=None, seed: int = 0,
                  shuffle: bool = True, num_epochs: int | None = None,
                  process_index: int | None = None,
                  process_count: int | None = None) -> grain.DatasetIterator:
@@ -178,8 +250,17 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
         text; ``None`` is the built-in corpus (the Python standard library's sources).
       seq_len: row length ``L``.
       batch_size: *global* rows per step; each process gets ``batch_size // process_count``.
-      context_parallel: the CP degree the attention sees; with ``load_balance`` every array is
-        reordered for it (``seq_len`` must then be divisible by ``2*context_parallel``).
+      context_parallel: the CP degree the attention sees; every array is reordered for it by
+        ``balance`` (``seq_len`` must then be divisible by ``2*context_parallel``).
+      balance: ``"auto"`` (default), ``"row"``, ``"document"`` or ``"none"``; see
+        `zoo.data.reorder`. ``load_balance=False`` is the older spelling of ``"none"``.
+      balance_tile: the attention kernel's tile that ``"auto"`` counts work in (default
+        `zoo.data.work.TILE` = 64, zoo's flash kernel on CPU).
+      rows_per_device: consecutive rows of this process's batch that one device's attention
+        holds; ``"auto"`` balances them together, since the kernels skip a tile only when it is
+        empty in every row (the recipes pass their batch sharding's rows per device).
+      corpus_docs: ``"file"`` (a document per file, per ``.jsonl`` line) or ``"short"`` (``.py``
+        files cut into one document per top-level function or class).
       tokenizer: anything with ``encode``/``bos_id``/``eos_id``/``pad_id``; default
         `ByteTokenizer`.
       seed, shuffle: file order (reshuffled each epoch), piece windows and packed rows are
@@ -215,7 +296,20 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
             f"text_dataset: batch_size={batch_size} is not divisible by process_count="
             f"{process_count} (every process takes an equal slice of the global batch); use "
             f"{lower + process_count}" + (f" or {lower}" if lower else ""))
-    if load_balance and context_parallel > 1:
+    if balance not in STRATEGIES:
+        raise ValueError(f"text_dataset: balance={balance!r} must be one of "
+                         f"{', '.join(map(repr, STRATEGIES))}")
+    if corpus_docs not in CORPUS_DOCS:
+        raise ValueError(f"text_dataset: corpus_docs={corpus_docs!r} must be one of "
+                         f"{', '.join(map(repr, CORPUS_DOCS))}")
+    balance_tile = work.TILE if balance_tile is None else _positive_int("balance_tile",
+                                                                        balance_tile)
+    balance = balance if load_balance else "none"
+    rows_per_device = _positive_int("rows_per_device", rows_per_device)
+    if (batch_size // process_count) % rows_per_device:
+        raise ValueError(f"text_dataset: rows_per_device={rows_per_device} does not divide the "
+                         f"{batch_size // process_count} rows of each process")
+    if balance != "none" and context_parallel > 1:
         check_length(seq_len, context_parallel, what="text_dataset: seq_len")
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if not callable(getattr(tokenizer, "encode", None)):
@@ -223,11 +317,16 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
 
-    ranges = corpus.index_ranges(corpus.find_files(paths))
+    files = corpus.find_files(paths)
+    ranges = corpus.index_ranges(files)
+    arguments = dict(  # what shapes the stream; a resume must match (see the module docstring)
+        seq_len=seq_len, context_parallel=context_parallel, balance=balance,
+        balance_tile=balance_tile, corpus_docs=corpus_docs, seed=int(seed), shuffle=shuffle,
+        tokenizer=identity(tokenizer), paths=_paths_text(paths), files=_files_digest(ranges))
     ds = grain.MapDataset.source(ranges)
     if shuffle:
         ds = ds.shuffle(seed=seed)  # a fresh permutation every epoch (seed + epoch)
-    ds = ds.repeat(num_epochs).map(_ReadTokenize(tokenizer))
+    ds = ds.repeat(num_epochs).map(_ReadTokenize(tokenizer, short=corpus_docs == "short"))
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
                                               prefetch_buffer_size=_READ_BUFFER))
     ds = gx.FlatMapIterDataset(ds, _SplitPieces(seq_len))
@@ -239,7 +338,7 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     ds = ds.batch(batch_size, drop_remainder=False)
     ds = ds.map(_Finish(global_batch=batch_size, process_index=int(process_index),
                         process_count=process_count, pad_id=pad_id, cp=context_parallel,
-                        balance=load_balance))
-    it = _PrefetchIterator(iter(ds), _PREFETCH_BATCHES)  # packing runs ahead in a thread
+                        balance=balance, tile=balance_tile, rows_per_device=rows_per_device))
+    it = _PrefetchIterator(iter(ds), _PREFETCH_BATCHES, arguments)  # packing runs ahead
     _OPEN_ITERATORS.add(it)
     return it

@@ -8,6 +8,8 @@
 
 Both expose ``encode(text) -> np.ndarray[int32]`` (no special tokens added), ``decode(ids)``,
 ``vocab_size``, ``pad_id``, ``bos_id`` and ``eos_id`` (``None`` when the tokenizer has none).
+`identity(tokenizer)` names a tokenizer for the pipeline's saved state: class, vocabulary size,
+special ids and, for a file-backed one, the file and a digest of its bytes.
 The pipeline (`zoo.data.text_dataset`) wraps every document as ``[bos] + encode(text) + [eos]``
 (each only when not ``None``) and fills padding with ``pad_id`` (0 when ``None``); padding is
 marked by ``segment_ids == 0`` and weight 0 anyway, so its value never matters.
@@ -15,13 +17,14 @@ marked by ``segment_ids == 0`` and weight 0 anyway, so its value never matters.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "HFTokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "identity"]
 
 
 class ByteTokenizer:
@@ -109,3 +112,17 @@ class HFTokenizer:
     def __repr__(self) -> str:
         return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
                 f"eos={self.eos_id}, pad={self.pad_id})")
+
+
+def identity(tokenizer) -> str:
+    """A short string that changes when the tokenizer's output could (see module docstring)."""
+    cls = type(tokenizer)
+    parts = [f"{cls.__module__}.{cls.__qualname__}"]
+    parts += [f"{k}={getattr(tokenizer, k, None)}"
+              for k in ("vocab_size", "bos_id", "eos_id", "pad_id")]
+    path = getattr(tokenizer, "path", None)
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        parts.append(f"{os.path.abspath(path)} sha256 {digest}")
+    return " ".join(parts)

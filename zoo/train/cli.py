@@ -21,7 +21,8 @@ Compiled programs are cached on disk (``JAX_COMPILATION_CACHE_DIR``, else
 first compile.
 
 Exit codes: 0 finished or stopped by SIGTERM/SIGINT with a checkpoint saved (rerun to resume);
-2 bad flags, or a run dir whose checkpoint holds a model of other shapes; 3 the loss (or the
+2 bad flags, or a run dir whose checkpoint holds a model of other shapes or a data-pipeline
+state saved under other data arguments (seq_len, load balance, corpus, ...); 3 the loss (or the
 gradient/parameter norm) became NaN/Inf (the last good checkpoint is untouched).
 """
 
@@ -97,8 +98,12 @@ def make_parser(recipe: Recipe) -> argparse.ArgumentParser:
       "tensor (the rest are 1), e.g. fsdp=2,expert=2,context=2")
     a("--attention", choices=("auto", "all_gather", "ring", "reference", "cudnn"), default=None,
       help="attention implementation (default: the config's)")
-    a("--no-load-balance", action="store_true",
-      help="do not reorder sequences for load-balanced context parallelism")
+    a("--no-load-balance", action="store_true", help="same as --load-balance none")
+    a("--load-balance", choices=("auto", "row", "document", "none"), default="auto",
+      help="reorder each packed row for context parallelism: auto picks, per row, the "
+           "permutation whose busiest shard computes the fewest attention tiles (zoo.data)")
+    a("--corpus-docs", choices=("file", "short"), default="file",
+      help="documents of the corpus: whole files, or one per top-level function/class of .py")
     a("--data", nargs="*", default=None,
       help="text files, globs or folders (default: the Python standard library's sources)")
     a("--tokenizer", default=None, help="a tokenizer.json (default: bytes)")
@@ -408,9 +413,12 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
             return model, jax.jit(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param))(model)
 
     cp = partitioner.context_size("attention")
+    balance = "none" if args.no_load_balance else args.load_balance
     data = data_lib.text_dataset(args.data or None, seq_len=L, batch_size=B,
-                                 context_parallel=cp, load_balance=not args.no_load_balance,
-                                 tokenizer=tokenizer, seed=args.seed)
+                                 context_parallel=cp, balance=balance,
+                                 rows_per_device=batch_sharding.shard_shape((B, L))[0],
+                                 corpus_docs=args.corpus_docs, tokenizer=tokenizer,
+                                 seed=args.seed)
     run_config = dict(
         recipe=recipe.name, model=config_to_json(config),
         train=dict(steps=args.steps, batch_size=B, seq_len=L, lr=args.lr, warmup=args.warmup,
@@ -418,8 +426,9 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
                    aux_loss_weight=aux_weight, expert_bias_rate=recipe.expert_bias_rate,
                    checkpoint_every=args.checkpoint_every),
         parallel=dict(mesh=mesh_text, strategy=strategy, context_parallel=cp,
-                      load_balance=not args.no_load_balance),
-        data=dict(paths=args.data, tokenizer=args.tokenizer or "bytes", from_hf=args.from_hf))
+                      load_balance=balance != "none"),
+        data=dict(paths=args.data, tokenizer=args.tokenizer or "bytes", from_hf=args.from_hf,
+                  load_balance=balance, corpus_docs=args.corpus_docs))
     return Setup(args=args, config=config, partitioner=partitioner, mesh_text=mesh_text,
                  strategy=strategy, batch_sharding=batch_sharding, make_model=make_model, tx=tx,
                  schedule=schedule, train_step=train_step, data=data, run_config=run_config,
@@ -447,6 +456,7 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
                             mesh_text=s.mesh_text, remat=s.config.remat_policy,
                             dtype=s.config.dtype, param_dtype=s.config.param_dtype))
         return 0
+    from zoo.data import PipelineStateMismatch
     from zoo.train import loop
 
     args = s.args
@@ -466,7 +476,7 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
     except loop.TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    except loop.IncompatibleCheckpoint as e:
+    except (loop.IncompatibleCheckpoint, PipelineStateMismatch) as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
