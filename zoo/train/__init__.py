@@ -6,6 +6,8 @@
 * `zoo.train.loop` -- `train` (progress bar, metrics.jsonl, run.json, loss.png, signals, NaN
   guard), `read_metrics`, `plot_loss`.
 * `zoo.train.cli` -- flags, devices/mesh/multi-process setup and the recipes' `main`.
+* `zoo.train.validate` / `zoo.train.lock` -- the recipes' input checks and run-dir lock.
+* `zoo.train.guard` -- NaN, divergence and stop agreement without a per-step host barrier.
 """
 
 from zoo.train.checkpoint import Checkpointer

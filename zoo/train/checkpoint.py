@@ -39,7 +39,7 @@ from etils import epath
 from flax import nnx
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-__all__ = ["Checkpointer", "Restored", "shape_differences"]
+__all__ = ["Checkpointer", "Restored", "shape_differences", "all_processes_agree"]
 
 
 # -- per-process JSON item (the data iterators) ------------------------------------------------
@@ -78,7 +78,7 @@ class DataStateRestore(ocp.args.CheckpointArgs):
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def _all_processes_agree(ok: bool) -> bool:
+def all_processes_agree(ok: bool) -> bool:
     """True iff `ok` on every process (one tiny all-gather; free with one process)."""
     if jax.process_count() == 1:
         return ok
@@ -191,7 +191,7 @@ class Checkpointer:
                 config = self.read_config(step)
             except Exception as e:
                 config, error = None, e
-            if _all_processes_agree(config is not None):
+            if all_processes_agree(config is not None):
                 if check is not None:
                     check(step, config)
                 try:
@@ -199,7 +199,7 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(target), data=DataStateRestore()))
                 except Exception as e:
                     out, error = None, e
-                if _all_processes_agree(out is not None):
+                if all_processes_agree(out is not None):
                     # copies: the abstract originals may be in use elsewhere (e.g. compiling)
                     model, optimizer = nnx.clone(model), nnx.clone(optimizer)
                     for module, key in ((model, "model"), (optimizer, "optimizer")):

@@ -363,8 +363,8 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         problem = e
     agreed = problem is None
     if jax.process_count() > 1:
-        from zoo.train.checkpoint import _all_processes_agree
-        agreed = _all_processes_agree(agreed)
+        from zoo.train.checkpoint import all_processes_agree
+        agreed = all_processes_agree(agreed)
     if not agreed:
         if run_lock is not None:
             run_lock.release()

@@ -460,10 +460,12 @@ def _loop(*, step_fn, model, optimizer, schedule, data, batch_sharding, ckpt, st
                             f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}. "
                             f"Lower --lr or check the data, then rerun to resume from it"
                         ) from None
+                    last = ckpt.latest_step()
+                    where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
+                             if last is not None else "there is no checkpoint to resume from")
                     raise TrainingDiverged(
-                        f"{e}. Nothing was saved from step {monitor.first_rise} on; the last "
-                        f"good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}. "
-                        f"Lower --lr or check the data, then rerun to resume from it") from None
+                        f"{e}. Nothing was saved from step {monitor.first_rise} on; {where}. "
+                        f"Lower --lr or check the data, then rerun") from None
                 raise
     finally:
         bar.close()
