@@ -242,3 +242,13 @@ def test_text_sniffing(tmp_path, inputs):
     assert validate.sniff_text(str(tmp_path / "cut.txt")) is None
     (tmp_path / "bad.txt").write_bytes(b"a" * 900 + b"\xff" * 20)
     assert "20 of the first 920 bytes" in validate.sniff_text(str(tmp_path / "bad.txt"))
+
+
+def test_stop_agreement_reduces_on_the_devices(devices):
+    """The stop flag's reduction over every device of the mesh (one process here: its flag)."""
+    import jax
+
+    import zoo
+    agree = guard.StopAgreement(zoo.make_mesh(fsdp=2, expert=2, context=2))
+    assert agree.shape == (8,) and len(agree.sharding.addressable_devices) == 8
+    assert int(jax.device_get(agree(True))) == 1 and int(jax.device_get(agree(False))) == 0
