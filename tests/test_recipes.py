@@ -74,8 +74,9 @@ def sub_env():
     return env
 
 
-# A subprocess that SIGTERMs itself right after step N: the signal arrives mid-run through the
-# real handler, deterministically (an outside kill would race a ~30 ms step).
+# A subprocess that SIGTERMs itself when step N's metrics are logged: the signal arrives mid-run
+# through the real handler, deterministically (an outside kill would race a ~30 ms step). The
+# loop reads step N's metrics while step N+1 runs, so the run stops after step N+1.
 SELF_TERM = """
 import importlib.util, os, signal, sys
 spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
@@ -157,7 +158,7 @@ def test_finished_run_has_nothing_to_do(tmp_path, straight, capsys):
 
 @pytest.fixture(scope="module")
 def sigterm_scenario(tmp_path_factory, straight):
-    """12 planned steps, SIGTERM after step 6 (subprocess), then the same command again."""
+    """12 planned steps, SIGTERM while step 7 runs (subprocess), then the same command again."""
     run_dir = tmp_path_factory.mktemp("sigterm") / "run"
     argv = [*STRAIGHT, "--run-dir", str(run_dir), "--checkpoint-every", "100"]
     proc = subprocess.run([sys.executable, "-c", SELF_TERM,
@@ -173,14 +174,14 @@ def sigterm_scenario(tmp_path_factory, straight):
 def test_sigterm_saves_the_step_reached_and_exits_cleanly(sigterm_scenario):
     s = sigterm_scenario["after_signal"]
     assert s["code"] == 0, s["err"][-3000:]
-    assert "SIGTERM received" in s["err"] and "stopped by SIGTERM at step 6/12" in s["out"]
-    assert s["ckpt_steps"] == [6] and s["metric_steps"] == list(range(1, 7))
+    assert "SIGTERM received" in s["err"] and "stopped by SIGTERM at step 7/12" in s["out"]
+    assert s["ckpt_steps"] == [7] and s["metric_steps"] == list(range(1, 8))
 
 
 def test_rerun_continues_from_the_next_step(sigterm_scenario):
     assert sigterm_scenario["code"] == 0
-    assert sigterm_scenario["resumed"] == list(range(7, 13))
-    assert Checkpointer(sigterm_scenario["run_dir"] / "checkpoints").steps() == [6, 12]
+    assert sigterm_scenario["resumed"] == list(range(8, 13))
+    assert Checkpointer(sigterm_scenario["run_dir"] / "checkpoints").steps() == [7, 12]
 
 
 def test_resumed_losses_equal_a_straight_run(sigterm_scenario, straight):
@@ -332,7 +333,7 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--devices", "4"], "already started with 8 CPU devices"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
     (["--dtype", "float33"], "--dtype float33: not a dtype"),
-    (["--steps", "12", "--warmup", "50"], "warmup=50 must be in [0, steps=12]"),
+    (["--steps", "12", "--warmup", "50"], "--warmup 50: must be in [0, --steps 12]"),
 ])
 def test_flag_errors_are_clear(tmp_path, devices, capsys, argv, message):
     with pytest.raises(SystemExit) as e:

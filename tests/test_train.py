@@ -244,3 +244,43 @@ def test_global_batch_is_one_array_over_the_mesh(devices):
     assert x.shape == (B, L) and x.sharding.spec == part.spec(("batch", "length"))
     np.testing.assert_array_equal(np.asarray(x), local["inputs"])
     assert json.dumps(jax.device_get(batch["loss_weights"]).sum().item())
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+def test_the_loop_runs_ahead_of_its_metrics(tmp_path, devices):
+    """Step n+1 is dispatched before step n's metrics are read (no per-step host sync), except
+    at a checkpoint step, whose own metrics are read before its state is saved."""
+    from types import SimpleNamespace
+
+    from test_recipes import COMMON, TINY, recipe
+    from zoo.train import cli, loop
+
+    s = cli.setup(recipe("mini_mixtral").RECIPE, ["--steps", "8", *COMMON,
+                                                  *TINY["mini_mixtral"]])
+    events = []
+
+    class Counting:  # the loop compiles train_step.lower(...).compile() and calls the result
+        def __init__(self, jitted):
+            self.jitted = jitted
+
+        def lower(self, *args):
+            compiled = self.jitted.lower(*args).compile()
+
+            def call(*a):
+                events.append("dispatch")
+                return compiled(*a)
+            return SimpleNamespace(compile=lambda: call)
+
+    loop.train(make_model=s.make_model, tx=s.tx, train_step=Counting(s.train_step),
+               schedule=s.schedule, data=s.data, batch_sharding=s.batch_sharding,
+               run_dir=tmp_path, steps=8, global_batch=4, seq_len=32, config=s.run_config,
+               checkpoint_every=4, progress=False,
+               on_step=lambda step, row: events.append(step))
+    s.data.close()
+    dispatched_before = {e: events[:i].count("dispatch") for i, e in enumerate(events)
+                         if e != "dispatch"}
+    assert list(dispatched_before) == list(range(1, 9))
+    for step, n in dispatched_before.items():
+        assert n == (step if step in (4, 8) else step + 1), (step, events)
+    assert [r["step"] for r in loop.read_metrics(tmp_path)] == list(range(1, 9))

@@ -8,6 +8,8 @@
 * `zoo.train.rehearse` -- `rehearse` / `Rehearsal`: the train step compiled ahead of time for
   a (virtual) mesh at full size; per-device memory, HLO FLOPs, collective bytes.
 * `zoo.train.cli` -- flags, devices/mesh/multi-process setup and the recipes' `main`.
+* `zoo.train.validate` / `zoo.train.lock` -- the recipes' input checks and run-dir lock.
+* `zoo.train.guard` -- NaN, divergence and stop agreement without a per-step host barrier.
 """
 
 from zoo.train.checkpoint import Checkpointer

@@ -14,6 +14,12 @@ buffers); `wait` blocks until the last one is on disk. Orbax writes each checkpo
 temporary folder and renames it when complete, so a half-written save never looks like a step.
 A step that exists but cannot be read (truncated or missing files) is skipped by `restore` with
 a warning, moved aside to ``checkpoints/corrupt-<step>`` and the previous one is used.
+
+Rotation keeps the newest `max_to_keep` checkpoints plus any step passed to `protect` (the
+loop protects the last checkpoint saved before the loss rose past its divergence bound, so
+saves after a recovered rise never rotate it out). `move_aside` takes a step out of the
+manager without deleting it (the loop moves the checkpoints a divergence made suspect to
+``diverged-<step>``).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
+from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-__all__ = ["Checkpointer", "Restored", "shape_differences"]
+__all__ = ["Checkpointer", "Restored", "shape_differences", "all_processes_agree"]
 
 
 # -- per-process JSON item (the data iterators) ------------------------------------------------
@@ -71,7 +78,7 @@ class DataStateRestore(ocp.args.CheckpointArgs):
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def _all_processes_agree(ok: bool) -> bool:
+def all_processes_agree(ok: bool) -> bool:
     """True iff `ok` on every process (one tiny all-gather; free with one process)."""
     if jax.process_count() == 1:
         return ok
@@ -101,6 +108,16 @@ def to_pure(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
+class _Protected(pp.PreservationPolicy):
+    """Preserve the steps in a set that can grow while the manager lives."""
+
+    steps: set[int] = dataclasses.field(default_factory=set)
+
+    def should_preserve(self, checkpoints, *, context):
+        return [c.step in self.steps for c in checkpoints]
+
+
+@dataclasses.dataclass
 class Restored:
     step: int
     model: nnx.Module
@@ -119,8 +136,10 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
                  async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
+        self._protected = _Protected()
+        policy = pp.AnyPreservationPolicy([pp.LatestN(max_to_keep), self._protected])
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
+            preservation_policy=policy, create=True, cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save)
         handlers = dict(state=ocp.StandardCheckpointHandler(), data=ProcessJsonHandler(),
                         config=ocp.JsonCheckpointHandler())
@@ -172,7 +191,7 @@ class Checkpointer:
                 config = self.read_config(step)
             except Exception as e:
                 config, error = None, e
-            if _all_processes_agree(config is not None):
+            if all_processes_agree(config is not None):
                 if check is not None:
                     check(step, config)
                 try:
@@ -180,7 +199,7 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(target), data=DataStateRestore()))
                 except Exception as e:
                     out, error = None, e
-                if _all_processes_agree(out is not None):
+                if all_processes_agree(out is not None):
                     # copies: the abstract originals may be in use elsewhere (e.g. compiling)
                     model, optimizer = nnx.clone(model), nnx.clone(optimizer)
                     for module, key in ((model, "model"), (optimizer, "optimizer")):
@@ -196,16 +215,27 @@ class Checkpointer:
             self._move_aside(step)
         return None
 
-    def _move_aside(self, step: int) -> None:
+    def protect(self, step: int) -> None:
+        """Never rotate `step` out (for the life of this manager)."""
+        self._protected.steps.add(int(step))
+
+    def move_aside(self, step: int, prefix: str) -> str:
+        """Rename checkpoint `step` to ``<prefix>-<step>`` (replacing an older one of that
+        name) after pending saves finish; all processes call it. Returns the new path."""
+        self.wait()
+        self._move_aside(step, prefix)
+        return os.path.join(self.directory, f"{prefix}-{step}")
+
+    def _move_aside(self, step: int, prefix: str = "corrupt") -> None:
         if jax.process_index() == 0:
             src = os.path.join(self.directory, str(step))
-            dst = os.path.join(self.directory, f"corrupt-{step}")
+            dst = os.path.join(self.directory, f"{prefix}-{step}")
             if os.path.exists(dst):
                 shutil.rmtree(dst)
             os.replace(src, dst)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(f"zoo_checkpoint_move_aside_{step}")
+            multihost_utils.sync_global_devices(f"zoo_checkpoint_{prefix}_{step}")
         self.manager.reload()
 
     def wait(self) -> None:

@@ -20,10 +20,20 @@ Compiled programs are cached on disk (``JAX_COMPILATION_CACHE_DIR``, else
 ``ZOO_COMPILATION_CACHE``, else ``~/.cache/zoo/jax``), so a rerun or resume skips most of the
 first compile.
 
+Before anything is compiled or restored, the inputs are checked (`zoo.train.validate`): the
+run dir is created and probed for writing first, then locked for this run (`zoo.train.lock`,
+process 0 only: a second run on the same dir stops at once naming the holder), then ``--data``
+must hold text and ``--tokenizer`` must load; ``--lr``, ``--warmup`` and the other numbers are
+checked as they are parsed. A refused input is one line naming the flag, the value and the fix,
+never a traceback (``--debug`` adds it). With several processes they agree before going on,
+so either all start or all stop.
+
 Exit codes: 0 finished or stopped by SIGTERM/SIGINT with a checkpoint saved (rerun to resume);
-2 bad flags, or a run dir whose checkpoint holds a model of other shapes or a data-pipeline
-state saved under other data arguments (seq_len, load balance, corpus, ...); 3 the loss (or the
-gradient/parameter norm) became NaN/Inf (the last good checkpoint is untouched).
+2 bad flags or inputs, a run dir in use by another run, or one whose checkpoint holds a model
+of other shapes or a data-pipeline state saved under other data arguments (seq_len, load
+balance, corpus, ...); 3 the loss (or the gradient/parameter norm) became NaN/Inf, or the loss
+diverged (above ``--divergence-factor`` x the best of the last 100 steps for 10 steps): the
+last good checkpoint is kept.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,6 +142,10 @@ def make_parser(recipe: Recipe) -> argparse.ArgumentParser:
     a("--distributed", action="store_true",
       help="call jax.distributed.initialize() with auto-detection (SLURM, Open MPI, Cloud TPU)")
     a("--no-progress", action="store_true", help="no progress bar")
+    a("--divergence-factor", type=float, default=5.0,
+      help="stop (exit 3) when the loss stays above this many times the best of the last 100 "
+           "steps for 10 steps; inf: never")
+    a("--debug", action="store_true", help="show Python tracebacks of refused flags and inputs")
     return p
 
 
@@ -299,6 +314,7 @@ class Setup:
     run_dir: str
     flops_per_token: float | None
     create: Callable[[], tuple[Any, Any]] | None  # fresh-run init from --from-hf
+    lock: Any = None                 # zoo.train.lock.RunLock held by main (process 0)
 
     def create_sharded(self):
         """``(model, optimizer)`` as a fresh run starts them (created sharded)."""
@@ -306,20 +322,76 @@ class Setup:
         return self.create() if self.create else step_lib.create_sharded(self.make_model, self.tx)
 
 
-def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
-    """Parse `argv` and build devices, processes, mesh, config, data, optimizer and step.
+def check_flags(args) -> None:
+    """The flags whose values alone decide whether they are valid (raise `ValueError`)."""
+    from zoo.train import validate
+    validate.check_positive("--lr", args.lr, "pass a peak learning rate such as 3e-3")
+    validate.check_warmup(args.warmup, args.steps)
+    if not args.divergence_factor > 1:  # also refuses nan
+        raise ValueError(f"--divergence-factor {args.divergence_factor}: must be > 1 (e.g. the "
+                         f"default 5; inf turns the divergence stop off)")
 
-    Bad flags exit through argparse (`SystemExit` 2, message naming the flag and the fix).
+
+def _refuse(parser, args, error: BaseException, message: str | None = None):
+    """Exit 2 through argparse with one line; the traceback only with --debug."""
+    if getattr(args, "debug", False):
+        traceback.print_exception(error)
+    parser.error(message or str(error))
+
+
+def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = False) -> Setup:
+    """Parse `argv`, check the inputs and build devices, processes, mesh, config, data,
+    optimizer and step. With ``lock=True`` process 0 locks the run dir (`Setup.lock`; the
+    caller releases it).
+
+    Bad flags and inputs exit through argparse (`SystemExit` 2, one line naming the flag, the
+    value and the fix).
     """
     parser = make_parser(recipe)
     args = parser.parse_args(argv)
     try:
         config = apply_overrides(recipe.config, args.overrides)
+        check_flags(args)
         set_cpu_devices(args.devices)
         init_distributed(args)
     except ValueError as e:
-        parser.error(str(e))
+        _refuse(parser, args, e)
 
+    import jax
+
+    from zoo.train import validate
+    from zoo.train.lock import RunDirLocked, RunLock
+
+    # The run dir first (before any restore or compile), then the lock, then the inputs.
+    run_lock, problem = None, None
+    try:
+        run_dir = validate.check_run_dir(args.run_dir or os.path.join("runs", recipe.name))
+        if lock and jax.process_index() == 0:
+            run_lock = RunLock(run_dir).acquire()
+        validate.check_data(args.data)
+        tokenizer = validate.load_tokenizer(args.tokenizer)
+    except (ValueError, RunDirLocked) as e:
+        problem = e
+    agreed = problem is None
+    if jax.process_count() > 1:
+        from zoo.train.checkpoint import all_processes_agree
+        agreed = all_processes_agree(agreed)
+    if not agreed:
+        if run_lock is not None:
+            run_lock.release()
+        if problem is None:
+            problem = ValueError("another process of this job refused its inputs (see its "
+                                 "message)")
+        _refuse(parser, args, problem)
+    try:
+        return _build(recipe, parser, args, config, tokenizer, run_lock)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+        raise
+
+
+def _build(recipe, parser, args, config, tokenizer, run_lock) -> Setup:
     import jax
     from flax import nnx
 
@@ -343,8 +415,6 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
         except ValueError as e:
             raise ValueError(f"--mesh {mesh_text}: {e}") from None
         partitioner = Partitioner(mesh, strategy)
-        tokenizer = data_lib.HFTokenizer(args.tokenizer) if args.tokenizer else \
-            data_lib.ByteTokenizer()
         set_fields = {o.partition("=")[0].strip() for o in args.overrides}
         changes: dict[str, Any] = {}
         if args.attention:
@@ -378,7 +448,7 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
             config = dataclasses.replace(config, **changes)
         schedule = step_lib.lr_schedule(args.lr, args.steps, warmup=args.warmup)
     except ValueError as e:
-        parser.error(str(e))
+        _refuse(parser, args, e)
 
     B, L = args.batch_size, args.seq_len
     if B % jax.process_count():
@@ -390,7 +460,8 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
         nnx.eval_shape(lambda: recipe.model_cls(config, inputs_shape=(B, L),
                                                 partitioner=partitioner, rngs=nnx.Rngs(0)))
     except ValueError as e:
-        parser.error(f"{e} (mesh {mesh_text}, strategy {strategy}, batch {B}, seq_len {L})")
+        _refuse(parser, args, e, f"{e} (mesh {mesh_text}, strategy {strategy}, batch {B}, "
+                                 f"seq_len {L})")
 
     def make_model():
         return recipe.model_cls(config, inputs_shape=(B, L), partitioner=partitioner,
@@ -414,17 +485,21 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
 
     cp = partitioner.context_size("attention")
     balance = "none" if args.no_load_balance else args.load_balance
-    data = data_lib.text_dataset(args.data or None, seq_len=L, batch_size=B,
-                                 context_parallel=cp, balance=balance,
-                                 rows_per_device=batch_sharding.shard_shape((B, L))[0],
-                                 corpus_docs=args.corpus_docs, tokenizer=tokenizer,
-                                 seed=args.seed)
+    try:
+        data = data_lib.text_dataset(args.data or None, seq_len=L, batch_size=B,
+                                     context_parallel=cp, balance=balance,
+                                     rows_per_device=batch_sharding.shard_shape((B, L))[0],
+                                     corpus_docs=args.corpus_docs, tokenizer=tokenizer,
+                                     seed=args.seed)
+    except ValueError as e:
+        _refuse(parser, args, e)
     run_config = dict(
         recipe=recipe.name, model=config_to_json(config),
         train=dict(steps=args.steps, batch_size=B, seq_len=L, lr=args.lr, warmup=args.warmup,
                    weight_decay=args.weight_decay, clip=recipe.clip, seed=args.seed,
                    aux_loss_weight=aux_weight, expert_bias_rate=recipe.expert_bias_rate,
-                   checkpoint_every=args.checkpoint_every),
+                   checkpoint_every=args.checkpoint_every,
+                   divergence_factor=args.divergence_factor),
         parallel=dict(mesh=mesh_text, strategy=strategy, context_parallel=cp,
                       load_balance=balance != "none"),
         data=dict(paths=args.data, tokenizer=args.tokenizer or "bytes", from_hf=args.from_hf,
@@ -435,14 +510,22 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
                  run_dir=args.run_dir or os.path.join("runs", recipe.name),
                  flops_per_token=(config.flops_per_token(L)
                                   if hasattr(config, "flops_per_token") else None),
-                 create=create)
+                 create=create, lock=run_lock)
 
 
 def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
          on_step: Callable[[int, dict], None] | None = None) -> int:
     """Run a recipe with command-line flags `argv` (default ``sys.argv[1:]``); returns the exit
     code (see the module docstring; bad flags raise argparse's `SystemExit` 2)."""
-    s = setup(recipe, argv)
+    s = setup(recipe, argv, lock=True)
+    try:
+        return _run(recipe, s, on_step)
+    finally:
+        if s.lock is not None:
+            s.lock.release()
+
+
+def _run(recipe: Recipe, s: Setup, on_step) -> int:
     import jax
 
     if s.args.rehearse:
@@ -472,7 +555,7 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
                    seq_len=args.seq_len, config=s.run_config,
                    checkpoint_every=args.checkpoint_every, flops_per_token=s.flops_per_token,
                    name=recipe.name, progress=not args.no_progress, on_step=on_step,
-                   create=s.create)
+                   create=s.create, divergence_factor=args.divergence_factor)
     except loop.TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED

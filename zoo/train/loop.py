@@ -8,22 +8,31 @@
   with the differing config fields named.
 * **compile first** -- the train step is compiled ahead of time in a background thread while
   the model is created or restored, so step 1's time is a real step time.
-* **each step** -- this process's rows -> global arrays, one jitted step, results waited for;
-  a NaN/Inf loss raises `TrainingDiverged` before anything of that step is written or saved.
+* **each step, no host sync** -- this process's rows -> global arrays, one jitted step
+  dispatched; only then are the *previous* step's metrics read, so the device always has the
+  next step queued while the host logs. A step's metrics are checked before anything of it is
+  written or saved, and a checkpoint step reads its own metrics first (the state it saves is
+  known finite). Faults (`zoo.train.guard`): a NaN/Inf loss, gradient or parameter norm raises
+  `TrainingDiverged`; so does a loss above ``divergence_factor`` x the best of the last 100
+  steps for 10 steps in a row. While the loss is above that bound no checkpoint is written;
+  when the run stops for it, the checkpoints saved from the state that first produced the
+  risen loss onwards are moved aside to ``checkpoints/diverged-<step>``, so a rerun resumes
+  from the last good one (protected from rotation). The best-loss window is saved with each
+  checkpoint, so a resumed run judges against the same past.
 * **output (process 0)** -- a tqdm bar (step, loss, tokens/s, ETA), one JSON line per step in
   ``metrics.jsonl`` (a resumed run drops lines past its checkpoint, then appends),
   ``run.json`` (config, devices, processes, versions), ``loss.png`` at the end and a one-line
   summary.
 * **checkpoints** -- every ``checkpoint_every`` steps, at the end, and when SIGTERM/SIGINT
-  arrives (the current step finishes first; with several processes they agree to stop at the
-  same step). All processes take part in saving.
+  arrives (the step in flight finishes and is saved; with several processes they agree through
+  a flag reduced on the devices with the step and all stop at the same step, at most one step
+  later). All processes take part in saving.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import statistics
@@ -39,6 +48,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from zoo.train import guard
 from zoo.train import step as step_lib
 from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
 
@@ -47,8 +57,8 @@ __all__ = ["train", "TrainingDiverged", "IncompatibleCheckpoint", "Summary", "re
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss, gradient norm or parameter norm became NaN or Inf; nothing from that step was
-    saved."""
+    """The loss, gradient norm or parameter norm became NaN or Inf, or the loss stayed far
+    above its recent best (see `zoo.train.guard`); nothing from those steps was saved."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -173,13 +183,6 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def _any_process(flag: bool) -> bool:
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
-
-
 # -- the loop ----------------------------------------------------------------------------------
 
 def _model_changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
@@ -195,7 +198,8 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
           checkpoint_every: int = 100, flops_per_token: float | None = None,
           name: str = "train", progress: bool = True, max_to_keep: int = 3,
           on_step: Callable[[int, dict[str, Any]], None] | None = None,
-          create: Callable[[], tuple[nnx.Module, nnx.Optimizer]] | None = None) -> Summary:
+          create: Callable[[], tuple[nnx.Module, nnx.Optimizer]] | None = None,
+          divergence_factor: float = 5.0) -> Summary:
     """Train until `steps` updates are done (or a signal arrives); see the module docstring.
 
     Args:
@@ -211,9 +215,11 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
       on_step: called as ``on_step(step, metrics)`` after each step's metrics are written.
       create: builds the model and optimizer of a fresh run (default: `create_sharded` of
         `make_model`), e.g. loaded from a Hugging Face checkpoint; ignored when resuming.
+      divergence_factor: stop when the loss stays above this many times the best of the last
+        100 steps for 10 steps (``inf``: never).
 
     Raises:
-      TrainingDiverged: the loss became NaN/Inf (the last good checkpoint is untouched).
+      TrainingDiverged: the loss became NaN/Inf or diverged (the last good checkpoint is kept).
       IncompatibleCheckpoint: the checkpoint holds a model of another shape.
     """
     t_start = time.perf_counter()
@@ -267,10 +273,12 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
     try:
         try:
             restored = ckpt.restore(model, optimizer, check=check) if ckpt.steps() else None
+            history = []
             if restored is None:
                 model, optimizer = create() if create else step_lib.create_sharded(make_model, tx)
                 start = 0
             else:
+                history = restored.config.get(_HISTORY_KEY) or []
                 model, optimizer = restored.model, restored.optimizer
                 data.set_state(restored.data)
                 start = restored.step
@@ -308,7 +316,8 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
             batch_sharding=batch_sharding, ckpt=ckpt, start=start, steps=steps,
             checkpoint_every=checkpoint_every, config=config, metrics_path=metrics_path,
             tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, name=name,
-            progress=progress and main, on_step=on_step)
+            progress=progress and main, on_step=on_step,
+            monitor=guard.DivergenceMonitor(divergence_factor, history=history))
     finally:
         ckpt.wait()
         ckpt.close()
@@ -322,74 +331,168 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
     return summary
 
 
+_HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose metrics have not been read yet."""
+
+    step: int
+    out: dict[str, Any]           # device arrays
+    stop: Any                     # device scalar from StopAgreement, or None (one process)
+    t0: float                     # when its batch was requested
+    t_data: float
+
+
 def _loop(*, step_fn, model, optimizer, schedule, data, batch_sharding, ckpt, start, steps,
           checkpoint_every, config, metrics_path, tokens_per_step, flops_per_token, name,
-          progress, on_step):
-    """The steps themselves; returns (step reached, signal name or None, losses, tokens/s)."""
+          progress, on_step, monitor):
+    """The steps themselves; returns (step reached, signal name or None, losses, tokens/s).
+
+    Step ``k`` is dispatched before step ``k-1``'s metrics are read (see the module
+    docstring); a step that is saved has its own metrics read first.
+    """
     from tqdm.auto import tqdm
 
     main = jax.process_index() == 0
+    mesh = getattr(batch_sharding, "mesh", None)
+    agree = guard.StopAgreement(mesh) if jax.process_count() > 1 else None
     bar = tqdm(total=steps, initial=start, disable=not progress, unit="step",
                dynamic_ncols=True, mininterval=0.5, desc=name)
     losses, speeds = [], []
-    step, saved_step, stopped_by = start, start, None
+    step, saved_step, stopped_by, held_back = start, start, None, False
+    last_ready = [time.perf_counter()]
+    stop_agreed = [False]
+
+    def finish(f: _InFlight, mfile) -> None:
+        """Read step `f`'s metrics (waits for it), check them, log them."""
+        out = jax.device_get(f.out)
+        if f.stop is not None and int(jax.device_get(f.stop)):
+            stop_agreed[0] = True
+        ready = time.perf_counter()
+        dt = ready - max(last_ready[0], f.t0)  # the step's share of the pipeline
+        last_ready[0] = ready
+        bad = guard.check_finite(out)
+        if bad:  # nothing of this step (or the one in flight after it) is written or saved
+            raise TrainingDiverged(
+                f"step {f.step}: {', '.join(bad)} -- training diverged. Nothing from this "
+                f"step was saved; the last good checkpoint is step {saved_step} in "
+                f"{ckpt.directory}. Lower --lr or check the data, then rerun to resume from it")
+        loss = float(out["loss"])
+        monitor.update(f.step, loss)
+        row = dict(step=f.step, loss=loss, aux_loss=float(out["aux_loss"]),
+                   objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
+                   param_norm=float(out["param_norm"]), lr=float(out["lr"]),
+                   tokens_per_s=tokens_per_step / dt,
+                   model_flops_per_s=flops_per_token * tokens_per_step / dt,
+                   step_time_s=dt, data_time_s=f.t_data,
+                   target_tokens=int(out["weight_sum"]))
+        counts = out.get("expert_counts")
+        if counts is not None:
+            counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
+            mean = np.maximum(counts.mean(-1), 1e-9)
+            row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
+            if counts.size <= 1024:
+                row["expert_counts"] = counts.astype(np.int64).tolist()
+        losses.append(loss)
+        speeds.append(row["tokens_per_s"])
+        if main:
+            mfile.write(json.dumps(row) + "\n")
+            mfile.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        if on_step is not None:
+            on_step(f.step, row)
+        if monitor.diverged:
+            raise TrainingDiverged(monitor.message(f.step))
+
     try:
         with _StopFlag() as stop, open(metrics_path, "a") if main else _Null() as mfile:
-            while step < steps:
-                t0 = time.perf_counter()
-                local = next(data)
-                t_data = time.perf_counter() - t0
-                batch = step_lib.make_global_batch(local, batch_sharding)
-                lr = np.float32(schedule(step))
-                model, optimizer, out = step_fn(model, optimizer, batch, lr)
-                out = jax.device_get(out)  # waits for the step's results
-                dt = time.perf_counter() - t0
-                step += 1
-                loss = float(out["loss"])
-                bad = [f"{k} {float(out[k])}" for k in ("loss", "grad_norm", "param_norm")
-                       if not math.isfinite(float(out[k]))]
-                if bad:  # the new state is not kept: nothing of this step is written or saved
+            pending: _InFlight | None = None
+            try:
+                while step < steps:
+                    t0 = time.perf_counter()
+                    local = next(data)
+                    t_data = time.perf_counter() - t0
+                    batch = step_lib.make_global_batch(local, batch_sharding)
+                    lr = np.float32(schedule(step))
+                    model, optimizer, out = step_fn(model, optimizer, batch, lr)  # dispatch
+                    step += 1
+                    flight = _InFlight(step, out, agree(stop.signal is not None) if agree
+                                       else None, t0, t_data)
+                    if pending is not None:  # the previous step, while this one runs
+                        finish(pending, mfile)
+                    pending = flight
+                    # one process: its own flag; several: the flag they all read for step-1
+                    stopping = stop_agreed[0] if agree else stop.signal is not None
+                    if step % checkpoint_every == 0 or step == steps or stopping:
+                        pending = None
+                        finish(flight, mfile)
+                        stopping = stopping or (agree is not None and stop_agreed[0])
+                        if monitor.rising:
+                            if main and not held_back:
+                                print(f"\n{name}: step {step}: loss {losses[-1]:.4g} is above "
+                                      f"{monitor.factor:g} x its recent best; holding back "
+                                      f"checkpoints (last good: step "
+                                      f"{_last_good(ckpt, monitor.first_rise)})",
+                                      file=sys.stderr, flush=True)
+                            held_back = True
+                        else:
+                            held_back = False
+                            ckpt.save(step, model, optimizer, data_state=data.get_state(),
+                                      config=dict(config, **{_HISTORY_KEY: monitor.history()}))
+                            saved_step = step
+                    if monitor.rising and monitor.first_rise is not None:
+                        _protect_last_good(ckpt, monitor.first_rise)
+                    if stopping:
+                        if stop.signal is None:
+                            stop.signal = "a signal to another process"
+                        stopped_by = stop.signal
+                        break
+            except TrainingDiverged as e:
+                if monitor.diverged:
+                    moved = _set_aside_suspect(ckpt, monitor.first_rise)
+                    if moved:
+                        raise TrainingDiverged(
+                            f"{e}. Checkpoints saved from the state that first gave the risen "
+                            f"loss were moved aside ({', '.join(moved)}); the last good "
+                            f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}. "
+                            f"Lower --lr or check the data, then rerun to resume from it"
+                        ) from None
+                    last = ckpt.latest_step()
+                    where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
+                             if last is not None else "there is no checkpoint to resume from")
                     raise TrainingDiverged(
-                        f"step {step}: {', '.join(bad)} -- training diverged. Nothing from this "
-                        f"step was saved; the last good checkpoint is step {saved_step} in "
-                        f"{ckpt.directory}. Lower --lr or check the data, then rerun to resume "
-                        f"from it")
-                row = dict(step=step, loss=loss, aux_loss=float(out["aux_loss"]),
-                           objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
-                           param_norm=float(out["param_norm"]), lr=float(out["lr"]),
-                           tokens_per_s=tokens_per_step / dt,
-                           model_flops_per_s=flops_per_token * tokens_per_step / dt,
-                           step_time_s=dt, data_time_s=t_data,
-                           target_tokens=int(out["weight_sum"]))
-                counts = out.get("expert_counts")
-                if counts is not None:
-                    counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
-                    mean = np.maximum(counts.mean(-1), 1e-9)
-                    row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
-                    if counts.size <= 1024:
-                        row["expert_counts"] = counts.astype(np.int64).tolist()
-                losses.append(loss)
-                speeds.append(row["tokens_per_s"])
-                if main:
-                    mfile.write(json.dumps(row) + "\n")
-                    mfile.flush()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
-                                refresh=False)
-                if on_step is not None:
-                    on_step(step, row)
-                stopping = _any_process(stop.signal is not None)
-                if stopping and stop.signal is None:
-                    stop.signal = "a signal to another process"
-                if step % checkpoint_every == 0 or step == steps or stopping:
-                    ckpt.save(step, model, optimizer, data_state=data.get_state(), config=config)
-                    saved_step = step
-                if stopping:
-                    stopped_by = stop.signal
-                    break
+                        f"{e}. Nothing was saved from step {monitor.first_rise} on; {where}. "
+                        f"Lower --lr or check the data, then rerun") from None
+                raise
     finally:
         bar.close()
     return step, stopped_by, losses, speeds
+
+
+def _last_good(ckpt: Checkpointer, first_rise: int) -> int | None:
+    """The newest checkpoint whose state gave a loss within the bound: the state saved at step
+    ``s`` is the one step ``s+1``'s loss was computed on."""
+    good = [s for s in ckpt.steps() if s + 1 < first_rise]
+    return good[-1] if good else None
+
+
+def _protect_last_good(ckpt: Checkpointer, first_rise: int) -> None:
+    good = _last_good(ckpt, first_rise)
+    if good is not None:
+        ckpt.protect(good)
+
+
+def _set_aside_suspect(ckpt: Checkpointer, first_rise: int | None) -> list[str]:
+    """Move aside the checkpoints of states that gave risen losses (steps >= first_rise - 1)."""
+    if first_rise is None:
+        return []
+    suspect = [s for s in ckpt.steps() if s >= first_rise - 1]
+    if len(suspect) == len(ckpt.steps()):
+        return []  # nothing better to fall back to: keep what there is
+    return [os.path.basename(ckpt.move_aside(s, "diverged")) for s in suspect]
 
 
 class _Null:

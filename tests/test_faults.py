@@ -1,0 +1,254 @@
+"""First contact and faults, through the recipe's command line: a locked run dir, inputs refused
+before anything runs (exit 2, one line naming the flag, the value and the fix, no traceback;
+the run dir's checkpoints and metrics untouched), and divergence as a fault (exit 3, the good
+checkpoint kept across a second diverging resume).
+
+One tiny 6-step Mixtral run (the same compiled program as tests/test_recipes.py, so the
+persistent cache serves it) is the existing run every refusal is tried against, and the start
+of the divergence scenario.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_recipes import COMMON, ROOT, TINY, losses, run_main, sub_env
+from zoo.train import cli, guard, validate
+from zoo.train.checkpoint import Checkpointer
+from zoo.train.lock import LOCK_NAME, RunDirLocked, RunLock
+
+BASE = ["--steps", "6", *COMMON, *TINY["mini_mixtral"], "--checkpoint-every", "3"]
+
+
+def snapshot(run_dir):
+    """Every file's bytes (hashed) under the run dir."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(run_dir).rglob("*")) if p.is_file()}
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, devices):
+    """A finished 6-step run (checkpoints 3 and 6), started over a stale lock of a dead pid."""
+    run_dir = tmp_path_factory.mktemp("base") / "run"
+    run_dir.mkdir()
+    stale = dict(host=socket.gethostname(), pid=dead_pid(), started="2026-01-01T00:00:00",
+                 token="old")
+    (run_dir / LOCK_NAME).write_text(json.dumps(stale))
+    with pytest.warns(UserWarning, match="taking over a stale lock from pid"):
+        code, steps = run_main("mini_mixtral", [*BASE, "--run-dir", str(run_dir)])
+    assert code == 0 and steps == list(range(1, 7))
+    assert not (run_dir / LOCK_NAME).exists()  # released at the end
+    return run_dir
+
+
+def refuse(argv, capsys, code=2):
+    """Run the recipe expecting a refusal; returns stderr."""
+    capsys.readouterr()
+    t = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        run_main("mini_mixtral", argv)
+    err = capsys.readouterr().err
+    assert e.value.code == code, err
+    assert "Traceback" not in err
+    assert time.perf_counter() - t < 30  # refused before compiling
+    return err
+
+
+# -- the table of the issue: every bad input against an existing run ---------------------------
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    rng = __import__("random").Random(0)
+    (d / "weights.bin").write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
+    # no NUL byte, but mostly invalid UTF-8 (latin-1 high bytes)
+    (d / "latin.txt").write_bytes(bytes(rng.randrange(0x80, 0x100) for _ in range(4096)))
+    (d / "good.txt").write_text("plain text " * 100)
+    (d / "notext.jsonl").write_text('{"body": "x"}\n{"body": "y"}\n')
+    (d / "notes.txt").write_text("this is not a tokenizer\n")
+    (d / "empty").mkdir()
+    return d
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--lr", "-1"], ["--lr -1.0", "> 0", "3e-3"]),
+    (["--lr", "inf"], ["--lr inf", "finite"]),
+    (["--steps", "12", "--warmup", "50"], ["--warmup 50", "--steps 12", "lower --warmup"]),
+    (["--data", "{d}/weights.bin", "{d}/latin.txt", "{d}/good.txt"],
+     ["--data", "2 of 3 files are not text", "weights.bin (NUL byte", "latin.txt (",
+      "not UTF-8", "leave --data out"]),
+    (["--data", "{d}/notext.jsonl"], ["--data", "notext.jsonl", 'no string "text" field']),
+    (["--data", "{d}/missing.txt"], ["--data", "missing.txt (does not exist)", "leave --data"]),
+    (["--data", "{d}/empty"], ["--data", "empty (a folder with no", "leave --data out"]),
+    (["--tokenizer", "{d}/notes.txt"], ["--tokenizer", "notes.txt", "cannot be loaded",
+                                        "tokenizer.json"]),
+    (["--tokenizer", "{d}/weights.bin"], ["--tokenizer", "weights.bin", "cannot be loaded"]),
+    (["--divergence-factor", "1"], ["--divergence-factor 1.0", "> 1"]),
+])
+def test_bad_inputs_are_refused_and_the_run_is_untouched(base, inputs, capsys, flags, words):
+    before = snapshot(base)
+    flags = [f.replace("{d}", str(inputs)) for f in flags]
+    err = refuse([*BASE, "--run-dir", str(base), *flags], capsys)
+    for w in words:
+        assert w in err, (w, err)
+    assert "paths=None" not in err  # the fix names the flag, not the API
+    assert snapshot(base) == before
+
+
+def test_debug_shows_the_traceback(base, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        run_main("mini_mixtral", [*BASE, "--run-dir", str(base), "--lr", "-1", "--debug"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "--lr -1.0: must be a finite number > 0" in err
+
+
+def test_run_dir_that_is_a_file_or_not_writable(tmp_path, capsys, devices):
+    (tmp_path / "file").write_text("x")
+    err = refuse([*BASE, "--run-dir", str(tmp_path / "file")], capsys)
+    assert "--run-dir" in err and "is a file" in err
+    err = refuse([*BASE, "--run-dir", str(tmp_path / "file" / "run")], capsys)
+    assert "--run-dir" in err and "cannot be created" in err
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.access(locked, os.W_OK):  # root writes anyway: use a read-only system folder
+        locked = pathlib.Path("/sys/kernel")
+        if not locked.is_dir() or (os.access(locked, os.W_OK) and _writable(locked)):
+            pytest.skip("no unwritable folder available to this user")
+    err = refuse([*BASE, "--run-dir", str(locked)], capsys)
+    assert f"--run-dir {locked}: is not writable" in err
+
+
+def _writable(folder):
+    try:
+        (folder / ".zoo-probe").write_text("x")
+    except OSError:
+        return False
+    (folder / ".zoo-probe").unlink()
+    return True
+
+
+def test_the_script_prints_no_traceback(tmp_path, inputs):
+    """The real entry point (a subprocess): one line on stderr, exit 2."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "mini_mixtral.py"), *BASE,
+         "--data", str(inputs / "weights.bin"), "--run-dir", str(tmp_path / "run")],
+        env=sub_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "--data" in proc.stderr and "weights.bin" in proc.stderr
+
+
+# -- the lock ----------------------------------------------------------------------------------
+
+def test_second_run_on_a_run_dir_is_refused_at_once(tmp_path, capsys, base):
+    """A run in a subprocess holds the dir; a second one (here, in-process) is refused within
+    5 s naming the holder; the first finishes with each metric row once."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "mini_mixtral.py"), *BASE, "--steps", "40",
+         "--checkpoint-every", "100", "--run-dir", str(run_dir)],
+        env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / LOCK_NAME).exists() and first.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        t = time.perf_counter()
+        err = refuse([*BASE, "--run-dir", str(run_dir)], capsys)
+        assert time.perf_counter() - t < 5
+        assert f"--run-dir {run_dir} is in use by another run: pid {first.pid}" in err
+        assert socket.gethostname() in err and "pass another --run-dir" in err
+        out = first.communicate(timeout=300)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out[-3000:]
+    steps, _ = losses(run_dir)
+    assert steps == list(range(1, 41))
+    assert not (run_dir / LOCK_NAME).exists()
+
+
+def test_lock_from_another_host_is_never_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps(dict(host="elsewhere", pid=dead_pid(),
+                                                      started="then")))
+    with pytest.raises(RunDirLocked, match=r"in use by another run: pid \d+ on host elsewhere"):
+        RunLock(tmp_path).acquire()
+    (tmp_path / "free").mkdir()
+    with RunLock(tmp_path / "free") as lock:  # a free dir: taken, then released
+        assert json.loads(pathlib.Path(lock.path).read_text())["pid"] == os.getpid()
+    assert not os.path.exists(lock.path)
+
+
+# -- divergence --------------------------------------------------------------------------------
+
+def test_divergence_stops_and_keeps_the_good_checkpoint(tmp_path, base, capsys):
+    """A huge lr after the good run: exit 3, and checkpoint 6 (the last good) survives two
+    diverging resumes byte for byte; the suspect checkpoint is set aside, not resumed."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base, run_dir)
+    good = {k: v for k, v in snapshot(run_dir).items() if k.startswith("checkpoints/6/")}
+    argv = [*BASE, "--steps", "40", "--lr", "10", "--checkpoint-every", "1",
+            "--run-dir", str(run_dir)]
+    for attempt in range(2):
+        capsys.readouterr()
+        code, steps = run_main("mini_mixtral", argv)
+        err = capsys.readouterr().err
+        assert code == cli.EXIT_DIVERGED, err[-2000:]
+        assert "training diverged" in err and "the last good checkpoint is step 6" in err
+        assert "Traceback" not in err
+        assert steps[0] == 7 and len(steps) <= 7 + guard.PATIENCE
+        assert Checkpointer(run_dir / "checkpoints").steps() == [3, 6], attempt
+        now = snapshot(run_dir)
+        assert {k: v for k, v in now.items() if k.startswith("checkpoints/6/")} == good
+        assert any(k.startswith("checkpoints/diverged-7/") for k in now)
+
+
+def test_divergence_monitor_rule():
+    m = guard.DivergenceMonitor(5.0, window=4, patience=3, history=[3.0, 2.0])
+    for step, loss in enumerate([2.5, 11.0, 12.0, 9.0, 2.0], 1):  # rises, recovers
+        m.update(step, loss)
+        assert m.rising == (step in (2, 3)) and not m.diverged
+    for step in (6, 7, 8):
+        m.update(step, 100.0)
+    assert m.diverged and m.first_rise == 6 and m.bound == pytest.approx(10.0)
+    assert "above 5 x the best of the last 4 steps (10)" in m.message(8)
+    never = guard.DivergenceMonitor(float("inf"), history=[1.0])
+    never.update(1, 1e30)
+    assert not never.rising
+
+
+def test_text_sniffing(tmp_path, inputs):
+    assert validate.sniff_text(str(inputs / "good.txt")) is None
+    assert "NUL" in validate.sniff_text(str(inputs / "weights.bin"))
+    # a multi-byte character cut by the 1 KiB window is not an error; scattered bad bytes are
+    (tmp_path / "cut.txt").write_bytes(b"a" * 1023 + "é".encode() + b"b" * 10)
+    assert validate.sniff_text(str(tmp_path / "cut.txt")) is None
+    (tmp_path / "bad.txt").write_bytes(b"a" * 900 + b"\xff" * 20)
+    assert "20 of the first 920 bytes" in validate.sniff_text(str(tmp_path / "bad.txt"))
+
+
+def test_stop_agreement_reduces_on_the_devices(devices):
+    """The stop flag's reduction over every device of the mesh (one process here: its flag)."""
+    import jax
+
+    import zoo
+    agree = guard.StopAgreement(zoo.make_mesh(fsdp=2, expert=2, context=2))
+    assert agree.shape == (8,) and len(agree.sharding.addressable_devices) == 8
+    assert int(jax.device_get(agree(True))) == 1 and int(jax.device_get(agree(False))) == 0

@@ -1,0 +1,96 @@
+"""Faults the loop watches for without a host barrier: NaN/Inf, divergence, stop requests.
+
+* `check_finite` -- a step whose loss, gradient norm or parameter norm is NaN/Inf.
+* `DivergenceMonitor` -- the loss above ``factor`` x the best of the last `window` steps for
+  `patience` steps in a row. While the loss is above the bound (a *rise*) the loop holds back
+  checkpoints; when the rise lasts `patience` steps the run stops. Every process sees the same
+  global losses, so every process reaches the same verdict at the same step with no exchange.
+* `StopAgreement` -- whether any process was asked to stop (SIGTERM/SIGINT), computed *on the
+  devices*: each process contributes its flag to a tiny global array whose maximum is
+  dispatched with the step and read with that step's metrics, one step later. It is ordinary
+  queued device work, not a barrier: the host never waits for the other processes to reach
+  the same line, and all of them read the same answer for the same step.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["check_finite", "DivergenceMonitor", "StopAgreement", "WINDOW", "PATIENCE"]
+
+WINDOW = 100   # steps whose best loss sets the bound
+PATIENCE = 10  # steps in a row above the bound that stop the run
+
+
+def check_finite(metrics: Mapping[str, float]) -> list[str]:
+    """``["loss nan", ...]`` for the watched metrics that are not finite."""
+    return [f"{k} {float(metrics[k])}" for k in ("loss", "grad_norm", "param_norm")
+            if not math.isfinite(float(metrics[k]))]
+
+
+class DivergenceMonitor:
+    """Feed it each step's loss (`update`); it says whether the loss has risen past the bound
+    (`rising`, since step `first_rise`) and whether the rise has lasted long enough to stop
+    (`diverged`). ``factor=inf`` never fires."""
+
+    def __init__(self, factor: float = 5.0, *, window: int = WINDOW, patience: int = PATIENCE,
+                 history: Iterable[float] = ()):
+        if not factor > 1:
+            raise ValueError(f"divergence factor {factor} must be > 1")
+        self.factor, self.patience = float(factor), int(patience)
+        self.losses: collections.deque[float] = collections.deque(
+            (float(x) for x in history), maxlen=window)
+        self.first_rise: int | None = None   # the step whose loss first rose past the bound
+        self.streak = 0
+        self.bound: float | None = None
+
+    def update(self, step: int, loss: float) -> None:
+        bound = self.factor * max(min(self.losses), 1e-6) if self.losses else math.inf
+        if loss > bound:
+            if not self.streak:
+                self.first_rise, self.bound = step, bound
+            self.streak += 1
+        else:
+            self.streak, self.first_rise = 0, None
+        self.losses.append(float(loss))
+
+    @property
+    def rising(self) -> bool:
+        return self.streak > 0
+
+    @property
+    def diverged(self) -> bool:
+        return self.streak >= self.patience
+
+    def history(self) -> list[float]:
+        """The window, saved with each checkpoint so a resume judges against the same past."""
+        return list(self.losses)
+
+    def message(self, step: int) -> str:
+        return (f"step {step}: the loss stayed above {self.factor:g} x the best of the last "
+                f"{self.losses.maxlen} steps ({self.bound:.4g}) for {self.streak} steps since "
+                f"step {self.first_rise} -- training diverged")
+
+
+class StopAgreement:
+    """``agree(flag)`` -> a device scalar, the maximum of every process's flag (asynchronous)."""
+
+    def __init__(self, mesh: jax.sharding.Mesh):
+        self.sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        self.shape = (mesh.devices.size,)
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+
+    def __call__(self, flag: bool) -> jax.Array:
+        # every shard of this process holds the same flag, so shard order does not matter
+        local = np.full((1,), int(flag), np.int32)
+        arrays = [jax.device_put(local, d) for d in self.sharding.addressable_devices]
+        x = jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+        return self._max(x)
