@@ -107,7 +107,7 @@ def make_parser(recipe: Recipe) -> argparse.ArgumentParser:
       help="partitioning strategy (default: ep_as_cp on CPU, fsdp on accelerators)")
     a("--mesh", default=None, help="mesh axis sizes, any subset of data,fsdp,expert,context,"
       "tensor (the rest are 1), e.g. fsdp=2,expert=2,context=2")
-    a("--attention", choices=("auto", "all_gather", "ring", "reference", "cudnn"), default=None,
+    a("--attention", choices=("auto", "all_gather", "ring", "reference"), default=None,
       help="attention implementation (default: the config's)")
     a("--no-load-balance", action="store_true", help="same as --load-balance none")
     a("--load-balance", choices=("auto", "row", "document", "none"), default="auto",
