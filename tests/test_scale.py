@@ -171,8 +171,12 @@ def _compiled_step(devices, layers, remat, batch=4, length=256):
 def test_scanned_program_size_does_not_grow_with_depth(devices):
     two, sixteen = (_compiled_step(devices, n, "full") for n in (2, 16))
     assert sixteen.hlo_instructions <= 1.3 * two.hlo_instructions
-    # the counter sees all 16 layers' work: HLO FLOPs follow the model's own count
-    assert 1.0 < sixteen.flops_ratio < 1.6 and 1.0 < two.flops_ratio < 1.6
+    # the counter sees all 16 layers' work: HLO FLOPs follow the model's own count at any depth.
+    # Above 1: remat recomputes the forward, the flash backward recomputes the scores, and the
+    # kernel computes the masked tiles inside a partially masked sub-block (at this tiny width
+    # attention is most of the work).
+    assert 1.0 < sixteen.flops_ratio < 2.2 and 1.0 < two.flops_ratio < 2.2
+    assert abs(sixteen.flops_ratio / two.flops_ratio - 1) < 0.1
 
 
 def test_remat_full_cuts_temporaries(devices):

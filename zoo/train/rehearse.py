@@ -213,8 +213,10 @@ def hlo_stats(text: str) -> HloStats:
             if kind:
                 counts[kind] += 1
             callees = [(name, 1) for _, name in _CALLS.findall(ins.attrs)]
-            for group in _BRANCHES.findall(ins.attrs):
-                callees += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
+            branches = [b.strip().lstrip("%") for group in _BRANCHES.findall(ins.attrs)
+                        for b in group.split(",") if b.strip()]
+            if branches:  # a conditional runs one branch: count the costliest (an upper bound)
+                callees.append((max(branches, key=lambda b: totals(b)[0]), 1))
             if ins.opcode == "while":
                 trip = _TRIP.search(ins.attrs)
                 unknown += trip is None
