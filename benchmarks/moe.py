@@ -39,9 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from zoo.layers.moe import ACT, MoE, _entry_axes  # noqa: E402
+from zoo.layers.moe import ACT, MoE  # noqa: E402
 from zoo.ops import moe as ops  # noqa: E402
 from zoo.partitioning import Partitioner, make_mesh  # noqa: E402
 
@@ -52,18 +51,10 @@ def _combine(indices, weights, expert_offset, num_local):
     return jnp.einsum("tke,tk->te", local, weights)
 
 
-class RaggedMoE(MoE):
-    grouped_matmul = "ragged_dot"
-
-
-class BlockedMoE(MoE):
-    grouped_matmul = "blocked"
-
-
 class DenseMoE(MoE):
     """Every local expert on every token; combine with the one-hot weight matrix."""
 
-    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
         comb = _combine(indices, weights, expert_offset, wi_gate.shape[0])
         h = jax.nn.silu(jnp.einsum("td,edf->tef", x, wi_gate))
         h = h * jnp.einsum("td,edf->tef", x, wi_up)
@@ -74,7 +65,7 @@ class DenseMoE(MoE):
 class LoopMoE(MoE):
     """A Python loop over local experts, each on every token, masked by its combine weight."""
 
-    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
         comb = _combine(indices, weights, expert_offset, wi_gate.shape[0])
         y = 0.0
         for e in range(wi_gate.shape[0]):
@@ -83,68 +74,23 @@ class LoopMoE(MoE):
         return y, jnp.zeros((), jnp.int32)
 
 
-class AllToAllMoE(MoE):
-    """Dropless all-to-all over ``expert``: each device sends each token copy to the shard
-    owning its expert, in a worst-case buffer of ``T_local * k`` rows per destination."""
-
-    def experts(self, x, weights, indices):
-        p = self.partitioner
-        (ep,) = p.mesh_axes("experts", "moe")
-        tok = p.spec(ACT)
-        tok = P(tok[0], tok[1], None)
-        spec_in = p.spec(("experts", "embed", "mlp"), "moe")
-        spec_out = p.spec(("experts", "mlp", "embed"), "moe")
-        n_ep, k, D = p.axis_size(ep), self.num_experts_per_tok, x.shape[-1]
-        num_local = self.num_experts // n_ep
-
-        def body(x, weights, indices, wg, wu, wo):
-            if _entry_axes(spec_in[1]):
-                wg = jax.lax.all_gather(wg, _entry_axes(spec_in[1]), axis=1, tiled=True)
-                wu = jax.lax.all_gather(wu, _entry_axes(spec_in[1]), axis=1, tiled=True)
-            if _entry_axes(spec_out[2]):
-                wo = jax.lax.all_gather(wo, _entry_axes(spec_out[2]), axis=2, tiled=True)
-            nb, nl = x.shape[:2]
-            x, indices, weights = x.reshape(nb * nl, D), indices.reshape(-1), weights.reshape(-1)
-            m = indices.shape[0]  # copies, row = t*k + j
-            dest = indices // num_local
-            order = jnp.argsort(dest, stable=True)
-            counts = jnp.bincount(dest, length=n_ep)
-            starts = jnp.cumsum(counts) - counts
-            slots = jnp.arange(m)
-            rows = jnp.minimum(starts[:, None] + slots[None], m - 1)  # [EP, M]
-            filled = slots[None] < counts[:, None]
-            send_x = jnp.where(filled[..., None], x[order[rows] // k], 0)  # [EP, M, D]
-            send_e = jnp.where(filled, indices[order[rows]], -1)  # global expert id; -1 empty
-            recv_x = jax.lax.all_to_all(send_x, ep, 0, 0, tiled=True)
-            recv_e = jax.lax.all_to_all(send_e, ep, 0, 0, tiled=True)
-            offset = jax.lax.axis_index(ep) * num_local
-            out, _ = ops.dropless_experts(
-                recv_x.reshape(n_ep * m, D), recv_e.reshape(-1, 1),
-                jnp.ones((n_ep * m, 1), jnp.float32), wg, wu, wo, expert_offset=offset)
-            back = jax.lax.all_to_all(out.reshape(n_ep, m, D).astype(self.dtype), ep, 0, 0,
-                                      tiled=True)
-            d_sorted = dest[order]
-            got = back[d_sorted, slots - starts[d_sorted]].astype(jnp.float32)  # sorted copies
-            inverse = jnp.zeros_like(order).at[order].set(slots)
-            y = (got[inverse] * weights[:, None]).reshape(nb * nl, k, D).sum(1)
-            return y.reshape(nb, nl, D).astype(self.dtype), jnp.zeros((), jnp.int32)
-
-        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
-                           out_specs=(tok, P()), check_vma=False)
-        wg, wu, wo = (w[...].astype(self.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
-        return fn(x.astype(self.dtype), weights, indices, wg, wu, wo)
-
-
-VARIANTS = {"ragged": RaggedMoE, "blocked": BlockedMoE, "dense": DenseMoE, "loop": LoopMoE,
-            "a2a": AllToAllMoE}
+# variant -> (layer class, constructor arguments)
+VARIANTS = {"ragged": (MoE, dict(dispatch="all_gather", grouped_matmul="ragged_dot")),
+            "blocked": (MoE, dict(dispatch="all_gather", grouped_matmul="blocked")),
+            "dense": (DenseMoE, dict(dispatch="all_gather")),
+            "loop": (LoopMoE, dict(dispatch="all_gather")),
+            "a2a": (MoE, dict(dispatch="all_to_all", grouped_matmul="blocked")),
+            "a2a_f2": (MoE, dict(dispatch="all_to_all", grouped_matmul="blocked",
+                                 buffer_factor=2.0))}
 
 
 def build(cls, *, experts, ep, batch, length, embed, mlp, k):
     """A compiled forward+backward step and its arguments; returns (run, compile seconds)."""
     n = len(jax.devices())
     part = Partitioner(make_mesh(expert=ep, fsdp=n // ep), "fsdp")
+    cls, kw = cls
     moe = cls(num_experts=experts, num_experts_per_tok=k, mlp_dim=mlp,
-              inputs_shape=(batch, length, embed), partitioner=part, rngs=nnx.Rngs(0))
+              inputs_shape=(batch, length, embed), partitioner=part, rngs=nnx.Rngs(0), **kw)
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     x = jax.device_put(np.random.default_rng(0).normal(size=(batch, length, embed)),
                        part.sharding(ACT)).astype(jnp.float32)
@@ -191,7 +137,7 @@ def main(argv=None):
           f"D={args.embed}, F={args.mlp}, k={args.k}; forward+backward, best of "
           f"{args.rounds} rounds x {args.iters} steps", flush=True)
     configs = [(e, ep, v) for e in experts for ep in eps for v in variants
-               if not (v == "a2a" and ep == 1) and e % ep == 0]
+               if not (v.startswith("a2a") and ep == 1) and e % ep == 0]
     runs, compile_s = {}, {}
     for c in configs:
         e, ep, v = c
