@@ -1,25 +1,28 @@
-"""MoE forward+backward throughput: dispatch strategies and expert parallelism.
+"""MoE forward+backward throughput by dispatch and expert parallelism, and collective bytes.
 
 Runs `zoo.layers.moe.MoE` (and subclasses that swap one method) on the 8 virtual CPU devices
 of this process (or whatever devices JAX sees) and prints a markdown table of tokens/s, with
-ratios against the dropless ragged_dot layer at EP=1 for the same number of experts.
+ratios against the first variant at the smallest EP for the same number of experts.
 
-* ``ragged``  -- sort copies by expert, `jax.lax.ragged_dot` (dropless; the GPU/TPU default).
-* ``blocked`` -- the same with the blocked grouped matmul (dropless; the layer's CPU default).
+* ``ragged``  -- all_gather dispatch, `jax.lax.ragged_dot` (on XLA:CPU a dense masked matmul).
+* ``blocked`` -- all_gather dispatch, the blocked grouped matmul (the CPU default).
 * ``dense``   -- one-hot combine matrix ``[T, E]``; every local expert on every token.
 * ``loop``    -- a Python loop over local experts, each on every token, masked.
-* ``a2a``     -- dropless all-to-all dispatch (worst-case buffers, blocked grouped matmul)
-                 instead of the layer's all-gather / reduce-scatter over ``expert`` (EP > 1);
-                 compare it with ``blocked`` at the same EP.
+* ``a2a``     -- all_to_all dispatch (on CPU the padded transport), dropless buffers.
+* ``a2a_f2``  -- all_to_all with ``buffer_factor=2`` (drops what overflows twice the
+                 balanced share).
 
 Every configuration is compiled first, then timed in interleaved rounds (best round kept), so
 other load on the machine shifts all variants alike.
 
 Mesh: ``expert=EP, fsdp=8/EP`` with the ``fsdp`` strategy (tokens sharded over all devices,
-experts over ``expert``). Usage::
+experts over ``expert``). ``--bytes`` instead prints the per-device collective bytes of one
+full-size MoE layer (DeepSeek-V3 at EP 8/64/256, Mixtral 8x7B at EP 8) from the programs as
+lowered (not compiled), against the analytic minimum. Usage::
 
     python benchmarks/moe.py                    # E = 8, 16, 64; EP = 1, 2, 4; all variants
     python benchmarks/moe.py --experts 8 --ep 1 --variants ragged,dense --iters 5
+    python benchmarks/moe.py --bytes --devices 256
 
 Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per token.
 """
@@ -27,13 +30,16 @@ Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import sys
 import time
 
 _flags = os.environ.get("XLA_FLAGS", "")  # 8 virtual CPU devices unless the caller chose
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _n = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
+    os.environ["XLA_FLAGS"] = (_flags + f" --xla_force_host_platform_device_count={_n}").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -115,11 +121,83 @@ def timed(run, iters):
     return (time.perf_counter() - t0) / iters
 
 
+# -- collective bytes per device ----------------------------------------------------------------
+PRESET_SHAPES = {  # (embed, experts, k, expert mlp) of the full-size presets
+    "deepseek_v3": (7168, 256, 8, 2048),
+    "mixtral_8x7b": (4096, 8, 2, 14336),
+}
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-to-all|reduce-scatter|"
+                         r"all-reduce|ragged-all-to-all)\(.*replica_groups=\{\{([\d,]*)\}")
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes one device sends per collective kind in an HLO module's text (ring algorithms:
+    an all-gather or all-to-all sends ``(g-1)/g`` of its result, a reduce-scatter ``g-1``
+    times its result, an all-reduce twice ``(g-1)/g`` of it); a ragged all-to-all is
+    counted at its full receive buffer (the bound, not what travels)."""
+    out: dict[str, float] = {}
+    for dtype, dims, kind, group in _COLLECTIVE.findall(hlo_text):
+        size = _ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        g = len(group.split(","))
+        sent = {"reduce-scatter": size * (g - 1), "all-reduce": 2 * size * (g - 1) / g
+                }.get(kind, size * (g - 1) / g)
+        out[kind] = out.get(kind, 0.0) + sent
+    return out
+
+
+def layer_bytes(preset: str, ep: int, tokens: int, **moe_kw) -> dict[str, float]:
+    """Per-device collective bytes of one MoE layer's forward+backward (bf16, ``tokens`` per
+    device, mesh ``expert=ep``), from the program as lowered for CPU (no compile)."""
+    embed, experts, k, mlp = PRESET_SHAPES[preset]
+    part = Partitioner(make_mesh(expert=ep, devices=jax.devices()[:ep]), "fsdp")
+    shape = (ep, tokens, embed)
+    moe = nnx.eval_shape(lambda: MoE(num_experts=experts, num_experts_per_tok=k, mlp_dim=mlp,
+                                     inputs_shape=shape, partitioner=part, dtype=jnp.bfloat16,
+                                     param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **moe_kw))
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                          if hasattr(v, "shape") else v, params)
+
+    def loss(params, x):
+        y, _ = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=part.sharding(ACT))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower(
+        lowering_platforms=("cpu",)).as_text(dialect="hlo")
+    return collective_bytes(text)
+
+
+def bytes_table(tokens: int) -> None:
+    gb = lambda v: f"{v / 1e9:.2f}"
+    print(f"\nPer-device collective bytes of one MoE layer, forward+backward, bf16, {tokens} "
+          f"tokens per device (GB); 'minimum' = every token copy sent once to its expert's "
+          f"device and back (`zoo.ops.moe.dispatch_bytes`)\n")
+    print("| model | EP | all_gather analytic | all_gather measured | minimum (ragged a2a, "
+          "balanced) | padded a2a f=2 measured | padded a2a dropless measured |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for preset, ep in (("deepseek_v3", 8), ("deepseek_v3", 64), ("deepseek_v3", 256),
+                       ("mixtral_8x7b", 8)):
+        if ep > jax.device_count():
+            continue
+        embed, experts, k, _ = PRESET_SHAPES[preset]
+        dims = dict(tokens=tokens, k=k, embed=embed, num_shards=ep)
+        row = [preset, str(ep), gb(ops.dispatch_bytes("all_gather", **dims))]
+        for kw in (dict(dispatch="all_gather"), None,
+                   dict(dispatch="all_to_all", buffer_factor=2.0), dict(dispatch="all_to_all")):
+            if kw is None:
+                row.append(gb(ops.dispatch_bytes("all_to_all", **dims)))
+                continue
+            got = layer_bytes(preset, ep, tokens, **kw)
+            row.append(gb(sum(v for kind, v in got.items() if kind != "all-reduce")))
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", default="8,16,64")
     ap.add_argument("--ep", default="1,2,4")
-    ap.add_argument("--variants", default="ragged,blocked,dense,loop,a2a")
+    ap.add_argument("--variants", default="blocked,a2a,a2a_f2,ragged,dense")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--embed", type=int, default=128)
@@ -127,7 +205,14 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices (set at start)")
+    ap.add_argument("--bytes", action="store_true",
+                    help="print only the collective-bytes table (full-size shapes, lowered, "
+                         "not run; EP up to --devices)")
+    ap.add_argument("--tokens-per-device", type=int, default=4096)
     args = ap.parse_args(argv)
+    if args.bytes:
+        return bytes_table(args.tokens_per_device)
     tokens = args.batch * args.length
     dims = dict(batch=args.batch, length=args.length, embed=args.embed, mlp=args.mlp, k=args.k)
     variants = [v for v in re.split(r"[, ]+", args.variants) if v]

@@ -4,45 +4,51 @@
   (``scoring="sigmoid"``: a `RouterBias` for selection only, group-limited top-k, weights
   normalised and scaled). Semantics of Hugging Face's routers; see `zoo.ops.moe.route`.
 * Routed experts: SwiGLU per expert, weights stacked ``wi_gate``/``wi_up`` ``[E, D, F]`` and
-  ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul:
-  `jax.lax.ragged_dot`, or a blocked equivalent on CPU -- `MoE.grouped_matmul`) or, with
-  ``capacity_factor``, fixed capacity that drops overflow.
+  ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul) or, with
+  ``capacity_factor`` (all_gather only), fixed capacity per expert that drops overflow.
 * Shared experts (DeepSeek-V3): a dense SwiGLU `MLP` of width ``shared_mlp_dim or
   num_shared_experts * mlp_dim`` added to the routed output.
 * ``y, aux = moe(x)``; aux holds ``load_balance_loss`` (``E * sum_e f_e P_e``, see
-  `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch) and
-  ``dropped_fraction`` (0 when dropless). `update_expert_bias` applies DeepSeek-V3's
-  aux-loss-free balancing ``bias += rate * sign(mean(counts) - counts)`` to a layer or a model.
+  `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch),
+  ``dropped_tokens`` (int32: token copies dropped, global; 0 when dropless) and
+  ``dropped_fraction``. `update_expert_bias` applies DeepSeek-V3's aux-loss-free balancing
+  ``bias += rate * sign(mean(counts) - counts)`` to a layer or a model.
 
 Expert parallelism. Tokens arrive sharded like every other activation (default scope
 ``("batch", "length", "act_embed")``); the ``expert`` mesh axis shards them by batch (``fsdp``,
 ``cp``) or by sequence (``ep_as_cp``). Routing runs outside the `shard_map` (a small
 ``[B, L, E]`` op XLA partitions by itself, and the balance statistics come out global). Inside
-one `shard_map` over the whole mesh each device
+one `shard_map` over the whole mesh each device all-gathers its local experts' weights over
+the FSDP axes of ``embed`` (the transpose is a reduce-scatter: weight gradients come back
+FSDP-sharded), then dispatches by the constructor's ``dispatch``:
 
-1. all-gathers its expert weights over the FSDP axes of ``embed`` (the transpose of that
-   all-gather is a reduce-scatter, so weight gradients come back FSDP-sharded at half the
-   traffic of an all-reduce; only the local ``E / expert`` experts are ever whole on a device);
-2. all-gathers tokens, indices and weights over ``expert`` (the axes that shard experts);
-3. runs its local experts on those tokens (`zoo.ops.moe.dropless_experts`), then sums the
-   partial outputs over ``tensor`` (``mlp`` is sharded there; SwiGLU is elementwise in F) and
-   reduce-scatters them back over ``expert`` to the layout they came in.
+* ``"all_to_all"`` (`zoo.ops.moe.all_to_all_experts`): each token copy goes only to the device
+  holding its expert and comes back the same way -- ``T * k * (EP - 1) / EP`` rows each way
+  when balanced. GPU/TPU: `jax.lax.ragged_all_to_all` (only real rows travel). XLA:CPU has
+  none, so there a padded `jax.lax.all_to_all` runs the same algorithm; the choice is made
+  when the program is lowered (`jax.lax.platform_dependent`), so a program lowered here for
+  ``cuda`` is the accelerator one. Receive buffers: dropless by default (``EP * T *
+  min(k, E_local)`` rows, what can arrive at worst); ``buffer_factor=f`` reserves ``f`` times
+  the balanced share per peer, keeps first choices before second choices, and counts the rest
+  in ``aux["dropped_tokens"]``. Temporaries follow local work: flat in EP at fixed tokens per
+  device.
+* ``"all_gather"``: all-gather tokens over ``expert``, run the local experts on all of them
+  (`zoo.ops.moe.dropless_experts`), reduce-scatter back: ``(EP - 1) * T`` rows each way and a
+  sort over ``EP * T * k`` copies -- right when EP <= k on fast links.
+* ``"auto"``: the one with fewer analytic bytes per device (`zoo.ops.moe.dispatch_bytes`,
+  i.e. all_to_all when EP > k); all_gather without expert parallelism or with a capacity.
+  ``MoE.dispatch`` holds the resolved choice (recorded in ``run.json``).
 
-Why all-gather/reduce-scatter rather than all-to-all: a fixed-shape all-to-all that never
-drops must size each destination's buffer for the worst case (all ``T_local * k`` copies going
-to one shard), so it sends ``EP * T_local * k`` rows per device each way where the all-gather
-and the reduce-scatter move ``(EP - 1) * T_local``, and it needs a second sort on arrival.
-Measured on 8 CPU devices (``benchmarks/moe.py``, E = 8/16/64, EP = 2/4) the all-to-all variant
-reached 0.54-0.98x the all-gather's tokens/s, never more. (A ragged all-to-all could send only
-the real copies, but XLA:CPU lacks it.) With a capacity, the capacity is per dispatch group:
-the tokens one device holds after the all-gather (unsharded: the whole batch), as in GShard,
-so which copies drop depends on the mesh.
+Partial outputs are summed over ``tensor`` (``mlp`` is sharded there; SwiGLU is elementwise
+in F). With a capacity, the capacity is per dispatch group: the tokens one device holds after
+the all-gather (unsharded: the whole batch), as in GShard, so which copies drop depends on the
+mesh.
 
-CPU: XLA:CPU has no grouped-matmul kernel; JAX lowers `ragged_dot` there to a dense masked
-matmul over all local experts (cost ``E / expert`` times the useful work). So on CPU the layer
-uses `zoo.ops.moe.grouped_swiglu`'s ``"blocked"`` form (rows padded per expert to blocks, one
-batched matmul), 3.6-9.8x faster there in ``benchmarks/moe.py``; GPU and TPU get `ragged_dot`.
-Set ``grouped_matmul`` on the class or an instance to force one.
+Grouped matmul (``grouped_matmul=``, `zoo.ops.moe.grouped_swiglu`): ``"auto"`` runs the
+blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones)
+and ``tokamax.ragged_dot`` on GPU/TPU, chosen at lowering; ``"blocked"``, ``"tokamax"`` and
+``"ragged_dot"`` (`jax.lax.ragged_dot`, which XLA expands to a dense masked matmul over every
+local expert) force one.
 
 Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 """
@@ -93,7 +99,12 @@ class MoE(nnx.Module):
       num_shared_experts, shared_mlp_dim: shared experts' MLP width is
         ``shared_mlp_dim or num_shared_experts * mlp_dim`` (none when that is 0).
       capacity_factor: None for dropless; else ``ceil(factor * tokens * k / E)`` slots per
-        expert in each dispatch group.
+        expert in each dispatch group (all_gather only).
+      dispatch: ``"all_to_all"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
+      grouped_matmul: ``"auto"`` (blocked on CPU, tokamax on GPU/TPU), ``"blocked"``,
+        ``"tokamax"`` or ``"ragged_dot"``.
+      buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
+        (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.

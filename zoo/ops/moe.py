@@ -1,29 +1,36 @@
-"""Pure mixture-of-experts functions: routing, balance statistics and token dispatch.
+"""Pure mixture-of-experts functions: routing, balance statistics, grouped matmul, dispatch.
 
 No parameters and no mesh here; `zoo.layers.moe.MoE` wires them into a layer and runs the
-dispatch inside `jax.shard_map`. Everything works on one device's tokens and one device's
-(local) experts, so the same functions serve the unsharded and the expert-parallel paths.
+dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exchanges over).
 
 * `route` -- router logits -> top-k expert indices and combine weights, in float32, with the
   semantics of Hugging Face's ``MixtralTopKRouter`` (``scoring="softmax"``) and
   ``DeepseekV3TopkRouter`` (``scoring="sigmoid"``: selection bias, group-limited top-k,
   ``norm_topk_prob``, ``routed_scaling_factor``).
 * `expert_counts`, `load_balance_loss` -- balance statistics over the tokens given.
-* `dropless_experts` -- sort token copies by expert and run the SwiGLU experts as a grouped
-  matmul (`grouped_swiglu`): `jax.lax.ragged_dot` on GPU/TPU; on XLA:CPU, where ragged_dot
-  lowers to a dense masked matmul over every local expert, a blocked grouped matmul (rows
-  padded per expert to blocks, batched matmul; 3.6-9.8x faster there, `benchmarks/moe.py`).
-  Nothing is dropped. Buffer: ``tokens * k`` rows (the worst case, every copy on a local
-  expert), so shapes stay static.
+* `grouped_swiglu` -- the experts' SwiGLU on rows sorted by expert. What runs where:
+  ``"auto"`` picks, when the program is lowered (`jax.lax.platform_dependent`), the blocked
+  grouped matmul on CPU (`blocked_matmul`: each expert's rows padded to blocks, a loop of
+  dense block matmuls that slices each block's weight in place and skips empty blocks; HLO
+  FLOPs within 1.25x of the useful ones once groups average 32 rows) and
+  ``tokamax.ragged_dot`` on GPU/TPU (Mosaic GPU / Triton / Mosaic TPU kernels).
+  ``jax.lax.ragged_dot`` stays selectable: XLA (GPU and CPU) expands it into a dense masked
+  matmul over every local expert, ``E_local`` times the useful FLOPs.
+* `dropless_experts` -- the all_gather scheme's work on one device: every token copy it sees,
+  sorted by local expert (copies for other shards' experts sort last and cost nothing).
+* `all_to_all_experts` -- the all_to_all scheme: each token copy travels only to the device
+  holding its expert (`jax.lax.ragged_all_to_all` on GPU/TPU, a padded `jax.lax.all_to_all`
+  on CPU, chosen at lowering), into ``capacity`` rows per peer (`a2a_capacity`: dropless by
+  default, or ``buffer_factor`` times the balanced share, overflow counted); results come
+  back the same way. Sends and expert math run in the compute dtype; the k-way combine
+  accumulates in float32.
 * `capacity_experts` -- fixed capacity per expert (``[E, C, D]`` buffers, batched matmul);
   copies beyond the capacity are dropped, first choices before second choices.
-
-Only experts ``expert_offset .. expert_offset + E_local`` (the weights passed in) are computed;
-copies routed elsewhere contribute zero, so summing the outputs of all expert shards gives the
-full layer.
+* `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
+  compares).
 
 Legend: T tokens, M token copies (T*k), k experts per token, D embed, E experts (E_local on
-this device), F mlp, C capacity per expert.
+this device), F mlp, C capacity per expert (or per peer), R receive rows, EP expert shards.
 """
 
 from __future__ import annotations
@@ -165,25 +172,36 @@ def _blocked_fwd(x, w, experts, active):
 def _blocked_bwd(res, dy):
     x, w, experts, active = res
     dx = _block_mm(dy, jnp.swapaxes(w, 1, 2), experts, active)
+    # dw: an expert's blocks are contiguous, so one float32 [K, N] accumulator runs over them
+    # and is written into dw (w's dtype) once per expert -- exact float32 sums without a
+    # float32 copy of all the local experts' weights
+    vary = lambda v: _vary(v, _varying(w))
 
-    def acc(n, dw):
-        def add(dw):
+    def flush(dw, acc, e):
+        return jax.lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), e, 0)
+
+    def step(n, carry):
+        def add(carry):
+            dw, acc, cur = carry
             e = experts[n]
-            g = (x[n].T @ dy[n]).astype(dw.dtype)
-            return jax.lax.dynamic_update_index_in_dim(
-                dw, jax.lax.dynamic_index_in_dim(dw, e, 0, False) + g, e, 0)
-        return jax.lax.cond(active[n], add, lambda dw: dw, dw)
-    dw = jax.lax.fori_loop(0, x.shape[0], acc, _vary(jnp.zeros(w.shape, jnp.float32),
-                                                      _varying(w)))
+            dw, acc = jax.lax.cond(e != cur, lambda: (flush(dw, acc, cur), jnp.zeros_like(acc)),
+                                   lambda: (dw, acc))
+            return dw, acc + x[n].T.astype(jnp.float32) @ dy[n].astype(jnp.float32), e
+        return jax.lax.cond(active[n], add, lambda c: c, carry)
+    init = (vary(jnp.zeros(w.shape, w.dtype)), vary(jnp.zeros(w.shape[1:], jnp.float32)),
+            vary(experts[0]))
+    dw, acc, cur = jax.lax.fori_loop(0, x.shape[0], step, init)
+    dw = flush(dw, acc, cur)
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
-    return dx, dw.astype(w.dtype), zero(experts), zero(active)
+    return dx, dw, zero(experts), zero(active)
 
 
 blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
-                    group_sizes: jax.Array, block: int) -> jax.Array:
+                    group_sizes: jax.Array, block: int, order: jax.Array | None = None
+                    ) -> jax.Array:
     """Grouped SwiGLU for XLA:CPU: each expert's rows padded to a multiple of `block`, then
     `blocked_matmul` over the blocks that hold rows (the rest are skipped at run time).
 
@@ -202,6 +220,8 @@ def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.
     expert = jnp.minimum(jnp.searchsorted(padded_ends, q, side="right"), num_local - 1)
     offset = q - padded_starts[expert]
     src = jnp.clip(starts[expert] + offset, 0, rows - 1)
+    if order is not None:  # x is unsorted: one gather straight into the padded layout
+        src = order[src]
     xp = jnp.where((offset < group_sizes[expert])[:, None], x[src], 0).reshape(blocks, block, -1)
     be = expert.reshape(blocks, block)[:, 0]  # one expert per block
     active = jnp.arange(blocks) * block < padded_ends[-1]
@@ -217,6 +237,8 @@ def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.
     e_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right"),
                         num_local - 1)
     dest = padded_starts[e_row] + r - starts[e_row]
+    if order is not None:  # each row of x's own order -> its padded row
+        dest = jnp.zeros_like(dest).at[order].set(dest)
     return out[jnp.clip(dest, 0, blocks * block - 1)]  # rows past the groups: masked by caller
 
 
@@ -239,7 +261,8 @@ def _tokamax_dot(x, w, group_sizes):
 
 def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
                    group_sizes: jax.Array, impl: str = "auto", *,
-                   expected_rows: int | None = None) -> jax.Array:
+                   expected_rows: int | None = None, order: jax.Array | None = None
+                   ) -> jax.Array:
     """SwiGLU of rows sorted by expert: ``[R, D] -> [R, D]``; rows past ``sum(group_sizes)``
     are undefined (callers mask them).
 
@@ -254,17 +277,29 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
         other platform (`jax.lax.platform_dependent`, so a program lowered here for ``cuda``
         holds the accelerator path).
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
+    ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
+    then comes back in ``x``'s own order (the blocked form folds both permutations into its
+    own gathers, saving two ``[R, D]`` temporaries).
     """
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
     block = block_size(expected_rows or x.shape[0], wi_gate.shape[0])
     args = (x, wi_gate, wi_up, wo, group_sizes)
-    blocked = lambda *a: _blocked_swiglu(*a, block)
+    blocked = lambda *a: _blocked_swiglu(*a, block, order)
+
+    def sorted_rows(dot):
+        def run(x, *rest):
+            if order is None:
+                return _ragged_swiglu(dot, x, *rest)
+            inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
+                                                                     dtype=order.dtype))
+            return _ragged_swiglu(dot, x[order], *rest)[inverse]
+        return run
     if impl == "blocked":
         return blocked(*args)
     if impl == "ragged_dot":
-        return _ragged_swiglu(jax.lax.ragged_dot, *args)
-    tok = lambda *a: _ragged_swiglu(_tokamax_dot, *a)
+        return sorted_rows(jax.lax.ragged_dot)(*args)
+    tok = sorted_rows(_tokamax_dot)
     if impl == "tokamax":
         return tok(*args)
     return jax.lax.platform_dependent(*args, cpu=blocked, default=tok)
@@ -389,11 +424,9 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     keys = jnp.where(recv_e < 0, num_local, recv_e)
     order2 = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out = grouped_swiglu(recv_x[order2], wi_gate, wi_up, wo, group_sizes, impl,
-                         expected_rows=copies)
-    out = jnp.where((jnp.arange(n * cap) < group_sizes.sum())[:, None], out, 0)
-    inverse2 = jnp.zeros_like(order2).at[order2].set(jnp.arange(n * cap, dtype=order2.dtype))
-    out = out[inverse2]  # back to arrival order
+    out = grouped_swiglu(recv_x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows=copies,
+                         order=order2)  # in arrival order
+    out = jnp.where((keys < num_local)[:, None], out, 0)
 
     pos = jnp.zeros_like(order).at[order].set(jnp.arange(copies, dtype=order.dtype))
     rank = pos - starts[dest]  # each copy's place among those for its destination
