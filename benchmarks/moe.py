@@ -18,11 +18,14 @@ other load on the machine shifts all variants alike.
 Mesh: ``expert=EP, fsdp=8/EP`` with the ``fsdp`` strategy (tokens sharded over all devices,
 experts over ``expert``). ``--bytes`` instead prints the per-device collective bytes of one
 full-size MoE layer (DeepSeek-V3 at EP 8/64/256, Mixtral 8x7B at EP 8) from the programs as
-lowered (not compiled), against the analytic minimum. Usage::
+lowered (not compiled), against the analytic minimum; ``--temporaries`` the per-device XLA
+temporaries of a one-layer full-width DeepSeek-V3 train step (compiled ahead of time, not run)
+with the MoE and with a dense MLP in its place. Usage::
 
     python benchmarks/moe.py                    # E = 8, 16, 64; EP = 1, 2, 4; all variants
     python benchmarks/moe.py --experts 8 --ep 1 --variants ragged,dense --iters 5
     python benchmarks/moe.py --bytes --devices 256
+    python benchmarks/moe.py --temporaries none,2,1 --devices 64
 
 Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per token.
 """
@@ -193,6 +196,55 @@ def bytes_table(tokens: int) -> None:
         print("| " + " | ".join(row) + " |", flush=True)
 
 
+# -- full-width temporaries -------------------------------------------------------------------
+def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len: int,
+                      buffer_factor: float | None = None) -> dict[str, float]:
+    """Per-device XLA memory of a one-layer DeepSeek-V3 train step (full width, bf16 compute,
+    remat full, AdamW), compiled ahead of time for mesh ``fsdp x expert`` of virtual devices;
+    ``moe=False`` puts the dense MLP in the layer's place. Nothing is allocated."""
+    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+    from zoo.train import step as step_lib
+    cfg = DeepSeek3Config.deepseek_v3(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1,
+                                      dtype=jnp.bfloat16, remat_policy="full",
+                                      moe_buffer_factor=buffer_factor)
+    part = Partitioner(make_mesh(fsdp=fsdp, expert=expert,
+                                 devices=jax.devices()[:fsdp * expert]), "fsdp")
+    batch = fsdp * expert * tokens // seq_len
+    model, opt = step_lib.abstract_state(
+        lambda: DeepSeek3(cfg, inputs_shape=(batch, seq_len), partitioner=part,
+                          rngs=nnx.Rngs(0)), step_lib.make_tx(), part.mesh)
+    sharding = part.sharding(("batch", "length"))
+    data = {k: jax.ShapeDtypeStruct((batch, seq_len),
+                                    jnp.float32 if k == "loss_weights" else jnp.int32,
+                                    sharding=sharding)
+            for k in ("inputs", "targets", "positions", "segment_ids", "loss_weights")}
+    t0 = time.perf_counter()
+    compiled = step_lib.make_train_step(donate=True).lower(
+        model, opt, data, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    mem = compiled.memory_analysis()
+    dispatch = next((m.dispatch for _, m in nnx.iter_modules(model)
+                     if type(m).__name__ == "MoE"), "-")
+    return dict(temp=mem.temp_size_in_bytes / 2**30, args=mem.argument_size_in_bytes / 2**30,
+                dispatch=dispatch, compile_s=time.perf_counter() - t0)
+
+
+def temporaries_table(factors: list[float | None], tokens: int) -> None:
+    dims = dict(fsdp=4, expert=16, tokens=tokens, seq_len=4096)
+    print(f"\nOne full-width DeepSeek-V3 layer, train step, mesh fsdp=4 x expert=16 (64 virtual "
+          f"devices), {tokens} tokens per device, bf16, remat full; XLA temporaries per device "
+          f"(GiB)\n")
+    print("| layer | dispatch | buffer_factor | temporaries | over the dense layer | compile s |")
+    print("|---|---|---:|---:|---:|---:|")
+    dense = layer_temporaries(False, **dims)
+    print(f"| dense MLP | - | - | {dense['temp']:.2f} | - | {dense['compile_s']:.0f} |",
+          flush=True)
+    for f in factors:
+        got = layer_temporaries(True, buffer_factor=f, **dims)
+        print(f"| MoE | {got['dispatch']} | {'dropless' if f is None else f} | "
+              f"{got['temp']:.2f} | {got['temp'] - dense['temp']:+.2f} | "
+              f"{got['compile_s']:.0f} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", default="8,16,64")
@@ -210,7 +262,13 @@ def main(argv=None):
                     help="print only the collective-bytes table (full-size shapes, lowered, "
                          "not run; EP up to --devices)")
     ap.add_argument("--tokens-per-device", type=int, default=4096)
+    ap.add_argument("--temporaries", default=None, metavar="FACTORS",
+                    help="print only the full-width DeepSeek-V3 layer temporaries for these "
+                         "buffer factors, e.g. none,2,1 (needs --devices 64; ~2 min each)")
     args = ap.parse_args(argv)
+    if args.temporaries:
+        return temporaries_table([None if f.lower() == "none" else float(f)
+                                  for f in args.temporaries.split(",")], args.tokens_per_device)
     if args.bytes:
         return bytes_table(args.tokens_per_device)
     tokens = args.batch * args.length

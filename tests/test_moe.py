@@ -331,6 +331,21 @@ def _capacity_keep(indices, capacity):
     return keep
 
 
+def _check_kept_copies_exact(s, keep, y, g_params, g_x):
+    """Output and gradients equal the dense reference with the dropped copies masked out."""
+    def ref_loss(params, x):
+        y, lb, _ = reference(params, x, s["cfg"], keep=keep)
+        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
+    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
+        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
+        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
+    for name in ("router", "wi_gate", "wo"):
+        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
+                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mesh", [None, "ep8"])
 def test_capacity_drops_overflow(setups, mesh):
     s = setups["mixtral"]
@@ -347,17 +362,7 @@ def test_capacity_drops_overflow(setups, mesh):
     assert expected_drop > 0.1  # the case really drops
     np.testing.assert_allclose(float(aux["dropped_fraction"]), expected_drop, rtol=1e-6)
 
-    def ref_loss(params, x):
-        y, lb, _ = reference(params, x, cfg, keep=keep)
-        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
-    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
-        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
-        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
-    for name in ("router", "wi_gate", "wo"):
-        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
-                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+    _check_kept_copies_exact(s, keep, y, g_params, g_x)
 
 
 def test_capacity_large_enough_is_dropless(setups):
@@ -410,17 +415,7 @@ def test_all_to_all_buffer_overflow_is_counted_and_kept_copies_exact(setups, mes
     assert int(aux["dropped_tokens"]) == dropped
     np.testing.assert_allclose(float(aux["dropped_fraction"]), dropped / indices.size)
 
-    def ref_loss(params, x):
-        y, lb, _ = reference(params, x, cfg, keep=keep.reshape(-1, E))
-        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
-    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
-        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
-        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
-    for name in ("router", "wi_gate", "wo"):
-        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
-                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+    _check_kept_copies_exact(s, keep.reshape(-1, E), y, g_params, g_x)
 
 
 def test_cuda_lowering_holds_ragged_all_to_all(setups):
@@ -591,6 +586,11 @@ def test_bias_update_walks_a_model():
      r"num_experts_per_tok=3 exceeds the 2 experts"),
     (dict(scoring="relu"), None, r"scoring='relu'"),
     (dict(capacity_factor=0.0), None, r"capacity_factor=0.0 must be > 0"),
+    (dict(dispatch="ragged"), None, r"dispatch='ragged' must be one of"),
+    (dict(grouped_matmul="cutlass"), None, r"grouped_matmul='cutlass' must be one of"),
+    (dict(buffer_factor=0.0), None, r"buffer_factor=0.0 must be > 0"),
+    (dict(buffer_factor=2.0, dispatch="all_gather"), None, r"dispatch='all_gather' has none"),
+    (dict(capacity_factor=1.0, dispatch="all_to_all"), None, r"bound the buffers with buffer_f"),
     (dict(inputs_shape=(8, 6, 16)), ("cp", dict(context=4, expert=2)),
      r"length=6 is not divisible by 4"),
     (dict(inputs_shape=(4, 8, 16)), ("fsdp", dict(fsdp=8)), r"batch=4 is not divisible by 8"),

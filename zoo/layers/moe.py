@@ -150,6 +150,9 @@ class MoE(nnx.Module):
         if buffer_factor is not None and not buffer_factor > 0:
             raise ValueError(f"buffer_factor={buffer_factor} must be > 0, or None for dropless "
                              f"all-to-all buffers")
+        if buffer_factor is not None and dispatch == "all_gather":
+            raise ValueError(f"buffer_factor={buffer_factor} sizes all_to_all receive buffers; "
+                             f"dispatch='all_gather' has none (use capacity_factor there)")
         if capacity_factor is not None and dispatch == "all_to_all":
             raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
                              "capacity after the gather); with dispatch='all_to_all' bound the "
@@ -247,8 +250,8 @@ class MoE(nnx.Module):
             return dispatch
         if ep == 1 or self.capacity_factor is not None:
             return "all_gather"
-        dims = dict(tokens=tokens // (p.size("batch") * p.size("length")), k=self.num_experts_per_tok,
-                    embed=self.embed_dim, num_shards=ep)
+        dims = dict(tokens=tokens // (p.size("batch") * p.size("length")),
+                    k=self.num_experts_per_tok, embed=self.embed_dim, num_shards=ep)
         a2a, ag = (ops.dispatch_bytes(s, **dims) for s in ("all_to_all", "all_gather"))
         return "all_to_all" if a2a < ag else "all_gather"
 
