@@ -106,8 +106,8 @@ def grouped_matmul_rows(report, rows: int = 16384, embed: int = 2048, mlp: int =
             outs[impl] = np.asarray(fwd(x, wg, wu, wo), np.float32)
             row[f"{impl}_fwd_ms"] = f"{_timed(fwd, x, wg, wu, wo):.2f}"
             row[f"{impl}_fwd_bwd_ms"] = f"{_timed(both, x, wg, wu, wo):.2f}"
-        row["speedup_fwd_bwd"] = (f"{float(row['ragged_dot_fwd_bwd_ms']) / "
-                                  f"float(row['tokamax_fwd_bwd_ms']):.2f}")
+        speedup = float(row["ragged_dot_fwd_bwd_ms"]) / float(row["tokamax_fwd_bwd_ms"])
+        row["speedup_fwd_bwd"] = f"{speedup:.2f}"
         diff = np.abs(outs["tokamax"] - outs["ragged_dot"]).max() / np.abs(outs["ragged_dot"]).max()
         row["rel_diff"] = f"{diff:.1e}"
         report("moe grouped matmul", row)
