@@ -66,8 +66,9 @@ def test_config_and_layout(ref, zoo_model):
     c = zoo_model.config
     assert (c.q_lora_rank, c.first_k_dense_replace, c.n_group, c.topk_group) == (16, 1, 4, 2)
     assert c.rope_scaling.factor == 4.0 and c.rope_scaling.mscale_all_dim == 1.0
-    assert [layer.is_moe for layer in zoo_model.layers] == [False, True, True]
-    bias = np.asarray(zoo_model.layers[2].mlp.e_score_correction_bias[...])
+    assert [zoo_model.layer(i).is_moe for i in range(3)] == [False, True, True]
+    assert [(la.stack_size, la.is_moe) for la in zoo_model.layers] == [(1, False), (2, True)]
+    bias = np.asarray(zoo_model.layer(2).mlp.e_score_correction_bias[...])
     np.testing.assert_array_equal(
         bias, ref.model.model.layers[2].mlp.gate.e_score_correction_bias.numpy())
     assert np.abs(bias).max() > 0
@@ -87,8 +88,9 @@ def test_logits_unsharded(ref, zoo_model):
 def test_logits_sharded(ref, devices, mesh, strategy, inputs_shape):
     p = Partitioner(make_mesh(**mesh), strategy)
     model = deepseek3.from_hf(ref.path, partitioner=p, inputs_shape=inputs_shape)
-    wo = model.layers[1].mlp.wo[...]
-    assert wo.sharding.spec == p.spec(("experts", "mlp", "embed"), "moe")
+    wo = model.layers[1].mlp.wo[...]  # the MoE stack: [layers, E, F, D], layers unsharded
+    assert wo.sharding.is_equivalent_to(
+        p.sharding(("layers", "experts", "mlp", "embed"), "moe"), 4)
     assert wo.addressable_shards[0].data.shape != wo.shape
     logits, _ = FORWARD(model, jnp.asarray(ref.tokens))
     assert rel_err(logits, ref.logits) < TOL
@@ -102,7 +104,7 @@ def test_mla_parity(ref, zoo_model):
         want = ref.model.model.layers[0].self_attn(
             hidden_states=torch.tensor(x), position_embeddings=pe,
             attention_mask=causal_mask(B, L))[0].numpy()
-    got = CALL(zoo_model.layers[0].self_attn, jnp.asarray(x), positions=jnp.asarray(pos))
+    got = CALL(zoo_model.layer(0).self_attn, jnp.asarray(x), positions=jnp.asarray(pos))
     assert rel_err(got, want) < TOL
 
 
@@ -110,7 +112,7 @@ def test_dense_mlp_parity(ref, zoo_model):
     x = np.random.RandomState(2).randn(B, L, D).astype(np.float32)
     with torch.no_grad():
         want = ref.model.model.layers[0].mlp(torch.tensor(x)).numpy()
-    assert rel_err(CALL(zoo_model.layers[0].mlp, jnp.asarray(x)), want) < TOL
+    assert rel_err(CALL(zoo_model.layer(0).mlp, jnp.asarray(x)), want) < TOL
 
 
 def test_moe_block_parity_and_routing(ref, zoo_model):
@@ -119,7 +121,7 @@ def test_moe_block_parity_and_routing(ref, zoo_model):
     with torch.no_grad():
         want = hf_moe(torch.tensor(x)).numpy()
         _, _, idx = hf_moe.gate(torch.tensor(x))
-    got, aux = CALL(zoo_model.layers[2].mlp, jnp.asarray(x))
+    got, aux = CALL(zoo_model.layer(2).mlp, jnp.asarray(x))
     assert rel_err(got, want) < TOL
     np.testing.assert_array_equal(np.asarray(aux["expert_counts"]),
                                   np.bincount(idx.numpy().ravel(), minlength=8))
@@ -133,7 +135,7 @@ def test_decoder_layer_parity(ref, zoo_model):
         want = ref.model.model.layers[1](torch.tensor(x), attention_mask=causal_mask(B, L),
                                          position_ids=torch.tensor(pos), position_embeddings=pe)
         want = (want[0] if isinstance(want, tuple) else want).numpy()
-    got, _ = CALL(zoo_model.layers[1], jnp.asarray(x), positions=jnp.asarray(pos))
+    got, _ = CALL(zoo_model.layer(1), jnp.asarray(x), positions=jnp.asarray(pos))
     assert rel_err(got - x, want - x) < TOL  # the residual branch, not the skip
 
 
@@ -150,7 +152,7 @@ def test_gradients_match_torch(ref, zoo_model):
     ref.model.zero_grad()
     (ref.model(torch.tensor(ref.tokens)).logits * torch.tensor(r)).sum().backward()
     tg = {n: p.grad.numpy() for n, p in ref.model.named_parameters()}
-    at = g.layers[1].self_attn
+    at = g.layer(1).self_attn
     pairs = [
         (g.embed_tokens.embedding[...], tg["model.embed_tokens.weight"]),
         (at.q_b_proj.kernel[...].reshape(16, -1), tg["model.layers.1.self_attn.q_b_proj.weight"].T),
@@ -159,10 +161,10 @@ def test_gradients_match_torch(ref, zoo_model):
         (at.kv_a_proj_with_mqa.kernel[...],
          tg["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].T),
         (at.kv_a_layernorm.scale[...], tg["model.layers.1.self_attn.kv_a_layernorm.weight"]),
-        (g.layers[0].mlp.down.kernel[...], tg["model.layers.0.mlp.down_proj.weight"].T),
-        (g.layers[2].mlp.router[...], tg["model.layers.2.mlp.gate.weight"].T),
-        (g.layers[2].mlp.wo[...], tg["model.layers.2.mlp.experts.down_proj"].transpose(0, 2, 1)),
-        (g.layers[2].mlp.shared_experts.up.kernel[...],
+        (g.layer(0).mlp.down.kernel[...], tg["model.layers.0.mlp.down_proj.weight"].T),
+        (g.layer(2).mlp.router[...], tg["model.layers.2.mlp.gate.weight"].T),
+        (g.layer(2).mlp.wo[...], tg["model.layers.2.mlp.experts.down_proj"].transpose(0, 2, 1)),
+        (g.layer(2).mlp.shared_experts.up.kernel[...],
          tg["model.layers.2.mlp.shared_experts.up_proj.weight"].T),
     ]
     for got, want in pairs:
@@ -236,10 +238,10 @@ def test_fp8_block_quantised_checkpoint(ref, zoo_model, tmp_path):
                                   "weight_block_size": [block, block]}
     (fp8 / "config.json").write_text(json.dumps(cfg))
     model = deepseek3.from_hf(fp8)
-    got = np.asarray(model.layers[1].self_attn.kv_b_proj.kernel[...]).reshape(16, -1)
+    got = np.asarray(model.layer(1).self_attn.kv_b_proj.kernel[...]).reshape(16, -1)
     np.testing.assert_allclose(got, expected["model.layers.1.self_attn.kv_b_proj.weight"].T,
                                rtol=1e-6)
-    got = np.asarray(model.layers[2].mlp.wi_up[...])[5]
+    got = np.asarray(model.layer(2).mlp.wi_up[...])[5]
     np.testing.assert_allclose(got, expected["model.layers.2.mlp.experts.5.up_proj.weight"].T,
                                rtol=1e-6)
     # quantisation error only: the model still tracks the float32 reference

@@ -91,12 +91,15 @@ def test_logits_unsharded(ref, zoo_model):
 def test_logits_sharded(ref, devices, mesh, strategy, inputs_shape):
     p = Partitioner(make_mesh(**mesh), strategy)
     model = mixtral.from_hf(ref.path, partitioner=p, inputs_shape=inputs_shape)
-    # parameters arrive already sharded as the partitioner says
+    # parameters arrive sharded as the partitioner says (stacked: an unsharded layer axis)
     wi = model.layers[0].mlp.wi_gate[...]
-    assert wi.sharding.spec == p.spec(("experts", "embed", "mlp"), "moe")
+    assert wi.shape[0] == model.config.num_hidden_layers
+    assert wi.sharding.is_equivalent_to(
+        p.sharding(("layers", "experts", "embed", "mlp"), "moe"), 4)
     assert wi.addressable_shards[0].data.shape != wi.shape
-    q = model.layers[1].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == p.spec(("embed", "heads", "head_dim"), "attention")
+    q = model.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.is_equivalent_to(
+        p.sharding(("layers", "embed", "heads", "head_dim"), "attention"), 4)
     logits, _ = forward(model, ref.tokens)
     assert rel_err(logits, ref.logits) < TOL
 
@@ -109,7 +112,7 @@ def test_attention_parity(ref, zoo_model):
         pe = ref.model.model.rotary_emb(torch.tensor(x), torch.tensor(pos))
         want = hf_layer.self_attn(hidden_states=torch.tensor(x), position_embeddings=pe,
                                   attention_mask=hf_mask(pos, 6))[0].numpy()
-    got = CALL(zoo_model.layers[0].self_attn, jnp.asarray(x), positions=jnp.asarray(pos))
+    got = CALL(zoo_model.layer(0).self_attn, jnp.asarray(x), positions=jnp.asarray(pos))
     assert rel_err(got, want) < TOL
 
 
@@ -119,7 +122,7 @@ def test_moe_block_parity_and_routing(ref, zoo_model):
     with torch.no_grad():
         want = hf_moe(torch.tensor(x)).numpy()
         _, _, idx = hf_moe.gate(torch.tensor(x))
-    got, aux = CALL(zoo_model.layers[1].mlp, jnp.asarray(x))
+    got, aux = CALL(zoo_model.layer(1).mlp, jnp.asarray(x))
     assert rel_err(got, want) < TOL
     np.testing.assert_array_equal(np.asarray(aux["expert_counts"]),
                                   np.bincount(idx.numpy().ravel(), minlength=8))
@@ -134,7 +137,7 @@ def test_decoder_layer_parity(ref, zoo_model):
         want = hf_layer(torch.tensor(x), attention_mask=hf_mask(pos, 6),
                         position_ids=torch.tensor(pos), position_embeddings=pe)
         want = (want[0] if isinstance(want, tuple) else want).numpy()
-    got, aux = CALL(zoo_model.layers[1], jnp.asarray(x), positions=jnp.asarray(pos))
+    got, aux = CALL(zoo_model.layer(1), jnp.asarray(x), positions=jnp.asarray(pos))
     assert rel_err(got - x, want - x) < TOL and aux is not None  # the residual branch
 
 
@@ -172,15 +175,15 @@ def test_gradients_match_torch(ref, zoo_model):
     pairs = [
         (g.embed_tokens.embedding[...], tg["model.embed_tokens.weight"]),
         (g.lm_head.kernel[...], tg["lm_head.weight"].T),
-        (g.layers[0].self_attn.q_proj.kernel[...].reshape(32, 32),
+        (g.layer(0).self_attn.q_proj.kernel[...].reshape(32, 32),
          tg["model.layers.0.self_attn.q_proj.weight"].T),
-        (g.layers[0].self_attn.o_proj.kernel[...].reshape(32, 32),
+        (g.layer(0).self_attn.o_proj.kernel[...].reshape(32, 32),
          tg["model.layers.0.self_attn.o_proj.weight"].T),
-        (g.layers[1].mlp.router[...], tg["model.layers.1.mlp.gate.weight"].T),
-        (g.layers[1].mlp.wo[...], tg["model.layers.1.mlp.experts.down_proj"].transpose(0, 2, 1)),
-        (g.layers[1].mlp.wi_gate[...],
+        (g.layer(1).mlp.router[...], tg["model.layers.1.mlp.gate.weight"].T),
+        (g.layer(1).mlp.wo[...], tg["model.layers.1.mlp.experts.down_proj"].transpose(0, 2, 1)),
+        (g.layer(1).mlp.wi_gate[...],
          tg["model.layers.1.mlp.experts.gate_up_proj"][:, :48].transpose(0, 2, 1)),
-        (g.layers[0].input_layernorm.scale[...], tg["model.layers.0.input_layernorm.weight"]),
+        (g.layer(0).input_layernorm.scale[...], tg["model.layers.0.input_layernorm.weight"]),
     ]
     for got, want in pairs:
         assert rel_err(got, want) < TOL

@@ -162,7 +162,8 @@ def test_expert_bias_update_follows_counts(ds_runs):
     run = ds_runs["sharded"]
     counts = np.asarray(run["metrics"]["expert_counts"], np.float64)
     assert counts.shape == (TINY_DS.num_moe_layers, TINY_DS.n_routed_experts)
-    moe = [layer.mlp for layer in run["model"].layers if layer.is_moe]
+    layers = [run["model"].layer(i) for i in range(TINY_DS.num_hidden_layers)]
+    moe = [layer.mlp for layer in layers if layer.is_moe]
     got = np.stack([np.asarray(m.e_score_correction_bias[...]) for m in moe])
     want = 1e-2 * np.sign(counts.mean(-1, keepdims=True) - counts)
     np.testing.assert_allclose(got, want, atol=1e-7)
@@ -176,7 +177,8 @@ def test_parameters_and_moments_created_sharded(ds_runs):
     wanted = nnx.get_named_sharding(state, mesh)
     for (path, var), (_, want) in zip(nnx.to_flat_state(state), nnx.to_flat_state(wanted)):
         assert var[...].sharding.is_equivalent_to(want.get_value(), var[...].ndim), path
-    moe = next(layer.mlp for layer in run["model"].layers if layer.is_moe)
+    moe = next(run["model"].layer(i).mlp for i in range(TINY_DS.num_hidden_layers)
+               if run["model"].layer(i).is_moe)
     shard = moe.wi_gate[...].addressable_shards[0].data.shape
     assert shard[0] == TINY_DS.n_routed_experts // part.size("experts", "moe")  # EP really splits
     moments = nnx.to_flat_state(nnx.state(run["opt"]))

@@ -13,9 +13,11 @@ activation; one name for both would make ``("batch", "length", "embed")`` use a 
 
 =================  ==========================================================================
 parameters         ``embed`` ``vocab`` ``heads`` ``kv_heads`` ``head_dim`` ``mlp`` ``experts``
-                   ``q_lora`` ``kv_lora`` ``norm`` (``norm``: small vectors, never sharded;
-                   ``q_lora``/``kv_lora``: MLA's low-rank input to the up-projections,
-                   FSDP-sharded like ``embed``)
+                   ``q_lora`` ``kv_lora`` ``norm`` ``layers`` (``norm``: small vectors, never
+                   sharded; ``q_lora``/``kv_lora``: MLA's low-rank input to the
+                   up-projections, FSDP-sharded like ``embed``; ``layers``: the leading axis
+                   of scanned layers' stacked parameters, never sharded -- each scan step
+                   needs its whole layer)
 activations        ``batch`` ``length`` ``act_embed`` ``act_heads`` ``act_kv_heads``
                    ``act_head_dim`` ``act_mlp`` ``act_vocab`` ``act_experts``
 =================  ==========================================================================
@@ -61,7 +63,7 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
 PARAM_AXES = ("embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "experts",
-              "q_lora", "kv_lora", "norm")
+              "q_lora", "kv_lora", "norm", "layers")
 ACTIVATION_AXES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
                    "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
@@ -98,7 +100,7 @@ def _strategy_rules(strategy: str) -> dict[Any, dict[str, MeshAxes]]:
     """The table for one strategy: ``{None: default rules, scope: overrides}``."""
     tp = "tensor"
     common = dict(vocab=tp, heads=tp, kv_heads=tp, head_dim=None, mlp=tp, experts="expert",
-                  norm=None,
+                  norm=None, layers=None,
                   act_embed=None, act_heads=tp, act_kv_heads=tp, act_head_dim=None, act_mlp=tp,
                   act_vocab=tp, act_experts="expert")
     if strategy == "fsdp":

@@ -29,11 +29,14 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"Embed expects integer token ids, got dtype {tokens.dtype}")
-        # FSDP all-gathers the table's embed dimension before the lookup: a gather from a table
-        # sharded along the gathered rows' own feature axis makes XLA replicate everything.
-        table = self.partitioner.constrain(self.embedding[...], ("vocab", None))
+        # Cast first, so the all-gather below and the gathered rows are in the compute dtype
+        # (bf16: half the bytes), never fp32 rows cast afterwards.
+        table = self.embedding[...]
         if self.dtype is not None:
             table = table.astype(self.dtype)
+        # FSDP all-gathers the table's embed dimension before the lookup: a gather from a table
+        # sharded along the gathered rows' own feature axis makes XLA replicate everything.
+        table = self.partitioner.constrain(table, ("vocab", None))
         x = jnp.take(table, tokens, axis=0)
         return self.partitioner.constrain(x, ("batch", "length", "act_embed"))
 

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import spmd
+from jax.ad_checkpoint import checkpoint_name
 
 from zoo.layers.embed import Embed
 from zoo.layers.linear import Linear
@@ -52,20 +54,35 @@ from zoo.partitioning import Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
 
-# names accepted by the `remat_policy` config field -> jax.checkpoint_policies attribute
-REMAT_POLICIES = {
-    "full": "nothing_saveable",  # recompute the whole layer in the backward pass
-    "nothing_saveable": "nothing_saveable",
-    "dots_saveable": "dots_saveable",
-    "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
-    "everything_saveable": "everything_saveable",
-}
+# `remat_policy` names -> what the backward pass may keep of a layer (the rest is recomputed).
+# "save_layer_outputs" keeps the attention and MLP/MoE outputs the layer tags with
+# `checkpoint_name` (so the backward recomputes inside one block, never the whole layer);
+# "offload_layer_outputs" moves the same tensors to pinned host memory (GPU/TPU only).
+LAYER_OUTPUT_NAMES = ("attention_out", "mlp_out")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "save_layer_outputs", "offload_layer_outputs")
 
 
 def remat_policy(name: str | None):
-    if name is None:
-        return None
-    return getattr(jax.checkpoint_policies, REMAT_POLICIES[name])
+    """``(remat?, jax.checkpoint policy)`` for a `remat_policy` name (ValueError if unknown)."""
+    if name is None or name == "none":
+        return False, None
+    if name == "full":
+        return True, None  # jax.checkpoint's default: save nothing but the layer's inputs
+    if name in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+        return True, getattr(jax.checkpoint_policies, name)
+    if name == "save_layer_outputs":
+        return True, jax.checkpoint_policies.save_only_these_names(*LAYER_OUTPUT_NAMES)
+    if name == "offload_layer_outputs":
+        if jax.default_backend() == "cpu":
+            raise ValueError("remat_policy='offload_layer_outputs' moves layer outputs to "
+                             "pinned host memory, which XLA:CPU lacks; use it on GPU/TPU, or "
+                             "'save_layer_outputs' here")
+        return True, jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=LAYER_OUTPUT_NAMES,
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"remat_policy={name!r} is not known; valid values are None or "
+                     f"{', '.join(map(repr, REMAT_POLICIES))}")
 
 
 def check_config(config: Any, *, positive: Sequence[str], optional_positive: Sequence[str] = (),
@@ -80,8 +97,8 @@ def check_config(config: Any, *, positive: Sequence[str], optional_positive: Seq
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{what}: {name}={value!r} must be a positive int or None")
     if config.remat_policy is not None and config.remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"{what}: remat_policy={config.remat_policy!r}; valid values are None "
-                         f"or {', '.join(map(repr, REMAT_POLICIES))}")
+        raise ValueError(f"{what}: remat_policy={config.remat_policy!r} is not known; valid "
+                         f"values are None or {', '.join(map(repr, REMAT_POLICIES))}")
     for name in ("dtype", "param_dtype"):
         try:
             dt = jnp.dtype(getattr(config, name))
@@ -139,6 +156,10 @@ class DecoderLayer(nnx.Module):
     Subclasses set ``attention_cls``/``moe_cls``/``mlp_cls``/``norm_cls`` or override the
     ``make_*`` factories; the families implement `make_attention`, `make_moe` and `uses_moe`.
     ``inputs_shape`` is ``(batch, length, hidden_size)``.
+
+    In a scanned model (``config.scan_layers``) one instance holds a whole run of identical
+    layers: every variable has a leading ``"layers"`` axis of ``stack_size`` and ``layer_idx``
+    is the run's first layer. Unrolled, ``stack_size`` is None.
     """
 
     attention_cls: ClassVar[type] = nnx.Module  # set by each family
@@ -150,6 +171,7 @@ class DecoderLayer(nnx.Module):
                  partitioner: Partitioner | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         self.layer_idx = layer_idx
+        self.stack_size: int | None = None
         self.partitioner = p
         shape = tuple(inputs_shape)
         kw = dict(inputs_shape=shape, partitioner=p, rngs=rngs)
@@ -160,7 +182,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = self.make_moe(config, **kw) if self.is_moe else self.make_mlp(config, **kw)
 
     # -- factories a subclass may override -----------------------------------------------------
-    def uses_moe(self, config, layer_idx: int) -> bool:
+    @classmethod
+    def uses_moe(cls, config, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is an MoE layer (a classmethod: the model groups the
+        layers into scanned runs before building any)."""
         return True
 
     def make_norm(self, config, *, partitioner: Partitioner, rngs: nnx.Rngs) -> nnx.Module:
@@ -182,19 +207,91 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-        """x [B, L, D] -> (x [B, L, D], the MoE's aux dict or None for a dense layer)."""
+        """x [B, L, D] -> (x [B, L, D], the MoE's aux dict or None for a dense layer).
+
+        The attention and MLP/MoE outputs are tagged ``attention_out`` / ``mlp_out``
+        (`jax.ad_checkpoint.checkpoint_name`) for the ``save_layer_outputs`` remat policies.
+        """
         c = self.partitioner.constrain
         with jax.named_scope(f"layer_{self.layer_idx}"):
             h = self.self_attn(self.input_layernorm(x), positions=positions,
                                segment_ids=segment_ids)
-            x = c(x + h.astype(x.dtype), ACT)
+            h = checkpoint_name(h.astype(x.dtype), "attention_out")
+            x = c(x + h, ACT)
             h = self.post_attention_layernorm(x)
             aux = None
             if self.is_moe:
                 h, aux = self.mlp(h)
             else:
                 h = self.mlp(h)
-            return c(x + h.astype(x.dtype), ACT), aux
+            h = checkpoint_name(h.astype(x.dtype), "mlp_out")
+            return c(x + h, ACT), aux
+
+
+def layer_runs(layer_cls: type[DecoderLayer], config, scan: bool) -> list[tuple[int, int]]:
+    """``[(first layer, count), ...]``: maximal runs of layers of one kind (dense or MoE) when
+    scanning, single layers otherwise. Empty runs never appear."""
+    runs: list[tuple[int, int]] = []
+    kinds = [layer_cls.uses_moe(config, i) for i in range(config.num_hidden_layers)]
+    for i, kind in enumerate(kinds):
+        if scan and runs and kinds[runs[-1][0]] == kind:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+# metadata a stacked variable gains: an unsharded leading mesh entry, logical axis "layers"
+STACK_METADATA = {nnx.PARTITION_NAME: None, "logical_axes": "layers"}
+
+
+def build_stack(layer_cls: type[DecoderLayer], config, *, first: int, count: int,
+                inputs_shape, partitioner: Partitioner, rngs: nnx.Rngs) -> DecoderLayer:
+    """`count` identical layers as one `layer_cls` instance whose variables have a leading
+    ``"layers"`` axis (built with `nnx.vmap`, each layer from its own split of `rngs`)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=STACK_METADATA)
+    def build(rngs):
+        return layer_cls(config, layer_idx=first, inputs_shape=inputs_shape,
+                         partitioner=partitioner, rngs=rngs)
+
+    stack = build(rngs)
+    stack.stack_size = count
+    return stack
+
+
+def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
+               segment_ids: jax.Array | None = None, remat: str | None = None):
+    """A layer, or a stack (``stack_size``) scanned with `jax.lax.scan`, each layer
+    rematerialised as `remat` (a `remat_policy` name) says. Returns ``(x, aux)`` with aux
+    entries stacked per layer (``[n, ...]``), or None for dense layers."""
+    use_remat, policy = remat_policy(remat)
+
+    def body(x, layer):
+        return layer(x, positions=positions, segment_ids=segment_ids)
+
+    if layer.stack_size is None:
+        if use_remat:
+            # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's RouterBias
+            # when the model was merged inside an outer jit (flax 0.12.8); a forward pass
+            # mutates no variable, so tree mode loses nothing.
+            body = nnx.remat(body, policy=policy, graph=False)
+        x, aux = body(x, layer)
+        return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+
+    # A scan over the split state (what nnx.scan does in tree mode), with the remat policy
+    # applied to the body: the backward pass recomputes one layer at a time inside the loop.
+    graphdef, state = nnx.split(layer)
+
+    def scan_body(x, layer_state):
+        return body(x, nnx.merge(graphdef, layer_state))
+
+    if use_remat:
+        scan_body = jax.checkpoint(scan_body, policy=policy, prevent_cse=False)
+    first = layer.layer_idx
+    with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
+        return jax.lax.scan(scan_body, x, state)
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -209,6 +306,9 @@ class CausalLM(nnx.Module):
         it divides works at call time.
       partitioner: how the mesh cuts parameters and activations (None: unsharded).
       decoder_layer_cls: overrides the class attribute ``decoder_layer_cls``.
+
+    ``self.layers``: with ``config.scan_layers`` one stacked `DecoderLayer` per run of
+    identical layers (`layer_runs`), else one `DecoderLayer` per layer.
     """
 
     config_cls: ClassVar[type] = object  # set by each family
@@ -237,9 +337,12 @@ class CausalLM(nnx.Module):
         layer_shape = (*self.inputs_shape, D)
         self.embed_tokens = Embed(V, D, partitioner=p, dtype=config.dtype,
                                   param_dtype=config.param_dtype, rngs=rngs)
+        kw = dict(inputs_shape=layer_shape, partitioner=p, rngs=rngs)
+        scan = bool(getattr(config, "scan_layers", False))
         self.layers = nnx.List([
-            layer_cls(config, layer_idx=i, inputs_shape=layer_shape, partitioner=p, rngs=rngs)
-            for i in range(config.num_hidden_layers)])
+            build_stack(layer_cls, config, first=first, count=count, **kw) if scan else
+            layer_cls(config, layer_idx=first, **kw)
+            for first, count in layer_runs(layer_cls, config, scan)])
         self.norm = RMSNorm(D, eps=config.rms_norm_eps, partitioner=p,
                             param_dtype=config.param_dtype, rngs=rngs)
         self.lm_head = Linear(D, V, in_axes=("embed",), out_axes=("vocab",), partitioner=p,
@@ -247,22 +350,34 @@ class CausalLM(nnx.Module):
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(layer.is_moe for layer in self.layers)
+        return sum(layer.stack_size or 1 for layer in self.layers if layer.is_moe)
+
+    def layer_indices(self, layer: DecoderLayer) -> range:
+        """The model-layer indices an entry of ``self.layers`` holds."""
+        return range(layer.layer_idx, layer.layer_idx + (layer.stack_size or 1))
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Model layer `i` as a `DecoderLayer` of its own: unrolled, the module itself; scanned,
+        a new module holding slice `i` of its stack (for inspection and per-layer tests)."""
+        for layer in self.layers:
+            where = self.layer_indices(layer)
+            if i not in where:
+                continue
+            if layer.stack_size is None:
+                return layer
+            graphdef, state = nnx.split(layer)
+            state = jax.tree.map(lambda v: v[i - where.start], state)
+            one = nnx.merge(graphdef, spmd.remove_axis(state, 0, STACK_METADATA))
+            one.layer_idx, one.stack_size = i, None
+            return one
+        raise IndexError(f"layer {i} out of range: the model has "
+                         f"{self.config.num_hidden_layers} layers")
 
     def run_layer(self, layer: DecoderLayer, x: jax.Array, positions: jax.Array,
                   segment_ids: jax.Array | None):
-        """One decoder layer, rematerialised when the config names a `remat_policy`."""
-        if self.config.remat_policy is None:
-            return layer(x, positions=positions, segment_ids=segment_ids)
-
-        def call(layer, x, positions, segment_ids):
-            return layer(x, positions=positions, segment_ids=segment_ids)
-
-        # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's RouterBias when
-        # the model was merged inside an outer jit (flax 0.12.8); a forward pass mutates no
-        # variable, so tree mode loses nothing.
-        policy = remat_policy(self.config.remat_policy)
-        return nnx.remat(call, policy=policy, graph=False)(layer, x, positions, segment_ids)
+        """One entry of ``self.layers`` under the config's `remat_policy`: see `run_layers`."""
+        return run_layers(layer, x, positions=positions, segment_ids=segment_ids,
+                          remat=self.config.remat_policy)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None
@@ -293,30 +408,46 @@ class CausalLM(nnx.Module):
         return logits, self.collect_aux(auxes)
 
     def collect_aux(self, auxes: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+        """Per-run aux dicts (entries ``[n, ...]``) -> ``load_balance_loss`` summed over the MoE
+        layers, every other entry concatenated to ``[num_moe_layers, ...]``."""
         if not auxes:
             return {"load_balance_loss": jnp.zeros((), jnp.float32),
                     "expert_counts": jnp.zeros((0, self.config.num_experts), jnp.int32)}
-        out = {"load_balance_loss": sum(a["load_balance_loss"] for a in auxes)}
+        out = {"load_balance_loss": sum(jnp.sum(a["load_balance_loss"]) for a in auxes)}
         for key in auxes[0]:
             if key != "load_balance_loss":
-                out[key] = jnp.stack([a[key] for a in auxes])
+                out[key] = jnp.concatenate([a[key] for a in auxes])
         return out
 
     # -- Hugging Face interop ------------------------------------------------------------------
-    def hf_key_map(self) -> list[hf.Tensor]:
-        """Rows mapping every variable to its Hugging Face checkpoint key(s)."""
+    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
+        """Rows of one decoder layer: paths relative to the layer (e.g. ``("self_attn",
+        "q_proj", "kernel")``), keys under ``model.layers.{layer_idx}``. A subclass that adds
+        layer parameters extends this (both layouts follow from it)."""
         raise NotImplementedError
 
-    def hf_common_keys(self) -> list[hf.Tensor]:
+    def hf_key_map(self) -> list[hf.Tensor]:
+        """Rows mapping every variable to its Hugging Face checkpoint key(s): the common
+        ones, then each layer's `hf_layer_keys` -- prefixed with ``("layers", i)`` when
+        unrolled, stacked per run (`hf.LayerStack`) when scanned."""
         rows = [hf.copy(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
                 hf.copy(("norm", "scale"), "model.norm.weight"),
                 hf.linear(("lm_head", "kernel"), "lm_head.weight")]
-        for i in range(len(self.layers)):
-            pre = f"model.layers.{i}"
-            rows += [hf.copy(("layers", i, "input_layernorm", "scale"),
-                             f"{pre}.input_layernorm.weight"),
-                     hf.copy(("layers", i, "post_attention_layernorm", "scale"),
-                             f"{pre}.post_attention_layernorm.weight")]
+        for s, layer in enumerate(self.layers):
+            per_layer = []
+            for i in self.layer_indices(layer):
+                pre = f"model.layers.{i}"
+                per_layer.append([hf.copy(("input_layernorm", "scale"),
+                                          f"{pre}.input_layernorm.weight"),
+                                  hf.copy(("post_attention_layernorm", "scale"),
+                                          f"{pre}.post_attention_layernorm.weight"),
+                                  *self.hf_layer_keys(i, layer.is_moe)])
+            if layer.stack_size is None:
+                rows += [dataclasses.replace(r, path=("layers", s, *r.path))
+                         for r in per_layer[0]]
+            else:
+                rows += [hf.LayerStack(("layers", s, *group[0].path), tuple(group))
+                         for group in zip(*per_layer)]
         return rows
 
     @classmethod
@@ -331,18 +462,21 @@ class CausalLM(nnx.Module):
     @classmethod
     def from_hf(cls, path, *, partitioner: Partitioner | None = None,
                 inputs_shape: Sequence[int] | None = None, dtype=jnp.float32,
-                config_overrides: dict[str, Any] | None = None,
+                param_dtype=None, config_overrides: dict[str, Any] | None = None,
                 decoder_layer_cls: type[DecoderLayer] | None = None):
         """Load a local Hugging Face checkpoint folder into a (sharded) model of this class.
 
         The model is created abstractly and each tensor is read and placed straight into its
-        shards (see `zoo.models.hf.load_into`). ``dtype`` is the parameter and compute dtype;
-        ``config_overrides`` replaces config fields (e.g. ``{"remat_policy": "full"}``).
+        shards (see `zoo.models.hf.load_into`); a scanned model (``scan_layers``, the default)
+        receives each layer's tensors into its slice of the stacked parameters. ``dtype`` is
+        the compute dtype, ``param_dtype`` the storage dtype (None: float32);
+        ``config_overrides`` replaces config fields (e.g. ``{"scan_layers": False}``).
         """
         what = f"{cls.__name__}.from_hf"
         raw = hf.read_config(path, cls.hf_model_types, loader=what)
         config = cls.config_cls.from_hf_config(raw)
-        config = dataclasses.replace(config, **{"dtype": dtype, "param_dtype": dtype,
+        param_dtype = jnp.float32 if param_dtype is None else param_dtype
+        config = dataclasses.replace(config, **{"dtype": dtype, "param_dtype": param_dtype,
                                                 **(config_overrides or {})})
         model = cls.abstract(config, inputs_shape=inputs_shape, partitioner=partitioner,
                              decoder_layer_cls=decoder_layer_cls)

@@ -85,6 +85,7 @@ class DeepSeek3Config:
     moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
     moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
     remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
+    scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
     dtype: Any = jnp.float32  # computation dtype
     param_dtype: Any = jnp.float32
 
@@ -114,8 +115,9 @@ class DeepSeek3Config:
     # -- presets -------------------------------------------------------------------------------
     @classmethod
     def deepseek_v3(cls, **overrides) -> DeepSeek3Config:
-        """deepseek-ai/DeepSeek-V3 (and -R1): 671B parameters without MTP, 37B active."""
-        return cls(**overrides)
+        """deepseek-ai/DeepSeek-V3 (and -R1): 671B parameters without MTP, 37B active.
+        Layers rematerialised (``remat_policy="full"``): at this size activations decide."""
+        return cls(**{"remat_policy": "full", **overrides})
 
     @classmethod
     def mini(cls, **overrides) -> DeepSeek3Config:
@@ -188,7 +190,7 @@ class DeepSeek3Config:
                               "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}, what=what)
         theta, scaling = hf.rope_from_hf(cfg, default_theta=10000.0, what=what)
         zoo_only = {"rope_theta", "rope_scaling", "dtype", "param_dtype",
-                    "attention_implementation", "capacity_factor", "remat_policy"}
+                    "attention_implementation", "capacity_factor", "remat_policy", "scan_layers"}
         names = {f.name for f in dataclasses.fields(cls)} - zoo_only
         kwargs = {k: cfg[k] for k in names if cfg.get(k) is not None}
         if "q_lora_rank" in cfg:  # None is meaningful here: a plain q_proj
@@ -222,7 +224,8 @@ class DeepSeek3DecoderLayer(DecoderLayer):
 
     attention_cls: ClassVar[type] = MLA
 
-    def uses_moe(self, config: DeepSeek3Config, layer_idx: int) -> bool:
+    @classmethod
+    def uses_moe(cls, config: DeepSeek3Config, layer_idx: int) -> bool:
         return layer_idx >= config.first_k_dense_replace
 
     def make_attention(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
@@ -258,44 +261,38 @@ class DeepSeek3(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeek3DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
 
-    def hf_key_map(self) -> list[hf.Tensor]:
-        rows = self.hf_common_keys()
-        cfg = self.config
-        for i, layer in enumerate(self.layers):
-            pre, at = f"model.layers.{i}", ("layers", i, "self_attn")
-            names = (["q_a_proj", "q_b_proj"] if cfg.q_lora_rank is not None else ["q_proj"])
-            names += ["kv_a_proj_with_mqa", "kv_b_proj"]
-            for name in names:
-                rows.append(hf.linear((*at, name, "kernel"), f"{pre}.self_attn.{name}.weight"))
-            rows.append(hf.linear((*at, "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
-                                  in_ndim=2))
-            norms = (["q_a_layernorm"] if cfg.q_lora_rank is not None else []) + ["kv_a_layernorm"]
-            for name in norms:
-                rows.append(hf.copy((*at, name, "scale"), f"{pre}.self_attn.{name}.weight"))
-            mlp = ("layers", i, "mlp")
-            dense = [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
-            if not layer.is_moe:
-                for zoo_name, hf_name in dense:
-                    rows.append(hf.linear((*mlp, zoo_name, "kernel"),
-                                          f"{pre}.mlp.{hf_name}.weight"))
-                continue
-            rows += [hf.linear((*mlp, "router"), f"{pre}.mlp.gate.weight"),
-                     hf.copy((*mlp, "e_score_correction_bias"),
-                             f"{pre}.mlp.gate.e_score_correction_bias")]
-            for zoo_name, hf_name in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"),
-                                      ("wo", "down_proj")):
-                rows.append(hf.stacked_linear(
-                    (*mlp, zoo_name),
-                    [f"{pre}.mlp.experts.{e}.{hf_name}.weight"
-                     for e in range(cfg.n_routed_experts)]))
-            if cfg.n_shared_experts:
-                for zoo_name, hf_name in dense:
-                    rows.append(hf.linear((*mlp, "shared_experts", zoo_name, "kernel"),
-                                          f"{pre}.mlp.shared_experts.{hf_name}.weight"))
+    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
+        cfg, pre = self.config, f"model.layers.{layer_idx}"
+        rows = []
+        names = (["q_a_proj", "q_b_proj"] if cfg.q_lora_rank is not None else ["q_proj"])
+        names += ["kv_a_proj_with_mqa", "kv_b_proj"]
+        for name in names:
+            rows.append(hf.linear(("self_attn", name, "kernel"), f"{pre}.self_attn.{name}.weight"))
+        rows.append(hf.linear(("self_attn", "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
+                              in_ndim=2))
+        norms = (["q_a_layernorm"] if cfg.q_lora_rank is not None else []) + ["kv_a_layernorm"]
+        for name in norms:
+            rows.append(hf.copy(("self_attn", name, "scale"), f"{pre}.self_attn.{name}.weight"))
+        dense = [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
+        if not is_moe:
+            return rows + [hf.linear(("mlp", zoo_name, "kernel"), f"{pre}.mlp.{hf_name}.weight")
+                           for zoo_name, hf_name in dense]
+        rows += [hf.linear(("mlp", "router"), f"{pre}.mlp.gate.weight"),
+                 hf.copy(("mlp", "e_score_correction_bias"),
+                         f"{pre}.mlp.gate.e_score_correction_bias")]
+        for zoo_name, hf_name in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"),
+                                  ("wo", "down_proj")):
+            rows.append(hf.stacked_linear(
+                ("mlp", zoo_name),
+                [f"{pre}.mlp.experts.{e}.{hf_name}.weight" for e in range(cfg.n_routed_experts)]))
+        if cfg.n_shared_experts:
+            rows += [hf.linear(("mlp", "shared_experts", zoo_name, "kernel"),
+                               f"{pre}.mlp.shared_experts.{hf_name}.weight")
+                     for zoo_name, hf_name in dense]
         return rows
 
 
-def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32,
+def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
             config_overrides: dict[str, Any] | None = None,
             model_cls: type[DeepSeek3] = DeepSeek3,
             decoder_layer_cls: type[DecoderLayer] | None = None) -> DeepSeek3:
@@ -305,13 +302,15 @@ def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32,
       path: the folder (Hub layout, bf16/fp32 or block-FP8; either rope spelling).
       partitioner: shards the parameters as they are read (None: one device).
       inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
-      dtype: parameter and computation dtype.
-      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}``.
+      dtype: computation dtype; param_dtype: storage dtype (None: float32).
+      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
+        ``{"scan_layers": False}`` (the unrolled layout).
       model_cls, decoder_layer_cls: load into a subclass (its extra parameters need key-map
-        rows: override ``hf_key_map``).
+        rows: extend ``hf_layer_keys`` or ``hf_key_map``).
     """
     return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
-                             dtype=dtype, config_overrides=config_overrides,
+                             dtype=dtype, param_dtype=param_dtype,
+                             config_overrides=config_overrides,
                              decoder_layer_cls=decoder_layer_cls)
 
 

@@ -10,6 +10,8 @@
 * `Tensor` -- one row of a family's key map: a zoo variable path, its Hugging Face key (or one
   key per expert, stacked on the leading axis) and the layout (``nn.Linear`` weights are
   ``[out, in]``; zoo kernels are ``[*in, *out]``).
+* `LayerStack` -- a scanned model's stacked ``[layers, ...]`` variable: one `Tensor` row per
+  layer (the unrolled model's row), read and written a layer at a time.
 * `load_into` -- fills an abstract model (`nnx.eval_shape`) variable by variable: each array is
   assembled with `jax.make_array_from_callback` straight into its sharding, every device
   receiving only its shard (a stacked expert tensor reads only the experts a shard holds), so
@@ -37,7 +39,7 @@ from jax.sharding import NamedSharding
 
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
-__all__ = ["CheckpointReader", "Tensor", "load_into", "read_config", "rope_from_hf",
+__all__ = ["CheckpointReader", "LayerStack", "Tensor", "load_into", "read_config", "rope_from_hf",
            "rope_to_hf", "save_checkpoint", "export_tensors"]
 
 CONFIG_NAME = "config.json"
@@ -286,6 +288,23 @@ def stacked_linear(path: Sequence[Any], keys: Sequence[str]) -> Tensor:
     return Tensor(tuple(path), tuple(keys), 1, stacked=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """A scanned model's stacked variable ``[layers, ...]``: slice ``i`` is ``rows[i]``, the
+    row the unrolled model has for that layer (itself possibly stacked per expert)."""
+
+    path: tuple[Any, ...]
+    rows: tuple[Tensor, ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(k for r in self.rows for k in r.keys)
+
+    def describe(self) -> str:
+        return (f"zoo {'.'.join(map(str, self.path))} <- {self.rows[0].keys[0]} .. "
+                f"{self.rows[-1].keys[-1]} ({len(self.rows)} layers)")
+
+
 def _flat_variables(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
     _, state = nnx.split(model)
     return list(nnx.to_flat_state(state))
@@ -296,7 +315,7 @@ def _sharding_of(var: nnx.Variable) -> NamedSharding | None:
     mesh, spec = meta.get("mesh"), meta.get("out_sharding")
     if mesh is None or spec is None or isinstance(mesh, jax.sharding.AbstractMesh):
         return None
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # scanned: a tuple
 
 
 def load_into(model: nnx.Module, table: Iterable[Tensor], reader: CheckpointReader, *,
@@ -339,10 +358,21 @@ def load_into(model: nnx.Module, table: Iterable[Tensor], reader: CheckpointRead
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _fetcher(row: Tensor, reader: CheckpointReader, shape: tuple[int, ...],
+def _fetcher(row: Tensor | LayerStack, reader: CheckpointReader, shape: tuple[int, ...],
              dtype) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """``index -> the part of the zoo array at index`` (numpy, target dtype)."""
     cache: dict[Any, np.ndarray] = {}
+    if isinstance(row, LayerStack):
+        if len(row.rows) != shape[0]:
+            raise ValueError(f"{row.describe()}: {len(row.rows)} layers for a stack of "
+                             f"{shape[0]}")
+        per_layer = [_fetcher(r, reader, shape[1:], dtype) for r in row.rows]
+
+        def fetch_layers(index):  # only the layers (and, inside, experts) this shard holds
+            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            layers = range(*index[0].indices(shape[0]))
+            return np.stack([per_layer[i](index[1:]) for i in layers])
+        return fetch_layers
     if row.stacked:
         if len(row.keys) != shape[0]:
             raise ValueError(f"{row.describe()}: {len(row.keys)} per-expert tensors for a "
@@ -381,12 +411,20 @@ def export_tensors(model: nnx.Module, table: Iterable[Tensor]) -> Iterable[tuple
     for row in table:
         if row.path not in values:
             raise ValueError(f"to_hf: the model has no variable {'.'.join(map(str, row.path))}")
-        z = _host(values[row.path].get_value())
-        if row.stacked:
-            for e, key in enumerate(row.keys):
-                yield key, row.to_hf(z[e])
+        value = values[row.path].get_value()
+        if isinstance(row, LayerStack):  # one layer at a time: never the whole stack on a host
+            for i, r in enumerate(row.rows):
+                yield from _export_row(r, _host(value[i]))
         else:
-            yield row.keys[0], row.to_hf(z)
+            yield from _export_row(row, _host(value))
+
+
+def _export_row(row: Tensor, z: np.ndarray) -> Iterable[tuple[str, np.ndarray]]:
+    if row.stacked:
+        for e, key in enumerate(row.keys):
+            yield key, row.to_hf(z[e])
+    else:
+        yield row.keys[0], row.to_hf(z)
 
 
 def save_checkpoint(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]],

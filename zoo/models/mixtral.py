@@ -59,6 +59,7 @@ class MixtralConfig:
     moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
     moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
     remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
+    scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
     dtype: Any = jnp.float32  # computation dtype
     param_dtype: Any = jnp.float32
 
@@ -80,15 +81,17 @@ class MixtralConfig:
     # -- presets -------------------------------------------------------------------------------
     @classmethod
     def mixtral_8x7b(cls, **overrides) -> MixtralConfig:
-        """mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active per token."""
-        return cls(**overrides)
+        """mistralai/Mixtral-8x7B-v0.1: 46.7B parameters, 12.9B active per token (layers
+        rematerialised: ``remat_policy="full"``)."""
+        return cls(**{"remat_policy": "full", **overrides})
 
     @classmethod
     def mixtral_8x22b(cls, **overrides) -> MixtralConfig:
         """mistralai/Mixtral-8x22B-v0.1: 140.6B parameters, 39B active per token."""
         return cls(**{**dict(vocab_size=32768, hidden_size=6144, intermediate_size=16384,
                              num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
-                             max_position_embeddings=65536, router_aux_loss_coef=0.001),
+                             max_position_embeddings=65536, router_aux_loss_coef=0.001,
+                             remat_policy="full"),
                       **overrides})
 
     @classmethod
@@ -143,7 +146,7 @@ class MixtralConfig:
             raise ValueError(f"{what}: Mixtral with rope scaling {scaling} is not supported")
         names = {f.name for f in dataclasses.fields(cls)} - {
             "rope_theta", "dtype", "param_dtype", "attention_implementation", "capacity_factor",
-            "remat_policy"}
+            "remat_policy", "scan_layers"}
         if "num_local_experts" not in cfg and "num_experts" in cfg:
             cfg = {**cfg, "num_local_experts": cfg["num_experts"]}
         kwargs = {k: cfg[k] for k in names if cfg.get(k) is not None}
@@ -201,24 +204,21 @@ class Mixtral(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = MixtralDecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
 
-    def hf_key_map(self) -> list[hf.Tensor]:
-        rows = self.hf_common_keys()
-        E = self.config.num_local_experts
-        for i in range(len(self.layers)):
-            pre, at = f"model.layers.{i}", ("layers", i, "self_attn")
-            for name in ("q_proj", "k_proj", "v_proj"):
-                rows.append(hf.linear((*at, name, "kernel"), f"{pre}.self_attn.{name}.weight"))
-            rows.append(hf.linear((*at, "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
-                                  in_ndim=2))
-            moe, hf_moe = ("layers", i, "mlp"), f"{pre}.block_sparse_moe"
-            rows.append(hf.linear((*moe, "router"), f"{hf_moe}.gate.weight"))
-            for zoo_name, hf_name in (("wi_gate", "w1"), ("wi_up", "w3"), ("wo", "w2")):
-                rows.append(hf.stacked_linear(
-                    (*moe, zoo_name), [f"{hf_moe}.experts.{e}.{hf_name}.weight" for e in range(E)]))
+    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
+        pre, E = f"model.layers.{layer_idx}", self.config.num_local_experts
+        rows = [hf.linear(("self_attn", name, "kernel"), f"{pre}.self_attn.{name}.weight")
+                for name in ("q_proj", "k_proj", "v_proj")]
+        rows.append(hf.linear(("self_attn", "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
+                              in_ndim=2))
+        hf_moe = f"{pre}.block_sparse_moe"
+        rows.append(hf.linear(("mlp", "router"), f"{hf_moe}.gate.weight"))
+        for zoo_name, hf_name in (("wi_gate", "w1"), ("wi_up", "w3"), ("wo", "w2")):
+            rows.append(hf.stacked_linear(
+                ("mlp", zoo_name), [f"{hf_moe}.experts.{e}.{hf_name}.weight" for e in range(E)]))
         return rows
 
 
-def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32,
+def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
             config_overrides: dict[str, Any] | None = None, model_cls: type[Mixtral] = Mixtral,
             decoder_layer_cls: type[DecoderLayer] | None = None) -> Mixtral:
     """Load a local Mixtral checkpoint folder (``config.json`` + ``*.safetensors``).
@@ -227,13 +227,15 @@ def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32,
       path: the folder (Hub layout; either rope spelling in config.json).
       partitioner: shards the parameters as they are read (None: one device).
       inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
-      dtype: parameter and computation dtype.
-      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}``.
+      dtype: computation dtype; param_dtype: storage dtype (None: float32).
+      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
+        ``{"scan_layers": False}`` (the unrolled layout).
       model_cls, decoder_layer_cls: load into a subclass (its extra parameters need key-map
-        rows: override ``hf_key_map``).
+        rows: extend ``hf_layer_keys`` or ``hf_key_map``).
     """
     return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
-                             dtype=dtype, config_overrides=config_overrides,
+                             dtype=dtype, param_dtype=param_dtype,
+                             config_overrides=config_overrides,
                              decoder_layer_cls=decoder_layer_cls)
 
 

@@ -5,17 +5,20 @@
 * `zoo.train.checkpoint` -- `Checkpointer` (Orbax, corrupt-checkpoint fallback).
 * `zoo.train.loop` -- `train` (progress bar, metrics.jsonl, run.json, loss.png, signals, NaN
   guard), `read_metrics`, `plot_loss`.
+* `zoo.train.rehearse` -- `rehearse` / `Rehearsal`: the train step compiled ahead of time for
+  a (virtual) mesh at full size; per-device memory, HLO FLOPs, collective bytes.
 * `zoo.train.cli` -- flags, devices/mesh/multi-process setup and the recipes' `main`.
 """
 
 from zoo.train.checkpoint import Checkpointer
 from zoo.train.loop import (IncompatibleCheckpoint, Summary, TrainingDiverged, plot_loss,
                             read_metrics, train)
+from zoo.train.rehearse import Rehearsal, rehearse
 from zoo.train.step import (abstract_state, create_sharded, loss_fn, lr_schedule,
                             make_global_batch, make_train_step, make_tx)
 
 # `zoo.train.cli` is imported by the recipes themselves (it is not needed to train from code).
 
-__all__ = ["Checkpointer", "IncompatibleCheckpoint", "Summary", "TrainingDiverged",
+__all__ = ["Checkpointer", "IncompatibleCheckpoint", "Rehearsal", "Summary", "TrainingDiverged",
            "abstract_state", "create_sharded", "loss_fn", "lr_schedule", "make_global_batch",
-           "make_train_step", "make_tx", "plot_loss", "read_metrics", "train"]
+           "make_train_step", "make_tx", "plot_loss", "read_metrics", "rehearse", "train"]

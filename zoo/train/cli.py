@@ -105,7 +105,13 @@ def make_parser(recipe: Recipe) -> argparse.ArgumentParser:
     a("--run-dir", default=None, help=f"default runs/{recipe.name}")
     a("--checkpoint-every", type=int, default=recipe.checkpoint_every,
       help="steps between checkpoints (one is also saved at the end and on SIGTERM/SIGINT)")
-    a("--dtype", default=None, help="computation dtype, e.g. bfloat16 (parameters stay float32)")
+    a("--dtype", default=None, help="computation dtype (default: bfloat16 on GPU/TPU and with "
+      "--rehearse, the config's on CPU)")
+    a("--param-dtype", default=None, help="parameter dtype (default: the config's, float32)")
+    a("--remat", default=None, help="remat policy: none, full, dots_saveable, save_layer_outputs,"
+      " offload_layer_outputs (default: the config's)")
+    a("--rehearse", action="store_true", help="compile the train step for --devices virtual "
+      "devices and print per-device memory, FLOPs and collectives instead of training")
     a("--from-hf", default=None, metavar="PATH",
       help="start from a Hugging Face checkpoint folder instead of random weights")
     a("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
@@ -338,12 +344,18 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
         changes: dict[str, Any] = {}
         if args.attention:
             changes["attention_implementation"] = args.attention
-        if args.dtype:
+        # accelerators (and their rehearsal) compute in bf16 over fp32 parameters by default
+        dtype_flags = {"dtype": args.dtype or ("bfloat16" if backend != "cpu" or args.rehearse
+                                               else None), "param_dtype": args.param_dtype}
+        for field, text in dtype_flags.items():
             try:
-                changes["dtype"] = jax.numpy.dtype(args.dtype).type
+                if text:
+                    changes[field] = jax.numpy.dtype(text).type
             except TypeError:
-                raise ValueError(f"--dtype {args.dtype}: not a dtype (e.g. float32, "
-                                 f"bfloat16)") from None
+                raise ValueError(f"--{field.replace('_', '-')} {text}: not a dtype (e.g. "
+                                 f"float32, bfloat16)") from None
+        if args.remat:
+            changes["remat_policy"] = None if args.remat == "none" else args.remat
         if tokenizer.vocab_size > config.vocab_size and "vocab_size" not in set_fields:
             changes["vocab_size"] = -(-tokenizer.vocab_size // 128) * 128
         elif tokenizer.vocab_size > config.vocab_size:
@@ -355,11 +367,8 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
             from zoo.models import hf
             raw = hf.read_config(args.from_hf, recipe.model_cls.hf_model_types,
                                  loader=recipe.name)
-            # from_hf builds with one dtype for parameters and computation
-            dtype = changes.pop("dtype", None) or jax.numpy.float32
             overrides = {k: getattr(config, k) for k in set_fields} | changes
-            config = recipe.model_cls.config_cls.from_hf_config(
-                raw, **overrides | dict(dtype=dtype, param_dtype=dtype))
+            config = recipe.model_cls.config_cls.from_hf_config(raw, **overrides)
         elif changes:
             config = dataclasses.replace(config, **changes)
         schedule = step_lib.lr_schedule(args.lr, args.steps, warmup=args.warmup)
@@ -394,7 +403,8 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None) -> Setup:
             fields = {k: v for k, v in config_to_python(config).items()
                       if k not in ("dtype", "param_dtype")}
             model = recipe.from_hf(args.from_hf, partitioner=partitioner, inputs_shape=(B, L),
-                                   dtype=config.param_dtype, config_overrides=fields)
+                                   dtype=config.dtype, param_dtype=config.param_dtype,
+                                   config_overrides=fields)
             return model, jax.jit(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param))(model)
 
     cp = partitioner.context_size("attention")
@@ -430,6 +440,17 @@ def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
     s = setup(recipe, argv)
     import jax
 
+    if s.args.rehearse:
+        from zoo.train.rehearse import rehearse_step
+        train = s.run_config["train"]
+        print(rehearse_step(make_model=s.make_model, tx=s.tx, partitioner=s.partitioner,
+                            batch_size=s.args.batch_size, seq_len=s.args.seq_len,
+                            aux_loss_weight=train["aux_loss_weight"],
+                            expert_bias_rate=train["expert_bias_rate"],
+                            flops_per_token=s.flops_per_token, label=recipe.name,
+                            mesh_text=s.mesh_text, remat=s.config.remat_policy,
+                            dtype=s.config.dtype, param_dtype=s.config.param_dtype))
+        return 0
     from zoo.train import loop
 
     args = s.args

@@ -1,0 +1,95 @@
+"""Scale rehearsal table: the recipes' train step compiled for a virtual mesh at full size.
+
+    python benchmarks/scale.py --model deepseek_v3 --devices 256 --mesh fsdp=4,expert=64 \\
+        --strategy fsdp --batch-size 256 --seq-len 4096 --dtype bfloat16 --remat full
+
+Nothing is allocated (abstract state, `jax.ShapeDtypeStruct` batch); XLA compiles the
+program for ``--devices`` virtual CPU devices and reports per-device memory. Columns: per-
+device parameter / optimizer / temporary GiB and arguments + temporaries + outputs ("peak"),
+compile seconds, HLO instructions, HLO FLOPs / model FLOPs (dots counted with loop bodies x
+trip counts against ``flops_per_token``), collective GB per device per step by kind.
+
+``--set FIELD=VALUE`` overrides config fields (e.g. ``--set num_hidden_layers=4``,
+``--set first_k_dense_replace=61`` for DeepSeek-V3's dense part alone). ``--json`` adds one
+JSON line per row (for scripts). Several ``--set`` groups: run the script once per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", default="deepseek_v3",
+      help="deepseek_v3, mixtral_8x7b, mixtral_8x22b, deepseek3_mini, mixtral_mini")
+    a("--devices", type=int, default=256, help="virtual CPU devices")
+    a("--mesh", default=None, help="e.g. fsdp=4,expert=64 (default fsdp=<devices>)")
+    a("--strategy", default="fsdp", choices=("fsdp", "cp", "ep_as_cp"))
+    a("--batch-size", type=int, default=256, help="global rows")
+    a("--seq-len", type=int, default=4096)
+    a("--dtype", default="bfloat16", help="compute dtype")
+    a("--param-dtype", default="float32")
+    a("--remat", default="full", help="remat policy (none, full, dots_saveable, "
+      "save_layer_outputs, ...)")
+    a("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides")
+    a("--json", action="store_true", help="also print the row as one JSON line")
+    return p.parse_args(argv)
+
+
+def _value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+COLUMNS = ("model", "devices", "mesh", "strategy", "batch x seq", "dtype", "remat", "params GiB",
+           "opt GiB", "temp GiB", "peak GiB", "compile s", "HLO ops", "HLO/model FLOPs",
+           "all-gather GB", "reduce-scatter GB", "all-reduce GB", "all-to-all GB",
+           "collective-permute GB")
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) >= 0.01 or v == 0 else f"{v:.3g}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from zoo.train.rehearse import rehearse, set_virtual_devices
+    set_virtual_devices(args.devices)  # before anything starts jax's backend
+
+    overrides = {}
+    for item in args.overrides:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: write FIELD=VALUE")
+        overrides[name.strip()] = _value(text.strip())
+    remat = None if args.remat in ("none", "None") else args.remat
+    r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy, batch_size=args.batch_size,
+                 seq_len=args.seq_len, dtype=args.dtype, param_dtype=args.param_dtype,
+                 remat=remat, overrides=overrides)
+    row = r.row()
+    if overrides:
+        row["model"] += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
+    print(r, file=sys.stderr)
+    print(markdown([row]))
+    if args.json:
+        print(json.dumps({**row, "dots_by_dtype": r.dots_by_dtype,
+                          "fp32_dots": r.fp32_dots()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,483 @@
+"""Scale rehearsal: the recipes' train step compiled ahead of time for a (virtual) mesh.
+
+Nothing is allocated: model and optimizer come from `zoo.train.step.abstract_state`
+(`nnx.eval_shape`, shardings attached), the batch is `jax.ShapeDtypeStruct`s on the recipes'
+batch sharding, and the step is `make_train_step(donate=True)` -- the program an accelerator
+run compiles, lowered and compiled here for as many virtual CPU devices as the mesh needs
+(`set_virtual_devices`, before jax starts its backend).
+
+* `rehearse(model, ...)` -- a preset name (``"deepseek_v3"``, ``"mixtral_8x7b"``, ...) or a
+  config, a mesh, strategy, batch, sequence length, dtypes, remat policy and config overrides
+  -> a `Rehearsal`; `rehearse_step` does the same from a recipe's pieces (``--rehearse``).
+* `Rehearsal` -- compile seconds, HLO instruction count, per-device bytes (parameters and
+  optimizer state from the shardings; temporaries, arguments and outputs from XLA's memory
+  analysis), HLO FLOPs per device against the model's own training FLOPs, bytes per
+  collective kind, and dot ops by operand dtype.
+* `hlo_stats(text)` -- the HLO counter: dots and convolutions (FLOPs), collectives (bytes) and
+  instructions of an HLO module's text, with every ``while`` body multiplied by its
+  ``known_trip_count`` (XLA's own cost analysis counts a loop body once).
+
+Dot dtypes are read from the program as lowered (before XLA's optimisation): XLA:CPU upcasts
+bf16 dots to f32 when it compiles, so the compiled CPU program would hide what a GPU/TPU runs.
+Collective bytes are buffer sizes per device: the gathered result of an all-gather, the input
+of a reduce-scatter, all-reduce, all-to-all or collective-permute.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
+           "set_virtual_devices", "PRESETS"]
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_OPCODE_KIND = {"all-gather": "all-gather", "all-gather-start": "all-gather",
+                "reduce-scatter": "reduce-scatter", "all-reduce": "all-reduce",
+                "all-reduce-start": "all-reduce", "all-to-all": "all-to-all",
+                "ragged-all-to-all": "all-to-all", "collective-permute": "collective-permute",
+                "collective-permute-start": "collective-permute"}
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+          "c128": 16}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+# -- HLO text ----------------------------------------------------------------------------------
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of every array in an HLO type (a tuple type gives several)."""
+    return [(d, tuple(int(n) for n in dims.split(",") if n))
+            for d, dims in _ARRAY.findall(type_text)]
+
+
+def _nbytes(type_text: str) -> float:
+    return sum(math.prod(dims) * _BYTES.get(d, 1 if d.startswith("f8") else 4)
+               for d, dims in _arrays(type_text))
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO line {text[:120]!r}")
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        end = _matching(rest, 0) + 1
+        type_text, rest = rest[:end], rest[end:]
+    else:
+        type_text, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close = _matching(rest, open_at)
+    operands = [o.split()[-1].lstrip("%") for o in _split_top(rest[open_at + 1:close])]
+    return _Instr(m.group(1), type_text, op.group(1), operands, rest[close + 1:])
+
+
+def _parse_module(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
+    """``(instructions per computation, name -> type per computation, entry name)``."""
+    comps: dict[str, list[_Instr]] = {}
+    types: dict[str, dict[str, str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if current is None:
+            m = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{$", stripped)
+            if m and " = " not in stripped:  # a computation header (lowered HLO: no signature)
+                current = m.group(2)
+                entry = current if m.group(1) else entry
+                comps[current], types[current] = [], {}
+                sig = m.group(3) or "()"
+                for p in _split_top(sig[1:_matching(sig, 0)]):
+                    name, _, t = p.partition(":")
+                    types[current][name.strip().lstrip("%")] = t.strip()
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        ins = _parse_instr(line)
+        if ins is not None:
+            comps[current].append(ins)
+            types[current][ins.name] = ins.type
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, types, entry
+
+
+def _dot_flops(ins: _Instr, types: dict[str, str]) -> float:
+    out = _arrays(ins.type)
+    lhs = _arrays(types.get(ins.operands[0], ""))
+    if not out or not lhs:
+        return 0.0
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+        return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
+    rhs = _arrays(types.get(ins.operands[1], ""))  # convolution: out x (kernel / out features)
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    if not rhs or not labels or "o" not in labels.group(1):
+        return 0.0
+    kernel = rhs[0][1]
+    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / kernel[labels.group(1).index("o")]
+
+
+@dataclasses.dataclass
+class HloStats:
+    """Counts of one HLO module; loop bodies multiplied by their trip counts."""
+
+    instructions: int = 0            # static: instructions in the text, each counted once
+    flops: float = 0.0               # dots + convolutions
+    collective_bytes: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
+    collective_counts: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+    dots_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # operand dtype
+    dot_names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # dtype -> op_name
+    unknown_trip_counts: int = 0     # while loops without known_trip_count (counted once)
+
+
+def hlo_stats(text: str) -> HloStats:
+    """Parse an HLO module's text (``compiled.as_text()`` or a lowered module's HLO)."""
+    comps, types, entry = _parse_module(text)
+    stats = HloStats(instructions=sum(len(v) for v in comps.values()))
+
+    @functools.cache
+    def totals(comp: str) -> tuple:
+        flops, coll, counts = 0.0, collections.Counter(), collections.Counter()
+        dots: collections.Counter = collections.Counter()
+        names: dict[str, set] = collections.defaultdict(set)
+        unknown = 0
+        for ins in comps.get(comp, ()):
+            if ins.opcode in ("dot", "convolution"):
+                flops += _dot_flops(ins, types[comp])
+                lhs = _arrays(types[comp].get(ins.operands[0], ""))
+                dtype = lhs[0][0] if lhs else "?"
+                dots[dtype] += 1
+                op = _OP_NAME.search(ins.attrs)
+                names[dtype].add(op.group(1) if op else ins.name)
+            kind = _OPCODE_KIND.get(ins.opcode)
+            if kind == "all-gather":
+                coll[kind] += max((_nbytes(f"{d}[{','.join(map(str, s))}]")
+                                   for d, s in _arrays(ins.type)), default=0)
+            elif kind:
+                coll[kind] += sum(_nbytes(types[comp].get(o, "")) for o in ins.operands)
+            if kind:
+                counts[kind] += 1
+            callees = [(name, 1) for _, name in _CALLS.findall(ins.attrs)]
+            for group in _BRANCHES.findall(ins.attrs):
+                callees += [(b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip()]
+            if ins.opcode == "while":
+                trip = _TRIP.search(ins.attrs)
+                unknown += trip is None
+                n = int(trip.group(1)) if trip else 1
+                callees = [(name, n) for name, _ in callees]
+            for callee, n in callees:
+                f, c, k, d, nm, u = totals(callee)
+                flops += n * f
+                unknown += u
+                for key, v in c.items():
+                    coll[key] += n * v
+                for key, v in k.items():
+                    counts[key] += n * v
+                for key, v in d.items():
+                    dots[key] += n * v
+                for key, v in nm.items():
+                    names[key] |= v
+        return flops, coll, counts, dots, names, unknown
+
+    flops, coll, counts, dots, names, unknown = totals(entry)
+    stats.flops = flops
+    stats.collective_bytes.update(coll)
+    stats.collective_counts.update(counts)
+    stats.dots_by_dtype = dict(sorted(dots.items()))
+    stats.dot_names = {k: sorted(v) for k, v in sorted(names.items())}
+    stats.unknown_trip_counts = unknown
+    return stats
+
+
+# -- virtual devices -------------------------------------------------------------------------------
+
+def set_virtual_devices(n: int) -> None:
+    """Give the CPU backend `n` devices (`jax_num_cpu_devices`). Must run before jax starts its
+    backend (importing jax is fine); afterwards only the same count is accepted."""
+    import jax
+    from jax._src import xla_bridge
+    if n < 1:
+        raise ValueError(f"devices={n} must be >= 1")
+    if xla_bridge.backends_are_initialized():
+        if jax.device_count() != n:
+            raise ValueError(
+                f"devices={n}: jax already started with {jax.device_count()} devices; call "
+                f"zoo.train.rehearse.set_virtual_devices({n}) (or pass --devices {n}) before "
+                f"anything touches a device, e.g. first thing in the script")
+        return
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+# -- the rehearsal -----------------------------------------------------------------------------
+
+GiB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehearsal:
+    """What compiling one train step for a mesh tells: all byte figures are per device."""
+
+    label: str
+    devices: int
+    mesh: str
+    strategy: str
+    batch_size: int
+    seq_len: int
+    dtype: str
+    param_dtype: str
+    remat: str | None
+    compile_s: float
+    hlo_instructions: int
+    param_bytes: int               # from the parameters' shardings
+    optimizer_bytes: int           # from the optimizer state's shardings
+    argument_bytes: int            # XLA memory analysis (params + optimizer + batch)
+    output_bytes: int
+    alias_bytes: int               # outputs that reuse donated arguments
+    temp_bytes: int                # XLA memory analysis: everything live inside the step
+    hlo_flops: float               # per device, dots + convolutions, loops x trip counts
+    model_flops: float             # per device: flops_per_token(seq_len) * tokens / devices
+    xla_flops: float               # XLA's cost analysis (a while body counted once)
+    collective_bytes: dict[str, float]
+    dots_by_dtype: dict[str, int]  # dot ops of the lowered program by operand dtype
+    dot_names: dict[str, list[str]]  # dtype -> the dots' op names (named scopes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + temporaries + outputs not aliased to a donated argument."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.hlo_flops / self.model_flops if self.model_flops else float("nan")
+
+    def fp32_dots(self, allowed: tuple[str, ...] = ("router", "loss")) -> list[str]:
+        """Op names of f32 dots outside the scopes where fp32 is intended (router, loss)."""
+        return [n for n in self.dot_names.get("f32", []) if not any(a in n for a in allowed)]
+
+    def row(self) -> dict[str, Any]:
+        """The README table's columns."""
+        out = {"model": self.label, "devices": self.devices, "mesh": self.mesh,
+               "strategy": self.strategy, "batch x seq": f"{self.batch_size} x {self.seq_len}",
+               "dtype": f"{self.param_dtype}/{self.dtype}", "remat": self.remat or "none",
+               "params GiB": self.param_bytes / GiB, "opt GiB": self.optimizer_bytes / GiB,
+               "temp GiB": self.temp_bytes / GiB, "peak GiB": self.peak_bytes / GiB,
+               "compile s": self.compile_s, "HLO ops": self.hlo_instructions,
+               "HLO/model FLOPs": self.flops_ratio}
+        out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"rehearsal: {self.label} on {self.devices} devices, mesh {self.mesh}, "
+                 f"strategy {self.strategy}, batch {self.batch_size} x {self.seq_len}, "
+                 f"params {self.param_dtype}, compute {self.dtype}, remat {self.remat}"]
+        lines.append(f"  compile {self.compile_s:.1f} s, {self.hlo_instructions:,} HLO "
+                     f"instructions")
+        lines.append(f"  per device: parameters {self.param_bytes / GiB:.2f} GiB, optimizer "
+                     f"{self.optimizer_bytes / GiB:.2f} GiB, temporaries "
+                     f"{self.temp_bytes / GiB:.2f} GiB; arguments + temporaries + outputs "
+                     f"{self.peak_bytes / GiB:.2f} GiB")
+        lines.append(f"  FLOPs per device per step: HLO {self.hlo_flops:.4g}, model "
+                     f"{self.model_flops:.4g} (ratio {self.flops_ratio:.3f}); XLA cost "
+                     f"analysis {self.xla_flops:.4g}")
+        lines.append("  collectives per device per step: " + ", ".join(
+            f"{k} {v / 1e9:.2f} GB" for k, v in self.collective_bytes.items()))
+        lines.append("  dots by operand dtype: " + ", ".join(
+            f"{k} {v}" for k, v in self.dots_by_dtype.items()))
+        return "\n".join(lines)
+
+
+def _sharded_bytes(tree) -> int:
+    import jax
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = tuple(getattr(x, "shape", ()))
+        sharding = getattr(x, "sharding", None)
+        local = sharding.shard_shape(shape) if sharding is not None else shape
+        total += math.prod(local) * x.dtype.itemsize
+    return int(total)
+
+
+def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
+                  batch_size: int, seq_len: int, aux_loss_weight: float = 0.0,
+                  expert_bias_rate: float = 0.0, flops_per_token: float | None = None,
+                  label: str = "model", mesh_text: str = "", remat: str | None = None,
+                  dtype: Any = None, param_dtype: Any = None) -> Rehearsal:
+    """Compile the recipes' train step (`make_train_step`, donated) for `partitioner`'s mesh
+    from abstract state and measure it; see the module docstring."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from zoo.train import step as step_lib
+
+    mesh = partitioner.mesh
+    train_step = step_lib.make_train_step(aux_loss_weight=aux_loss_weight,
+                                          expert_bias_rate=expert_bias_rate, donate=True)
+    model, optimizer = step_lib.abstract_state(make_model, tx, mesh)
+    sharding = partitioner.sharding(("batch", "length"))
+    dtypes = dict(inputs=jnp.int32, targets=jnp.int32, positions=jnp.int32,
+                  segment_ids=jnp.int32, loss_weights=jnp.float32)
+    batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtypes[k], sharding=sharding)
+             for k in step_lib.BATCH_KEYS}
+    lr = jax.ShapeDtypeStruct((), jnp.float32)
+    start = time.perf_counter()
+    lowered = train_step.lower(model, optimizer, batch, lr)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    stats = hlo_stats(compiled.as_text())
+    lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    n = mesh.devices.size
+    return Rehearsal(
+        label=label, devices=int(n), mesh=mesh_text, strategy=partitioner.strategy,
+        batch_size=batch_size, seq_len=seq_len,
+        dtype=np.dtype(dtype).name if dtype is not None else "?",
+        param_dtype=np.dtype(param_dtype).name if param_dtype is not None else "?",
+        remat=remat, compile_s=compile_s, hlo_instructions=stats.instructions,
+        param_bytes=_sharded_bytes(nnx.state(model)),
+        optimizer_bytes=_sharded_bytes(nnx.state(optimizer)),
+        argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+        hlo_flops=stats.flops,
+        model_flops=(flops_per_token or 0.0) * batch_size * seq_len / n,
+        xla_flops=float((cost or {}).get("flops", 0.0)),
+        collective_bytes=stats.collective_bytes, dots_by_dtype=lowered_stats.dots_by_dtype,
+        dot_names=lowered_stats.dot_names)
+
+
+def _presets() -> dict[str, tuple[type, Callable[..., Any]]]:
+    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+    from zoo.models.mixtral import Mixtral, MixtralConfig
+    return {"deepseek_v3": (DeepSeek3, DeepSeek3Config.deepseek_v3),
+            "deepseek3_mini": (DeepSeek3, DeepSeek3Config.mini),
+            "mixtral_8x7b": (Mixtral, MixtralConfig.mixtral_8x7b),
+            "mixtral_8x22b": (Mixtral, MixtralConfig.mixtral_8x22b),
+            "mixtral_mini": (Mixtral, MixtralConfig.mini)}
+
+
+PRESETS = ("deepseek_v3", "deepseek3_mini", "mixtral_8x7b", "mixtral_8x22b", "mixtral_mini")
+_KEEP = object()
+
+
+def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
+             strategy: str = "fsdp", batch_size: int, seq_len: int, dtype: Any = "bfloat16",
+             param_dtype: Any = "float32", remat: Any = _KEEP,
+             overrides: Mapping[str, Any] | None = None, aux_loss_weight: float | None = None,
+             expert_bias_rate: float = 1e-3) -> Rehearsal:
+    """Rehearse a preset (one of `PRESETS`) or a model config at scale; see the module docstring.
+
+    Args:
+      model: a preset name or a `DeepSeek3Config` / `MixtralConfig`.
+      mesh: ``"fsdp=4,expert=64"`` or a dict of axis sizes (default: fsdp over every device);
+        the product must equal the device count (`set_virtual_devices` first).
+      strategy: ``"fsdp"``, ``"cp"`` or ``"ep_as_cp"``.
+      batch_size, seq_len: the global batch.
+      dtype, param_dtype: compute and parameter dtypes.
+      remat: a `remat_policy` name or None (default: the config's).
+      overrides: other config fields, e.g. ``{"num_hidden_layers": 4}``.
+      aux_loss_weight: default the config's (``aux_loss_alpha`` / ``router_aux_loss_coef``).
+      expert_bias_rate: DeepSeek-V3's bias update (ignored by models without one).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+    from zoo.models.mixtral import Mixtral
+    from zoo.partitioning import MeshShape, Partitioner
+    from zoo.train import step as step_lib
+
+    if isinstance(model, str):
+        presets = _presets()
+        if model not in presets:
+            raise ValueError(f"unknown preset {model!r}; valid presets are {', '.join(PRESETS)} "
+                             f"(or pass a config)")
+        label, (model_cls, make_config) = model, presets[model]
+        config = make_config()
+    else:
+        config, label = model, type(model).__name__
+        model_cls = DeepSeek3 if isinstance(config, DeepSeek3Config) else Mixtral
+    changes = dict(overrides or {})
+    changes.update(dtype=jnp.dtype(dtype).type, param_dtype=jnp.dtype(param_dtype).type)
+    if remat is not _KEEP:
+        changes["remat_policy"] = remat
+    config = dataclasses.replace(config, **changes)
+    n = jax.device_count()
+    if mesh is None:
+        mesh = {"fsdp": n}
+    mesh_text = mesh if isinstance(mesh, str) else ",".join(f"{k}={v}" for k, v in mesh.items())
+    shape = MeshShape.parse(mesh_text)
+    partitioner = Partitioner(shape.make(), strategy)
+    if aux_loss_weight is None:
+        aux_loss_weight = getattr(config, "aux_loss_alpha",
+                                  getattr(config, "router_aux_loss_coef", 0.0))
+    has_bias = isinstance(config, DeepSeek3Config) and config.num_moe_layers > 0
+
+    def make_model():
+        return model_cls(config, inputs_shape=(batch_size, seq_len), partitioner=partitioner,
+                         rngs=nnx.Rngs(0))
+
+    return rehearse_step(make_model=make_model, tx=step_lib.make_tx(), partitioner=partitioner,
+                         batch_size=batch_size, seq_len=seq_len, aux_loss_weight=aux_loss_weight,
+                         expert_bias_rate=expert_bias_rate if has_bias else 0.0,
+                         flops_per_token=config.flops_per_token(seq_len), label=label,
+                         mesh_text=mesh_text, remat=config.remat_policy, dtype=config.dtype,
+                         param_dtype=config.param_dtype)
