@@ -187,8 +187,9 @@ class MixtralDecoderLayer(DecoderLayer):
         return self.moe_cls(
             num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
             mlp_dim=config.intermediate_size, inputs_shape=inputs_shape, partitioner=partitioner,
-            scoring="softmax", capacity_factor=config.capacity_factor, dispatch=config.moe_dispatch,
-            grouped_matmul=config.moe_grouped_matmul, buffer_factor=config.moe_buffer_factor,
+            scoring="softmax", capacity_factor=config.capacity_factor,
+            dispatch=config.moe_dispatch, grouped_matmul=config.moe_grouped_matmul,
+            buffer_factor=config.moe_buffer_factor,
             dtype=config.dtype,
             param_dtype=config.param_dtype, rngs=rngs)
 
