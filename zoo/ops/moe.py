@@ -22,8 +22,7 @@ dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exc
   holding its expert (`jax.lax.ragged_all_to_all` on GPU/TPU, a padded `jax.lax.all_to_all`
   on CPU, chosen at lowering), into ``capacity`` rows per peer (`a2a_capacity`: dropless by
   default, or ``buffer_factor`` times the balanced share, overflow counted); results come
-  back the same way. Sends and expert math run in the compute dtype; the k-way combine
-  accumulates in float32.
+  back the same way. Sends, expert math and the k-way combine run in the compute dtype.
 * `capacity_experts` -- fixed capacity per expert (``[E, C, D]`` buffers, batched matmul);
   copies beyond the capacity are dropped, first choices before second choices.
 * `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
@@ -186,7 +185,8 @@ def _blocked_bwd(res, dy):
             e = experts[n]
             dw, acc = jax.lax.cond(e != cur, lambda: (flush(dw, acc, cur), jnp.zeros_like(acc)),
                                    lambda: (dw, acc))
-            return dw, acc + x[n].T.astype(jnp.float32) @ dy[n].astype(jnp.float32), e
+            g = jnp.dot(x[n].T, dy[n], preferred_element_type=jnp.float32)  # bf16 in, f32 sum
+            return dw, acc + g, e
         return jax.lax.cond(active[n], add, lambda c: c, carry)
     init = (vary(jnp.zeros(w.shape, w.dtype)), vary(jnp.zeros(w.shape[1:], jnp.float32)),
             vary(experts[0]))
@@ -307,10 +307,11 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
 
 # -- dispatch ----------------------------------------------------------------------------------
 def _combine(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
-    """``out [k, T, D]`` (copy ``j*T + t``) weighted by ``weights [T, k]`` and summed over k;
-    products in the compute dtype, the sum accumulated in float32."""
-    return jnp.einsum("ktd,tk->td", out_copies, weights.astype(out_copies.dtype),
-                      preferred_element_type=jnp.float32)
+    """``out [k, T, D]`` (copy ``j*T + t``) weighted by ``weights [T, k]`` and summed over k,
+    as one dot in the compute dtype (so its transpose is one too; GPU/TPU matmul units
+    accumulate it in float32), returned as float32."""
+    return jnp.einsum("ktd,tk->td", out_copies,
+                      weights.astype(out_copies.dtype)).astype(jnp.float32)
 
 
 def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,
