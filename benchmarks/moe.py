@@ -1,25 +1,31 @@
-"""MoE forward+backward throughput: dispatch strategies and expert parallelism.
+"""MoE forward+backward throughput by dispatch and expert parallelism, and collective bytes.
 
 Runs `zoo.layers.moe.MoE` (and subclasses that swap one method) on the 8 virtual CPU devices
 of this process (or whatever devices JAX sees) and prints a markdown table of tokens/s, with
-ratios against the dropless ragged_dot layer at EP=1 for the same number of experts.
+ratios against the first variant at the smallest EP for the same number of experts.
 
-* ``ragged``  -- sort copies by expert, `jax.lax.ragged_dot` (dropless; the GPU/TPU default).
-* ``blocked`` -- the same with the blocked grouped matmul (dropless; the layer's CPU default).
+* ``ragged``  -- all_gather dispatch, `jax.lax.ragged_dot` (on XLA:CPU a dense masked matmul).
+* ``blocked`` -- all_gather dispatch, the blocked grouped matmul (the CPU default).
 * ``dense``   -- one-hot combine matrix ``[T, E]``; every local expert on every token.
 * ``loop``    -- a Python loop over local experts, each on every token, masked.
-* ``a2a``     -- dropless all-to-all dispatch (worst-case buffers, blocked grouped matmul)
-                 instead of the layer's all-gather / reduce-scatter over ``expert`` (EP > 1);
-                 compare it with ``blocked`` at the same EP.
+* ``a2a``     -- all_to_all dispatch (on CPU the padded transport), dropless buffers.
+* ``a2a_f2``  -- all_to_all with ``buffer_factor=2`` (drops what overflows twice the
+                 balanced share).
 
 Every configuration is compiled first, then timed in interleaved rounds (best round kept), so
 other load on the machine shifts all variants alike.
 
 Mesh: ``expert=EP, fsdp=8/EP`` with the ``fsdp`` strategy (tokens sharded over all devices,
-experts over ``expert``). Usage::
+experts over ``expert``). ``--bytes`` instead prints the per-device collective bytes of one
+full-size MoE layer (DeepSeek-V3 at EP 8/64/256, Mixtral 8x7B at EP 8) from the programs as
+lowered (not compiled), against the analytic minimum; ``--temporaries`` the per-device XLA
+temporaries of a one-layer full-width DeepSeek-V3 train step (compiled ahead of time, not run)
+with the MoE and with a dense MLP in its place. Usage::
 
     python benchmarks/moe.py                    # E = 8, 16, 64; EP = 1, 2, 4; all variants
     python benchmarks/moe.py --experts 8 --ep 1 --variants ragged,dense --iters 5
+    python benchmarks/moe.py --bytes --devices 256
+    python benchmarks/moe.py --temporaries none,2,1 --devices 64
 
 Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per token.
 """
@@ -27,21 +33,23 @@ Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import sys
 import time
 
 _flags = os.environ.get("XLA_FLAGS", "")  # 8 virtual CPU devices unless the caller chose
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _n = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
+    os.environ["XLA_FLAGS"] = (_flags + f" --xla_force_host_platform_device_count={_n}").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from zoo.layers.moe import ACT, MoE, _entry_axes  # noqa: E402
+from zoo.layers.moe import ACT, MoE  # noqa: E402
 from zoo.ops import moe as ops  # noqa: E402
 from zoo.partitioning import Partitioner, make_mesh  # noqa: E402
 
@@ -52,18 +60,10 @@ def _combine(indices, weights, expert_offset, num_local):
     return jnp.einsum("tke,tk->te", local, weights)
 
 
-class RaggedMoE(MoE):
-    grouped_matmul = "ragged_dot"
-
-
-class BlockedMoE(MoE):
-    grouped_matmul = "blocked"
-
-
 class DenseMoE(MoE):
     """Every local expert on every token; combine with the one-hot weight matrix."""
 
-    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
         comb = _combine(indices, weights, expert_offset, wi_gate.shape[0])
         h = jax.nn.silu(jnp.einsum("td,edf->tef", x, wi_gate))
         h = h * jnp.einsum("td,edf->tef", x, wi_up)
@@ -74,7 +74,7 @@ class DenseMoE(MoE):
 class LoopMoE(MoE):
     """A Python loop over local experts, each on every token, masked by its combine weight."""
 
-    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
         comb = _combine(indices, weights, expert_offset, wi_gate.shape[0])
         y = 0.0
         for e in range(wi_gate.shape[0]):
@@ -83,68 +83,23 @@ class LoopMoE(MoE):
         return y, jnp.zeros((), jnp.int32)
 
 
-class AllToAllMoE(MoE):
-    """Dropless all-to-all over ``expert``: each device sends each token copy to the shard
-    owning its expert, in a worst-case buffer of ``T_local * k`` rows per destination."""
-
-    def experts(self, x, weights, indices):
-        p = self.partitioner
-        (ep,) = p.mesh_axes("experts", "moe")
-        tok = p.spec(ACT)
-        tok = P(tok[0], tok[1], None)
-        spec_in = p.spec(("experts", "embed", "mlp"), "moe")
-        spec_out = p.spec(("experts", "mlp", "embed"), "moe")
-        n_ep, k, D = p.axis_size(ep), self.num_experts_per_tok, x.shape[-1]
-        num_local = self.num_experts // n_ep
-
-        def body(x, weights, indices, wg, wu, wo):
-            if _entry_axes(spec_in[1]):
-                wg = jax.lax.all_gather(wg, _entry_axes(spec_in[1]), axis=1, tiled=True)
-                wu = jax.lax.all_gather(wu, _entry_axes(spec_in[1]), axis=1, tiled=True)
-            if _entry_axes(spec_out[2]):
-                wo = jax.lax.all_gather(wo, _entry_axes(spec_out[2]), axis=2, tiled=True)
-            nb, nl = x.shape[:2]
-            x, indices, weights = x.reshape(nb * nl, D), indices.reshape(-1), weights.reshape(-1)
-            m = indices.shape[0]  # copies, row = t*k + j
-            dest = indices // num_local
-            order = jnp.argsort(dest, stable=True)
-            counts = jnp.bincount(dest, length=n_ep)
-            starts = jnp.cumsum(counts) - counts
-            slots = jnp.arange(m)
-            rows = jnp.minimum(starts[:, None] + slots[None], m - 1)  # [EP, M]
-            filled = slots[None] < counts[:, None]
-            send_x = jnp.where(filled[..., None], x[order[rows] // k], 0)  # [EP, M, D]
-            send_e = jnp.where(filled, indices[order[rows]], -1)  # global expert id; -1 empty
-            recv_x = jax.lax.all_to_all(send_x, ep, 0, 0, tiled=True)
-            recv_e = jax.lax.all_to_all(send_e, ep, 0, 0, tiled=True)
-            offset = jax.lax.axis_index(ep) * num_local
-            out, _ = ops.dropless_experts(
-                recv_x.reshape(n_ep * m, D), recv_e.reshape(-1, 1),
-                jnp.ones((n_ep * m, 1), jnp.float32), wg, wu, wo, expert_offset=offset)
-            back = jax.lax.all_to_all(out.reshape(n_ep, m, D).astype(self.dtype), ep, 0, 0,
-                                      tiled=True)
-            d_sorted = dest[order]
-            got = back[d_sorted, slots - starts[d_sorted]].astype(jnp.float32)  # sorted copies
-            inverse = jnp.zeros_like(order).at[order].set(slots)
-            y = (got[inverse] * weights[:, None]).reshape(nb * nl, k, D).sum(1)
-            return y.reshape(nb, nl, D).astype(self.dtype), jnp.zeros((), jnp.int32)
-
-        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
-                           out_specs=(tok, P()), check_vma=False)
-        wg, wu, wo = (w[...].astype(self.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
-        return fn(x.astype(self.dtype), weights, indices, wg, wu, wo)
-
-
-VARIANTS = {"ragged": RaggedMoE, "blocked": BlockedMoE, "dense": DenseMoE, "loop": LoopMoE,
-            "a2a": AllToAllMoE}
+# variant -> (layer class, constructor arguments)
+VARIANTS = {"ragged": (MoE, dict(dispatch="all_gather", grouped_matmul="ragged_dot")),
+            "blocked": (MoE, dict(dispatch="all_gather", grouped_matmul="blocked")),
+            "dense": (DenseMoE, dict(dispatch="all_gather")),
+            "loop": (LoopMoE, dict(dispatch="all_gather")),
+            "a2a": (MoE, dict(dispatch="all_to_all", grouped_matmul="blocked")),
+            "a2a_f2": (MoE, dict(dispatch="all_to_all", grouped_matmul="blocked",
+                                 buffer_factor=2.0))}
 
 
 def build(cls, *, experts, ep, batch, length, embed, mlp, k):
     """A compiled forward+backward step and its arguments; returns (run, compile seconds)."""
     n = len(jax.devices())
     part = Partitioner(make_mesh(expert=ep, fsdp=n // ep), "fsdp")
+    cls, kw = cls
     moe = cls(num_experts=experts, num_experts_per_tok=k, mlp_dim=mlp,
-              inputs_shape=(batch, length, embed), partitioner=part, rngs=nnx.Rngs(0))
+              inputs_shape=(batch, length, embed), partitioner=part, rngs=nnx.Rngs(0), **kw)
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     x = jax.device_put(np.random.default_rng(0).normal(size=(batch, length, embed)),
                        part.sharding(ACT)).astype(jnp.float32)
@@ -169,11 +124,132 @@ def timed(run, iters):
     return (time.perf_counter() - t0) / iters
 
 
+# -- collective bytes per device ----------------------------------------------------------------
+PRESET_SHAPES = {  # (embed, experts, k, expert mlp) of the full-size presets
+    "deepseek_v3": (7168, 256, 8, 2048),
+    "mixtral_8x7b": (4096, 8, 2, 14336),
+}
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-to-all|reduce-scatter|"
+                         r"all-reduce|ragged-all-to-all)\(.*replica_groups=\{\{([\d,]*)\}")
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes one device sends per collective kind in an HLO module's text (ring algorithms:
+    an all-gather or all-to-all sends ``(g-1)/g`` of its result, a reduce-scatter ``g-1``
+    times its result, an all-reduce twice ``(g-1)/g`` of it); a ragged all-to-all is
+    counted at its full receive buffer (the bound, not what travels)."""
+    out: dict[str, float] = {}
+    for dtype, dims, kind, group in _COLLECTIVE.findall(hlo_text):
+        size = _ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        g = len(group.split(","))
+        sent = {"reduce-scatter": size * (g - 1), "all-reduce": 2 * size * (g - 1) / g
+                }.get(kind, size * (g - 1) / g)
+        out[kind] = out.get(kind, 0.0) + sent
+    return out
+
+
+def layer_bytes(preset: str, ep: int, tokens: int, **moe_kw) -> dict[str, float]:
+    """Per-device collective bytes of one MoE layer's forward+backward (bf16, ``tokens`` per
+    device, mesh ``expert=ep``), from the program as lowered for CPU (no compile)."""
+    embed, experts, k, mlp = PRESET_SHAPES[preset]
+    part = Partitioner(make_mesh(expert=ep, devices=jax.devices()[:ep]), "fsdp")
+    shape = (ep, tokens, embed)
+    moe = nnx.eval_shape(lambda: MoE(num_experts=experts, num_experts_per_tok=k, mlp_dim=mlp,
+                                     inputs_shape=shape, partitioner=part, dtype=jnp.bfloat16,
+                                     param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **moe_kw))
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                          if hasattr(v, "shape") else v, params)
+
+    def loss(params, x):
+        y, _ = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=part.sharding(ACT))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x).lower(
+        lowering_platforms=("cpu",)).as_text(dialect="hlo")
+    return collective_bytes(text)
+
+
+def bytes_table(tokens: int) -> None:
+    gb = lambda v: f"{v / 1e9:.2f}"
+    print(f"\nPer-device collective bytes of one MoE layer, forward+backward, bf16, {tokens} "
+          f"tokens per device (GB); 'minimum' = every token copy sent once to its expert's "
+          f"device and back (`zoo.ops.moe.dispatch_bytes`)\n")
+    print("| model | EP | all_gather analytic | all_gather measured | minimum (ragged a2a, "
+          "balanced) | padded a2a f=2 measured | padded a2a dropless measured |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for preset, ep in (("deepseek_v3", 8), ("deepseek_v3", 64), ("deepseek_v3", 256),
+                       ("mixtral_8x7b", 8)):
+        if ep > jax.device_count():
+            continue
+        embed, experts, k, _ = PRESET_SHAPES[preset]
+        dims = dict(tokens=tokens, k=k, embed=embed, num_shards=ep)
+        row = [preset, str(ep), gb(ops.dispatch_bytes("all_gather", **dims))]
+        for kw in (dict(dispatch="all_gather"), None,
+                   dict(dispatch="all_to_all", buffer_factor=2.0), dict(dispatch="all_to_all")):
+            if kw is None:
+                row.append(gb(ops.dispatch_bytes("all_to_all", **dims)))
+                continue
+            got = layer_bytes(preset, ep, tokens, **kw)
+            row.append(gb(sum(v for kind, v in got.items() if kind != "all-reduce")))
+        print("| " + " | ".join(row) + " |", flush=True)
+
+
+# -- full-width temporaries -------------------------------------------------------------------
+def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len: int,
+                      buffer_factor: float | None = None) -> dict[str, float]:
+    """Per-device XLA memory of a one-layer DeepSeek-V3 train step (full width, bf16 compute,
+    remat full, AdamW), compiled ahead of time for mesh ``fsdp x expert`` of virtual devices;
+    ``moe=False`` puts the dense MLP in the layer's place. Nothing is allocated."""
+    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+    from zoo.train import step as step_lib
+    cfg = DeepSeek3Config.deepseek_v3(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1,
+                                      dtype=jnp.bfloat16, remat_policy="full",
+                                      moe_buffer_factor=buffer_factor)
+    part = Partitioner(make_mesh(fsdp=fsdp, expert=expert,
+                                 devices=jax.devices()[:fsdp * expert]), "fsdp")
+    batch = fsdp * expert * tokens // seq_len
+    model, opt = step_lib.abstract_state(
+        lambda: DeepSeek3(cfg, inputs_shape=(batch, seq_len), partitioner=part,
+                          rngs=nnx.Rngs(0)), step_lib.make_tx(), part.mesh)
+    sharding = part.sharding(("batch", "length"))
+    data = {k: jax.ShapeDtypeStruct((batch, seq_len),
+                                    jnp.float32 if k == "loss_weights" else jnp.int32,
+                                    sharding=sharding)
+            for k in ("inputs", "targets", "positions", "segment_ids", "loss_weights")}
+    t0 = time.perf_counter()
+    compiled = step_lib.make_train_step(donate=True).lower(
+        model, opt, data, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    mem = compiled.memory_analysis()
+    dispatch = next((m.dispatch for _, m in nnx.iter_modules(model)
+                     if type(m).__name__ == "MoE"), "-")
+    return dict(temp=mem.temp_size_in_bytes / 2**30, args=mem.argument_size_in_bytes / 2**30,
+                dispatch=dispatch, compile_s=time.perf_counter() - t0)
+
+
+def temporaries_table(factors: list[float | None], tokens: int) -> None:
+    dims = dict(fsdp=4, expert=16, tokens=tokens, seq_len=4096)
+    print(f"\nOne full-width DeepSeek-V3 layer, train step, mesh fsdp=4 x expert=16 (64 virtual "
+          f"devices), {tokens} tokens per device, bf16, remat full; XLA temporaries per device "
+          f"(GiB)\n")
+    print("| layer | dispatch | buffer_factor | temporaries | over the dense layer | compile s |")
+    print("|---|---|---:|---:|---:|---:|")
+    dense = layer_temporaries(False, **dims)
+    print(f"| dense MLP | - | - | {dense['temp']:.2f} | - | {dense['compile_s']:.0f} |",
+          flush=True)
+    for f in factors:
+        got = layer_temporaries(True, buffer_factor=f, **dims)
+        print(f"| MoE | {got['dispatch']} | {'dropless' if f is None else f} | "
+              f"{got['temp']:.2f} | {got['temp'] - dense['temp']:+.2f} | "
+              f"{got['compile_s']:.0f} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", default="8,16,64")
     ap.add_argument("--ep", default="1,2,4")
-    ap.add_argument("--variants", default="ragged,blocked,dense,loop,a2a")
+    ap.add_argument("--variants", default="blocked,a2a,a2a_f2,ragged,dense")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--embed", type=int, default=128)
@@ -181,7 +257,20 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices (set at start)")
+    ap.add_argument("--bytes", action="store_true",
+                    help="print only the collective-bytes table (full-size shapes, lowered, "
+                         "not run; EP up to --devices)")
+    ap.add_argument("--tokens-per-device", type=int, default=4096)
+    ap.add_argument("--temporaries", default=None, metavar="FACTORS",
+                    help="print only the full-width DeepSeek-V3 layer temporaries for these "
+                         "buffer factors, e.g. none,2,1 (needs --devices 64; ~2 min each)")
     args = ap.parse_args(argv)
+    if args.temporaries:
+        return temporaries_table([None if f.lower() == "none" else float(f)
+                                  for f in args.temporaries.split(",")], args.tokens_per_device)
+    if args.bytes:
+        return bytes_table(args.tokens_per_device)
     tokens = args.batch * args.length
     dims = dict(batch=args.batch, length=args.length, embed=args.embed, mlp=args.mlp, k=args.k)
     variants = [v for v in re.split(r"[, ]+", args.variants) if v]
@@ -191,7 +280,7 @@ def main(argv=None):
           f"D={args.embed}, F={args.mlp}, k={args.k}; forward+backward, best of "
           f"{args.rounds} rounds x {args.iters} steps", flush=True)
     configs = [(e, ep, v) for e in experts for ep in eps for v in variants
-               if not (v == "a2a" and ep == 1) and e % ep == 0]
+               if not (v.startswith("a2a") and ep == 1) and e % ep == 0]
     runs, compile_s = {}, {}
     for c in configs:
         e, ep, v = c

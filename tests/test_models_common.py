@@ -153,7 +153,9 @@ def test_remat_matches_no_remat():
 
         fn = jax.value_and_grad(loss, has_aux=True)
         # the remat policy really wraps the layers in a checkpoint
-        assert ("remat" in str(jax.make_jaxpr(fn)(params))) == (policy is not None)
+        # (tokamax's grouped matmul, traced for accelerators, brings its own `remat_opt`)
+        jaxpr = str(jax.make_jaxpr(fn)(params)).replace("remat_opt", "")
+        assert ("remat" in jaxpr) == (policy is not None)
         (_, logits), grads = jax.jit(fn)(params)
         results.append((logits, grads))
     (l0, g0), (l1, g1) = results

@@ -3,6 +3,7 @@ gradients, input and parameters) against a dense reference written here (every e
 token) unsharded and under the four strategy meshes; capacity drops; bias balancing; errors."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,14 @@ MESHES = {
     "epcp_f2e4": ("ep_as_cp", dict(fsdp=2, expert=4)),
     "epcp_f2e2c2": ("ep_as_cp", dict(fsdp=2, expert=2, context=2)),
     "fsdp_f2e2t2": ("fsdp", dict(fsdp=2, expert=2, tensor=2)),  # tensor-sharded expert width
+    "ep8": ("fsdp", dict(expert=8)),
 }
 CONFIGS = {
     "mixtral": dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, scoring="softmax"),
     "deepseek": dict(num_experts=E, num_experts_per_tok=3, mlp_dim=F, scoring="sigmoid",
                      n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1),
+    "top1": dict(num_experts=E, num_experts_per_tok=1, mlp_dim=F, scoring="softmax"),
+    "top8": dict(num_experts=E, num_experts_per_tok=8, mlp_dim=F, scoring="softmax"),
 }
 
 
@@ -138,7 +142,7 @@ def _numpy_experts(x, indices, weights, wg, wu, wo, lo, hi, keep=None):
     return y
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked", "tokamax"])
 def test_dropless_experts_on_expert_shards(impl):
     rng = np.random.default_rng(3)
     T, k, n_exp = 40, 3, 8
@@ -254,21 +258,30 @@ def setups():
     return out
 
 
-# DeepSeek (groups, bias, shared experts) on every mesh; Mixtral routing on the EP ones
-CASES = ([("deepseek", m) for m in (None, *MESHES)]
-         + [("mixtral", m) for m in (None, "epcp_f2e4", "epcp_f2e2c2")])
+# DeepSeek (groups, bias, shared experts) on every mesh and both dispatches; Mixtral routing
+# (top-2), top-1 and top-8 on the EP ones
+CASES = ([("deepseek", m, "all_gather") for m in (None, *MESHES)]
+         + [("deepseek", m, "all_to_all") for m in MESHES if m != "fsdp8"]
+         + [("mixtral", m, "all_gather") for m in ("epcp_f2e4", "epcp_f2e2c2")]
+         + [("mixtral", "epcp_f2e4", "all_to_all"), ("top1", "ep8", "all_to_all"),
+            ("top8", "epcp_f2e4", "all_to_all"), ("top8", "ep8", "all_gather")])
 
 
-@pytest.mark.parametrize("config, mesh", CASES)
-def test_forward_and_grads_match_dense_reference(setups, config, mesh):
+def _mesh(mesh):
+    return None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
+
+
+@pytest.mark.parametrize("config, mesh, dispatch", CASES)
+def test_forward_and_grads_match_dense_reference(setups, config, mesh, dispatch):
     s = setups[config]
-    part = None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
-    moe = build(s["cfg"], part, s["values"], s["bias"])
+    part = _mesh(mesh)
+    moe = build(s["cfg"], part, s["values"], s["bias"], dispatch=dispatch)
+    assert moe.dispatch == dispatch
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
     np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), s["counts"])
-    assert float(aux["dropped_fraction"]) == 0.0
+    assert float(aux["dropped_fraction"]) == 0.0 and int(aux["dropped_tokens"]) == 0
     g_ref_params, g_ref_x = s["grads"]
     np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
     for name in s["values"]:
@@ -279,13 +292,14 @@ def test_forward_and_grads_match_dense_reference(setups, config, mesh):
         assert y.sharding.is_equivalent_to(part.sharding(("batch", "length", "act_embed")), 3)
 
 
-@pytest.mark.parametrize("mesh", [None, "epcp_f2e2c2"])
-def test_ragged_dot_grouped_matmul_matches_reference(setups, mesh):
-    """The layer defaults to the blocked grouped matmul on CPU; GPU/TPU use ragged_dot."""
+@pytest.mark.parametrize("mesh, impl", [(None, "ragged_dot"), ("epcp_f2e2c2", "ragged_dot"),
+                                        ("epcp_f2e4", "tokamax")])
+def test_other_grouped_matmuls_match_reference(setups, mesh, impl):
+    """On CPU the layer runs the blocked grouped matmul; ragged_dot and tokamax's XLA fallback
+    (what tokamax runs off GPU/TPU) must give the same layer."""
     s = setups["deepseek"]
-    part = None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
-    moe = build(s["cfg"], part, s["values"], s["bias"])
-    moe.grouped_matmul = "ragged_dot"
+    moe = build(s["cfg"], _mesh(mesh), s["values"], s["bias"], grouped_matmul=impl,
+                dispatch="all_to_all" if mesh else "auto")
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     (_, (y, _)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
     np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
@@ -317,6 +331,21 @@ def _capacity_keep(indices, capacity):
     return keep
 
 
+def _check_kept_copies_exact(s, keep, y, g_params, g_x):
+    """Output and gradients equal the dense reference with the dropped copies masked out."""
+    def ref_loss(params, x):
+        y, lb, _ = reference(params, x, s["cfg"], keep=keep)
+        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
+    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
+        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
+        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
+    for name in ("router", "wi_gate", "wo"):
+        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
+                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mesh", [None, "ep8"])
 def test_capacity_drops_overflow(setups, mesh):
     s = setups["mixtral"]
@@ -333,17 +362,7 @@ def test_capacity_drops_overflow(setups, mesh):
     assert expected_drop > 0.1  # the case really drops
     np.testing.assert_allclose(float(aux["dropped_fraction"]), expected_drop, rtol=1e-6)
 
-    def ref_loss(params, x):
-        y, lb, _ = reference(params, x, cfg, keep=keep)
-        return jnp.sum(y * s["ct"]) + 0.3 * lb, y
-    (_, y_ref), (g_ref_params, g_ref_x) = jax.jit(
-        jax.value_and_grad(ref_loss, (0, 1), has_aux=True))(
-        {n: jnp.asarray(v) for n, v in s["values"].items()}, jnp.asarray(s["x"]))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
-    for name in ("router", "wi_gate", "wo"):
-        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
-                                   np.asarray(g_ref_params[name]), rtol=1e-4, atol=1e-5)
+    _check_kept_copies_exact(s, keep, y, g_params, g_x)
 
 
 def test_capacity_large_enough_is_dropless(setups):
@@ -353,6 +372,153 @@ def test_capacity_large_enough_is_dropless(setups):
     y, aux = jax.jit(lambda m, x: m(x))(moe, s["x"])
     assert float(aux["dropped_fraction"]) == 0.0
     np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
+
+
+# -- all-to-all buffers -------------------------------------------------------------------------
+def _a2a_keep(indices, num_local, capacity):
+    """[T, E] 0/1 for one device's tokens: per destination device the first `capacity` copies
+    in priority order (all first choices in token order, then all second choices, ...)."""
+    T, k = indices.shape
+    keep, used = np.zeros((T, E), np.float32), {}
+    for j in range(k):
+        for t in range(T):
+            d = indices[t, j] // num_local
+            if used.get(d, 0) < capacity:
+                keep[t, indices[t, j]], used[d] = 1, used.get(d, 0) + 1
+    return keep
+
+
+@pytest.mark.parametrize("mesh, factor", [("ep8", 1.0)])
+def test_all_to_all_buffer_overflow_is_counted_and_kept_copies_exact(setups, mesh, factor):
+    s = setups["mixtral"]
+    cfg, k = s["cfg"], s["cfg"]["num_experts_per_tok"]
+    part = _mesh(mesh)
+    moe = build(cfg, part, s["values"], dispatch="all_to_all", buffer_factor=factor)
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
+    _, indices, _ = moe.route(jnp.asarray(s["x"]))
+    indices = np.asarray(indices)  # [B, L, k]
+    # which tokens each device holds: ep8 -> batch row i on expert shard i; epcp_f2e4 ->
+    # (batch half, sequence quarter) -- every device's tokens are one [b, l] block
+    ep = part.size("experts", "moe")
+    nb, nl = (8, 1) if mesh == "ep8" else (2, 4)
+    bs, ls = B // nb, L // nl
+    keep = np.zeros((B, L, E), np.float32)
+    for bi in range(nb):
+        for li in range(nl):
+            blk = indices[bi * bs:(bi + 1) * bs, li * ls:(li + 1) * ls].reshape(-1, k)
+            cap = ops.a2a_capacity(bs * ls, k, E // ep, ep, factor)
+            keep[bi * bs:(bi + 1) * bs, li * ls:(li + 1) * ls] = _a2a_keep(
+                blk, E // ep, cap).reshape(bs, ls, E)
+    dropped = indices.size - int(keep.sum())
+    assert dropped > 0.05 * indices.size  # the case really drops
+    assert int(aux["dropped_tokens"]) == dropped
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), dropped / indices.size)
+
+    _check_kept_copies_exact(s, keep.reshape(-1, E), y, g_params, g_x)
+
+
+def test_cuda_lowering_holds_ragged_all_to_all(setups):
+    """`platform_dependent` picks the transport when lowering: ragged for cuda, a dense
+    all-to-all for CPU -- so the program lowered here for cuda is the accelerator one."""
+    s = setups["mixtral"]
+    moe = build(s["cfg"], _mesh("epcp_f2e4"), s["values"], dispatch="all_to_all")
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    traced = _loss_fn(graphdef, rest, s["ct"]).trace(params, s["x"])
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("ragged_all_to_all") >= 4  # tokens and expert ids out, rows back, grads
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
+
+
+def _moe_temp_bytes(ep, dispatch, buffer_factor=None):
+    """Per-device temporaries of a MoE forward+backward with 256 tokens per device."""
+    part = Partitioner(make_mesh(expert=ep, fsdp=8 // ep), "fsdp")
+    moe = MoE(num_experts=16, num_experts_per_tok=2, mlp_dim=128, inputs_shape=(8, 256, 64),
+              partitioner=part, dispatch=dispatch, buffer_factor=buffer_factor,
+              rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0] ** 2)
+    x = jax.ShapeDtypeStruct((8, 256, 64), jnp.float32,
+                             sharding=part.sharding(("batch", "length", "act_embed")))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_follow_local_work():
+    base = _moe_temp_bytes(1, "auto")
+    a2a = _moe_temp_bytes(8, "all_to_all", buffer_factor=2.0)
+    gather = _moe_temp_bytes(8, "all_gather")
+    assert a2a <= 1.8 * base, (a2a / base, gather / base)
+    assert gather > 1.8 * base  # the bound separates the schemes: all_gather grows with EP
+
+
+# -- grouped matmul FLOPs ------------------------------------------------------------------------
+def _dims(text):
+    return [int(v) for v in text.split(",") if v]
+
+
+def hlo_dot_flops(text: str) -> int:
+    """Matmul FLOPs of a compiled HLO module, counting each `while` body times its
+    ``known_trip_count`` (XLA's cost analysis counts it once) and a `conditional`'s costlier
+    branch."""
+    comps, shapes, entry, cur = {}, {}, None, None
+    for line in text.splitlines():
+        head = re.match(r"(ENTRY )?%(\S+) \((.*)\) -> .*\{$", line)
+        if head:
+            cur = head.group(2)
+            comps[cur], shapes[cur] = [], {}
+            entry = cur if head.group(1) else entry
+            for name, dims in re.findall(r"([\w.\-]+): \w+\[([\d,]*)\]", head.group(3)):
+                shapes[cur][name] = _dims(dims)
+        elif cur is not None:
+            inst = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]", line)
+            if inst:
+                shapes[cur][inst.group(1)] = _dims(inst.group(2))
+            comps[cur].append(line)
+
+    def flops(name):
+        total = 0
+        for line in comps.get(name, []):
+            dot = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), ", line)
+            loop = re.search(r" while\(.*body=%([\w.\-]+)", line)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if dot:
+                lhs = shapes[name][dot.group(2)]
+                contracting = _dims(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)[1])
+                total += 2 * math.prod(_dims(dot.group(1))) * math.prod(lhs[i] for i in contracting)
+            elif loop:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                assert trip, f"while loop without a known trip count: {line[:200]}"
+                total += int(trip[1]) * flops(loop.group(1))
+            elif branches:
+                total += max(flops(b.strip().lstrip("%")) for b in branches[1].split(","))
+            else:
+                total += sum(flops(c) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line))
+        return total
+    return flops(entry)
+
+
+def test_blocked_grouped_matmul_flops_near_useful():
+    """E=64, k=4, T=2048, D=256, F=512: HLO matmul FLOPs (loops times trip counts) within 1.3x
+    of the useful 3 matmuls per copy, forward and forward+backward; ragged_dot on XLA:CPU
+    would be E times."""
+    num_e, k, tokens, d, f = 64, 4, 2048, 256, 512
+    rows = tokens * k
+    sizes = np.bincount(np.random.default_rng(0).integers(0, num_e, rows), minlength=num_e)
+    args = (jax.ShapeDtypeStruct((rows, d), jnp.float32),
+            *(jax.ShapeDtypeStruct((num_e, d, f), jnp.float32) for _ in range(2)),
+            jax.ShapeDtypeStruct((num_e, f, d), jnp.float32))
+    fwd = lambda x, wg, wu, wo: ops.grouped_swiglu(x, wg, wu, wo, jnp.asarray(sizes, jnp.int32),
+                                                   "blocked")
+    useful = 3 * 2 * rows * d * f
+    forward = hlo_dot_flops(jax.jit(fwd).lower(*args).compile().as_text())
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a) ** 2), argnums=(0, 1, 2, 3)))
+    both = hlo_dot_flops(grad.lower(*args).compile().as_text())
+    assert useful <= forward <= 1.3 * useful, forward / useful
+    assert 3 * useful <= both <= 1.3 * 3 * useful, both / useful
 
 
 # -- aux-loss-free balancing -----------------------------------------------------------------
@@ -420,6 +586,11 @@ def test_bias_update_walks_a_model():
      r"num_experts_per_tok=3 exceeds the 2 experts"),
     (dict(scoring="relu"), None, r"scoring='relu'"),
     (dict(capacity_factor=0.0), None, r"capacity_factor=0.0 must be > 0"),
+    (dict(dispatch="ragged"), None, r"dispatch='ragged' must be one of"),
+    (dict(grouped_matmul="cutlass"), None, r"grouped_matmul='cutlass' must be one of"),
+    (dict(buffer_factor=0.0), None, r"buffer_factor=0.0 must be > 0"),
+    (dict(buffer_factor=2.0, dispatch="all_gather"), None, r"dispatch='all_gather' has none"),
+    (dict(capacity_factor=1.0, dispatch="all_to_all"), None, r"bound the buffers with buffer_f"),
     (dict(inputs_shape=(8, 6, 16)), ("cp", dict(context=4, expert=2)),
      r"length=6 is not divisible by 4"),
     (dict(inputs_shape=(4, 8, 16)), ("fsdp", dict(fsdp=8)), r"batch=4 is not divisible by 8"),

@@ -135,6 +135,8 @@ def test_run_outputs(learned):
     assert info["device_count"] == 8 and info["process_count"] == 1
     assert set(info["versions"]) >= {"zoo", "jax", "flax"}
     assert info["config"]["model"]["hidden_size"] == 32
+    assert info["config"]["moe"]["dispatch"] in ("all_to_all", "all_gather")  # "auto" resolved
+    assert all(r["dropped_tokens"] == 0 for r in rows)  # dropless by default, and logged
     assert info["config"]["parallel"] == {"mesh": "fsdp=2,expert=2,context=2",
                                           "strategy": "ep_as_cp", "context_parallel": 4,
                                           "load_balance": True}

@@ -4,45 +4,51 @@
   (``scoring="sigmoid"``: a `RouterBias` for selection only, group-limited top-k, weights
   normalised and scaled). Semantics of Hugging Face's routers; see `zoo.ops.moe.route`.
 * Routed experts: SwiGLU per expert, weights stacked ``wi_gate``/``wi_up`` ``[E, D, F]`` and
-  ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul:
-  `jax.lax.ragged_dot`, or a blocked equivalent on CPU -- `MoE.grouped_matmul`) or, with
-  ``capacity_factor``, fixed capacity that drops overflow.
+  ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul) or, with
+  ``capacity_factor`` (all_gather only), fixed capacity per expert that drops overflow.
 * Shared experts (DeepSeek-V3): a dense SwiGLU `MLP` of width ``shared_mlp_dim or
   num_shared_experts * mlp_dim`` added to the routed output.
 * ``y, aux = moe(x)``; aux holds ``load_balance_loss`` (``E * sum_e f_e P_e``, see
-  `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch) and
-  ``dropped_fraction`` (0 when dropless). `update_expert_bias` applies DeepSeek-V3's
-  aux-loss-free balancing ``bias += rate * sign(mean(counts) - counts)`` to a layer or a model.
+  `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch),
+  ``dropped_tokens`` (int32: token copies dropped, global; 0 when dropless) and
+  ``dropped_fraction``. `update_expert_bias` applies DeepSeek-V3's aux-loss-free balancing
+  ``bias += rate * sign(mean(counts) - counts)`` to a layer or a model.
 
 Expert parallelism. Tokens arrive sharded like every other activation (default scope
 ``("batch", "length", "act_embed")``); the ``expert`` mesh axis shards them by batch (``fsdp``,
 ``cp``) or by sequence (``ep_as_cp``). Routing runs outside the `shard_map` (a small
 ``[B, L, E]`` op XLA partitions by itself, and the balance statistics come out global). Inside
-one `shard_map` over the whole mesh each device
+one `shard_map` over the whole mesh each device all-gathers its local experts' weights over
+the FSDP axes of ``embed`` (the transpose is a reduce-scatter: weight gradients come back
+FSDP-sharded), then dispatches by the constructor's ``dispatch``:
 
-1. all-gathers its expert weights over the FSDP axes of ``embed`` (the transpose of that
-   all-gather is a reduce-scatter, so weight gradients come back FSDP-sharded at half the
-   traffic of an all-reduce; only the local ``E / expert`` experts are ever whole on a device);
-2. all-gathers tokens, indices and weights over ``expert`` (the axes that shard experts);
-3. runs its local experts on those tokens (`zoo.ops.moe.dropless_experts`), then sums the
-   partial outputs over ``tensor`` (``mlp`` is sharded there; SwiGLU is elementwise in F) and
-   reduce-scatters them back over ``expert`` to the layout they came in.
+* ``"all_to_all"`` (`zoo.ops.moe.all_to_all_experts`): each token copy goes only to the device
+  holding its expert and comes back the same way -- ``T * k * (EP - 1) / EP`` rows each way
+  when balanced. GPU/TPU: `jax.lax.ragged_all_to_all` (only real rows travel). XLA:CPU has
+  none, so there a padded `jax.lax.all_to_all` runs the same algorithm; the choice is made
+  when the program is lowered (`jax.lax.platform_dependent`), so a program lowered here for
+  ``cuda`` is the accelerator one. Receive buffers: dropless by default (``EP * T *
+  min(k, E_local)`` rows, what can arrive at worst); ``buffer_factor=f`` reserves ``f`` times
+  the balanced share per peer, keeps first choices before second choices, and counts the rest
+  in ``aux["dropped_tokens"]``. Temporaries follow local work: flat in EP at fixed tokens per
+  device.
+* ``"all_gather"``: all-gather tokens over ``expert``, run the local experts on all of them
+  (`zoo.ops.moe.dropless_experts`), reduce-scatter back: ``(EP - 1) * T`` rows each way and a
+  sort over ``EP * T * k`` copies -- right when EP <= k on fast links.
+* ``"auto"``: the one with fewer analytic bytes per device (`zoo.ops.moe.dispatch_bytes`,
+  i.e. all_to_all when EP > k); all_gather without expert parallelism or with a capacity.
+  ``MoE.dispatch`` holds the resolved choice (recorded in ``run.json``).
 
-Why all-gather/reduce-scatter rather than all-to-all: a fixed-shape all-to-all that never
-drops must size each destination's buffer for the worst case (all ``T_local * k`` copies going
-to one shard), so it sends ``EP * T_local * k`` rows per device each way where the all-gather
-and the reduce-scatter move ``(EP - 1) * T_local``, and it needs a second sort on arrival.
-Measured on 8 CPU devices (``benchmarks/moe.py``, E = 8/16/64, EP = 2/4) the all-to-all variant
-reached 0.54-0.98x the all-gather's tokens/s, never more. (A ragged all-to-all could send only
-the real copies, but XLA:CPU lacks it.) With a capacity, the capacity is per dispatch group:
-the tokens one device holds after the all-gather (unsharded: the whole batch), as in GShard,
-so which copies drop depends on the mesh.
+Partial outputs are summed over ``tensor`` (``mlp`` is sharded there; SwiGLU is elementwise
+in F). With a capacity, the capacity is per dispatch group: the tokens one device holds after
+the all-gather (unsharded: the whole batch), as in GShard, so which copies drop depends on the
+mesh.
 
-CPU: XLA:CPU has no grouped-matmul kernel; JAX lowers `ragged_dot` there to a dense masked
-matmul over all local experts (cost ``E / expert`` times the useful work). So on CPU the layer
-uses `zoo.ops.moe.grouped_swiglu`'s ``"blocked"`` form (rows padded per expert to blocks, one
-batched matmul), 3.6-9.8x faster there in ``benchmarks/moe.py``; GPU and TPU get `ragged_dot`.
-Set ``grouped_matmul`` on the class or an instance to force one.
+Grouped matmul (``grouped_matmul=``, `zoo.ops.moe.grouped_swiglu`): ``"auto"`` runs the
+blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones)
+and ``tokamax.ragged_dot`` on GPU/TPU, chosen at lowering; ``"blocked"``, ``"tokamax"`` and
+``"ragged_dot"`` (`jax.lax.ragged_dot`, which XLA expands to a dense masked matmul over every
+local expert) force one.
 
 Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 """
@@ -63,6 +69,7 @@ from zoo.ops import moe as ops
 from zoo.partitioning import Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
+DISPATCHES = ("auto", "all_to_all", "all_gather")
 
 
 class RouterBias(nnx.Variable):
@@ -92,22 +99,25 @@ class MoE(nnx.Module):
       num_shared_experts, shared_mlp_dim: shared experts' MLP width is
         ``shared_mlp_dim or num_shared_experts * mlp_dim`` (none when that is 0).
       capacity_factor: None for dropless; else ``ceil(factor * tokens * k / E)`` slots per
-        expert in each dispatch group.
+        expert in each dispatch group (all_gather only).
+      dispatch: ``"all_to_all"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
+      grouped_matmul: ``"auto"`` (blocked on CPU, tokamax on GPU/TPU), ``"blocked"``,
+        ``"tokamax"`` or ``"ragged_dot"``.
+      buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
+        (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.
     """
-
-    #: dropless grouped matmul: "ragged_dot", "blocked" or None (blocked on CPU, else ragged_dot)
-    grouped_matmul: str | None = None
 
     def __init__(self, *, num_experts: int, num_experts_per_tok: int, mlp_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
                  scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True,
                  num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
-                 capacity_factor: float | None = None, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, dispatch: str = "auto",
+                 grouped_matmul: str = "auto", buffer_factor: float | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)
         if len(inputs_shape) != 3:
             raise ValueError(f"inputs_shape={tuple(inputs_shape)} must be (batch, length, "
@@ -132,6 +142,21 @@ class MoE(nnx.Module):
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for "
                              f"dropless dispatch")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
+        if grouped_matmul not in ops.GROUPED_MATMULS:
+            raise ValueError(f"grouped_matmul={grouped_matmul!r} must be one of "
+                             f"{ops.GROUPED_MATMULS}")
+        if buffer_factor is not None and not buffer_factor > 0:
+            raise ValueError(f"buffer_factor={buffer_factor} must be > 0, or None for dropless "
+                             f"all-to-all buffers")
+        if buffer_factor is not None and dispatch == "all_gather":
+            raise ValueError(f"buffer_factor={buffer_factor} sizes all_to_all receive buffers; "
+                             f"dispatch='all_gather' has none (use capacity_factor there)")
+        if capacity_factor is not None and dispatch == "all_to_all":
+            raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
+                             "capacity after the gather); with dispatch='all_to_all' bound the "
+                             "buffers with buffer_factor instead")
         shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
         mesh = "" if p.mesh is None else f" on mesh {dict(p.mesh.shape)}"
         _divisible(E, "num_experts", p.size("experts", "moe"),
@@ -155,7 +180,10 @@ class MoE(nnx.Module):
         self.inputs_shape, self.embed_dim = (batch, length, embed), embed
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
+        self.grouped_matmul = grouped_matmul
+        self.dispatch_requested = dispatch
+        self.dispatch = self._resolve_dispatch(dispatch, batch * length)
         self.dtype, self.param_dtype = dtype, param_dtype
 
         kernel_init = nnx.initializers.lecun_normal()
@@ -191,12 +219,51 @@ class MoE(nnx.Module):
                          norm_topk_prob=self.norm_topk_prob,
                          routed_scaling_factor=self.routed_scaling_factor)
 
-    def dispatch(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
-        """One device's work: ``x [T, D]``, ``indices/weights [T, k]``, local expert weights
-        ``[E_local, ...]`` -> ``(y [T, D] float32, dropped copies int32)``."""
+    def _token_plan(self):
+        """``(tok spec, [(expert axis, token dim it shards)], expert axes sharding no token
+        dimension)`` for the `shard_map` over the whole mesh."""
+        p = self.partitioner
+        tok = p.spec(ACT)
+        tok = P(tok[0], tok[1], None)
+        ep_axes = p.mesh_axes("experts", "moe")
+        plan = [(a, d) for a in ep_axes for d in (0, 1) if a in _entry_axes(tok[d])]
+        replicated = tuple(a for a in ep_axes if a not in {a for a, _ in plan})
+        return tok, plan, replicated
+
+    def _resolve_dispatch(self, dispatch: str, tokens: int) -> str:
+        """The scheme "auto" stands for: the one with fewer analytic bytes per device
+        (`zoo.ops.moe.dispatch_bytes`); all_gather without expert parallelism or when an
+        expert axis does not shard the tokens (all-to-all needs each device's own tokens)."""
+        p = self.partitioner
+        ep = p.size("experts", "moe")
+        if p.mesh is None:
+            return "all_gather" if dispatch == "auto" else dispatch
+        _, _, replicated = self._token_plan()
+        if replicated:
+            if dispatch == "all_to_all":
+                raise ValueError(f"dispatch='all_to_all' needs the tokens sharded over every "
+                                 f"expert axis, but {replicated} shards none of them; use "
+                                 f"dispatch='all_gather' or a strategy that shards tokens "
+                                 f"over 'expert'")
+            return "all_gather"
+        if dispatch != "auto":
+            return dispatch
+        if ep == 1 or self.capacity_factor is not None:
+            return "all_gather"
+        dims = dict(tokens=tokens // (p.size("batch") * p.size("length")),
+                    k=self.num_experts_per_tok, embed=self.embed_dim, num_shards=ep)
+        a2a, ag = (ops.dispatch_bytes(s, **dims) for s in ("all_to_all", "all_gather"))
+        return "all_to_all" if a2a < ag else "all_gather"
+
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+        """all_gather's per-device work: ``x [T, D]``, ``indices/weights [T, k]``, local expert
+        weights ``[E_local, ...]`` -> ``(y [T, D] float32, dropped copies int32)``."""
         if self.capacity_factor is None:
-            return ops.dropless_experts(x, indices, weights, wi_gate, wi_up, wo,
-                                        expert_offset=expert_offset, impl=self.grouped_matmul)
+            return ops.dropless_experts(
+                x, indices, weights, wi_gate, wi_up, wo, expert_offset=expert_offset,
+                impl=self.grouped_matmul,
+                expected_rows=max(1, x.shape[0] * self.num_experts_per_tok * wi_gate.shape[0]
+                                  // self.num_experts))
         capacity = ops.expert_capacity(x.shape[0], self.num_experts_per_tok, self.num_experts,
                                        self.capacity_factor)
         return ops.capacity_experts(x, indices, weights, wi_gate, wi_up, wo, capacity=capacity,
@@ -211,37 +278,40 @@ class MoE(nnx.Module):
         wg, wu, wo = (w[...].astype(dtype) for w in (self.wi_gate, self.wi_up, self.wo))
         p = self.partitioner
         if p.mesh is None:
-            y, dropped = self.dispatch(x.reshape(B * L, D), indices.reshape(B * L, k),
-                                       weights.reshape(B * L, k), wg, wu, wo, 0)
+            y, dropped = self.local_experts(x.reshape(B * L, D), indices.reshape(B * L, k),
+                                            weights.reshape(B * L, k), wg, wu, wo, 0)
             return y.reshape(B, L, D).astype(dtype), dropped
 
-        tok = p.spec(ACT)
-        tok = P(tok[0], tok[1], None)
+        tok, plan, replicated = self._token_plan()
         spec_in, spec_out = (p.spec(("experts", "embed", "mlp"), "moe"),
                              p.spec(("experts", "mlp", "embed"), "moe"))
         ep_axes = p.mesh_axes("experts", "moe")
         mlp_axes = p.mesh_axes("mlp", "moe")
-        # each expert-sharding axis either shards a token dimension (gather/scatter it there)
-        # or leaves tokens replicated (then every shard saw all tokens: plain psum)
-        plan = [(a, d) for a in ep_axes for d in (0, 1) if a in _entry_axes(tok[d])]
-        replicated = tuple(a for a in ep_axes if a not in {a for a, _ in plan})
         token_axes = tuple(dict.fromkeys(
             (*_entry_axes(tok[0]), *_entry_axes(tok[1]), *ep_axes)))
-        num_local = self.num_experts // p.size("experts", "moe")
+        n_ep = p.size("experts", "moe")
+        num_local = self.num_experts // n_ep
 
-        def body(x, weights, indices, wg, wu, wo):
-            if _entry_axes(spec_in[1]):  # FSDP: whole local experts, transpose = reduce-scatter
+        def gather_weights(wg, wu, wo):
+            # FSDP: whole local experts; the transpose of this all-gather is a reduce-scatter
+            if _entry_axes(spec_in[1]):
                 wg = jax.lax.all_gather(wg, _entry_axes(spec_in[1]), axis=1, tiled=True)
                 wu = jax.lax.all_gather(wu, _entry_axes(spec_in[1]), axis=1, tiled=True)
             if _entry_axes(spec_out[2]):
                 wo = jax.lax.all_gather(wo, _entry_axes(spec_out[2]), axis=2, tiled=True)
+            return wg, wu, wo
+
+        def all_gather_body(x, weights, indices, wg, wu, wo):
+            wg, wu, wo = gather_weights(wg, wu, wo)
+            # each expert-sharding axis either shards a token dimension (gather/scatter it
+            # there) or leaves tokens replicated (then every shard saw all tokens: plain psum)
             for a, d in plan:
                 x, weights, indices = (jax.lax.all_gather(v, a, axis=d, tiled=True)
                                        for v in (x, weights, indices))
             nb, nl = x.shape[:2]
             offset = jax.lax.axis_index(ep_axes) * num_local if ep_axes else 0
-            y, dropped = self.dispatch(x.reshape(nb * nl, D), indices.reshape(nb * nl, k),
-                                       weights.reshape(nb * nl, k), wg, wu, wo, offset)
+            y, dropped = self.local_experts(x.reshape(nb * nl, D), indices.reshape(nb * nl, k),
+                                            weights.reshape(nb * nl, k), wg, wu, wo, offset)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
@@ -251,6 +321,21 @@ class MoE(nnx.Module):
                 y = jax.lax.psum(y, replicated)
             return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
 
+        def all_to_all_body(x, weights, indices, wg, wu, wo):
+            wg, wu, wo = gather_weights(wg, wu, wo)
+            nb, nl = x.shape[:2]
+            t = nb * nl
+            cap = ops.a2a_capacity(t, k, num_local, n_ep, self.buffer_factor)
+            y, dropped = ops.all_to_all_experts(
+                x.reshape(t, D), indices.reshape(t, k), weights.reshape(t, k), wg, wu, wo,
+                axis_name=ep_axes[0] if len(ep_axes) == 1 else ep_axes, num_shards=n_ep,
+                capacity=cap, impl=self.grouped_matmul)
+            y = y.reshape(nb, nl, D).astype(dtype)
+            if mlp_axes:
+                y = jax.lax.psum(y, mlp_axes)
+            return y, jax.lax.psum(dropped, token_axes)
+
+        body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
                            out_specs=(tok, P()))
         return fn(x.astype(dtype), weights, indices, wg, wu, wo)
@@ -282,7 +367,7 @@ class MoE(nnx.Module):
                     y = y + self.shared_experts(x).astype(y.dtype)
             y = p.constrain(y, ACT)
         copies = B * L * self.num_experts_per_tok
-        aux = dict(load_balance_loss=loss, expert_counts=counts,
+        aux = dict(load_balance_loss=loss, expert_counts=counts, dropped_tokens=dropped,
                    dropped_fraction=dropped.astype(jnp.float32) / copies)
         return y, aux
 

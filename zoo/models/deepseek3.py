@@ -81,6 +81,9 @@ class DeepSeek3Config:
     # zoo fields (not in config.json)
     attention_implementation: str = "auto"
     capacity_factor: float | None = None  # None: dropless MoE
+    moe_dispatch: str = "auto"  # MoE(dispatch=): "all_to_all", "all_gather" or "auto"
+    moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
+    moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
     remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
     scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
     dtype: Any = jnp.float32  # computation dtype
@@ -241,7 +244,9 @@ class DeepSeek3DecoderLayer(DecoderLayer):
             partitioner=partitioner, scoring="sigmoid", n_group=config.n_group,
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
             norm_topk_prob=config.norm_topk_prob, num_shared_experts=config.n_shared_experts,
-            capacity_factor=config.capacity_factor, dtype=config.dtype,
+            capacity_factor=config.capacity_factor, dispatch=config.moe_dispatch,
+            grouped_matmul=config.moe_grouped_matmul, buffer_factor=config.moe_buffer_factor,
+            dtype=config.dtype,
             param_dtype=config.param_dtype, rngs=rngs)
 
 

@@ -55,6 +55,9 @@ class MixtralConfig:
     # zoo fields (not in config.json)
     attention_implementation: str = "auto"
     capacity_factor: float | None = None  # None: dropless MoE
+    moe_dispatch: str = "auto"  # MoE(dispatch=): "all_to_all", "all_gather" or "auto"
+    moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
+    moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
     remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
     scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
     dtype: Any = jnp.float32  # computation dtype
@@ -184,7 +187,10 @@ class MixtralDecoderLayer(DecoderLayer):
         return self.moe_cls(
             num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
             mlp_dim=config.intermediate_size, inputs_shape=inputs_shape, partitioner=partitioner,
-            scoring="softmax", capacity_factor=config.capacity_factor, dtype=config.dtype,
+            scoring="softmax", capacity_factor=config.capacity_factor,
+            dispatch=config.moe_dispatch, grouped_matmul=config.moe_grouped_matmul,
+            buffer_factor=config.moe_buffer_factor,
+            dtype=config.dtype,
             param_dtype=config.param_dtype, rngs=rngs)
 
 

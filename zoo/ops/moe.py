@@ -1,29 +1,35 @@
-"""Pure mixture-of-experts functions: routing, balance statistics and token dispatch.
+"""Pure mixture-of-experts functions: routing, balance statistics, grouped matmul, dispatch.
 
 No parameters and no mesh here; `zoo.layers.moe.MoE` wires them into a layer and runs the
-dispatch inside `jax.shard_map`. Everything works on one device's tokens and one device's
-(local) experts, so the same functions serve the unsharded and the expert-parallel paths.
+dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exchanges over).
 
 * `route` -- router logits -> top-k expert indices and combine weights, in float32, with the
   semantics of Hugging Face's ``MixtralTopKRouter`` (``scoring="softmax"``) and
   ``DeepseekV3TopkRouter`` (``scoring="sigmoid"``: selection bias, group-limited top-k,
   ``norm_topk_prob``, ``routed_scaling_factor``).
 * `expert_counts`, `load_balance_loss` -- balance statistics over the tokens given.
-* `dropless_experts` -- sort token copies by expert and run the SwiGLU experts as a grouped
-  matmul (`grouped_swiglu`): `jax.lax.ragged_dot` on GPU/TPU; on XLA:CPU, where ragged_dot
-  lowers to a dense masked matmul over every local expert, a blocked grouped matmul (rows
-  padded per expert to blocks, batched matmul; 3.6-9.8x faster there, `benchmarks/moe.py`).
-  Nothing is dropped. Buffer: ``tokens * k`` rows (the worst case, every copy on a local
-  expert), so shapes stay static.
+* `grouped_swiglu` -- the experts' SwiGLU on rows sorted by expert. What runs where:
+  ``"auto"`` picks, when the program is lowered (`jax.lax.platform_dependent`), the blocked
+  grouped matmul on CPU (`blocked_matmul`: each expert's rows padded to blocks, a loop of
+  dense block matmuls that slices each block's weight in place and skips empty blocks; HLO
+  FLOPs within 1.25x of the useful ones once groups average 32 rows) and
+  ``tokamax.ragged_dot`` on GPU/TPU (Mosaic GPU / Triton / Mosaic TPU kernels).
+  ``jax.lax.ragged_dot`` stays selectable: XLA (GPU and CPU) expands it into a dense masked
+  matmul over every local expert, ``E_local`` times the useful FLOPs.
+* `dropless_experts` -- the all_gather scheme's work on one device: every token copy it sees,
+  sorted by local expert (copies for other shards' experts sort last and cost nothing).
+* `all_to_all_experts` -- the all_to_all scheme: each token copy travels only to the device
+  holding its expert (`jax.lax.ragged_all_to_all` on GPU/TPU, a padded `jax.lax.all_to_all`
+  on CPU, chosen at lowering), into ``capacity`` rows per peer (`a2a_capacity`: dropless by
+  default, or ``buffer_factor`` times the balanced share, overflow counted); results come
+  back the same way. Sends, expert math and the k-way combine run in the compute dtype.
 * `capacity_experts` -- fixed capacity per expert (``[E, C, D]`` buffers, batched matmul);
   copies beyond the capacity are dropped, first choices before second choices.
-
-Only experts ``expert_offset .. expert_offset + E_local`` (the weights passed in) are computed;
-copies routed elsewhere contribute zero, so summing the outputs of all expert shards gives the
-full layer.
+* `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
+  compares).
 
 Legend: T tokens, M token copies (T*k), k experts per token, D embed, E experts (E_local on
-this device), F mlp, C capacity per expert.
+this device), F mlp, C capacity per expert (or per peer), R receive rows, EP expert shards.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -104,7 +111,10 @@ def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int
     return max(1, math.ceil(factor * tokens * k / num_experts))
 
 
-# -- dispatch ----------------------------------------------------------------------------------
+# -- grouped matmul ------------------------------------------------------------------------------
+GROUPED_MATMULS = ("auto", "blocked", "ragged_dot", "tokamax")
+
+
 def _local_keys(expert_ids: jax.Array, expert_offset, num_local: int) -> jax.Array:
     """Local expert id in ``0..E_local-1``; copies for other shards' experts -> ``E_local``."""
     local = expert_ids - expert_offset
@@ -112,22 +122,94 @@ def _local_keys(expert_ids: jax.Array, expert_offset, num_local: int) -> jax.Arr
 
 
 def block_size(rows: int, num_local: int) -> int:
-    """Rows per block of the blocked grouped matmul: the power of two nearest the mean group
-    size, within 8..128 (small blocks waste less padding, large ones run matmuls faster)."""
-    mean = max(1.0, rows / max(1, num_local))
-    return int(min(128, max(8, 2 ** round(math.log2(mean)))))
+    """Rows per block of the blocked grouped matmul for about `rows` real rows: the largest
+    power of two within 8..128 that is at most a quarter of the mean group size, so padding
+    (at most ``E_local * (block - 1)`` rows) stays within 25% of the useful work whenever the
+    mean group has 32 rows or more."""
+    quarter = max(1.0, rows / max(1, num_local) / 4)
+    return int(min(128, max(8, 2 ** math.floor(math.log2(quarter)))))
 
 
-def _blocked_swiglu(x: jax.Array, keys: jax.Array, wi_gate: jax.Array, wi_up: jax.Array,
-                    wo: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
-    """Grouped SwiGLU from gathers and batched matmuls (megablocks-style), for XLA:CPU.
+def _varying(v: jax.Array) -> frozenset:
+    """The `jax.shard_map` axes `v` varies over (empty outside a shard_map)."""
+    return jax.typeof(v).manual_axis_type.varying
 
-    Each expert's rows are padded to a multiple of `block`; every block belongs to one expert,
-    so ``[blocks, block, D] x [blocks, D, F]`` (weights gathered per block) does the work.
-    Static sizes: ``blocks = ceil((M + E_local * (block - 1)) / block)``, i.e. at most
-    ``E_local * (block - 1)`` padding rows. `keys` are the sorted rows' local expert ids.
+
+def _vary(v: jax.Array, axes) -> jax.Array:
+    """`v` marked as varying over `axes` too (inside `jax.shard_map`; a no-op outside)."""
+    missing = tuple(sorted(set(axes) - _varying(v)))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v
+
+
+def _block_mm(x: jax.Array, w: jax.Array, experts: jax.Array, active: jax.Array) -> jax.Array:
+    """``x [n, b, K]`` block n times ``w[experts[n]] [K, N]`` -> ``[n, b, N]``; inactive
+    blocks give zeros and cost nothing (a `lax.cond` inside a loop). The weight of each block
+    is sliced inside the loop, never gathered into an ``[n, K, N]`` temporary."""
+    zeros = _vary(jnp.zeros((x.shape[1], w.shape[-1]), jnp.result_type(x, w)),
+                  _varying(x) | _varying(w))
+
+    def one(args):
+        xb, e, on = args
+        return jax.lax.cond(on, lambda: xb @ jax.lax.dynamic_index_in_dim(w, e, 0, False),
+                            lambda: zeros)
+    return jax.lax.map(one, (x, experts, active))
+
+
+@jax.custom_vjp
+def blocked_matmul(x, w, experts, active):
+    """Block-diagonal grouped matmul ``[n, b, K] x [E, K, N] -> [n, b, N]`` (each block of
+    rows belongs to one expert), differentiable with loops only: the gradient wrt ``x`` is the
+    same loop against ``w^T``, the gradient wrt ``w`` accumulates ``x_n^T dy_n`` into
+    ``dw[experts[n]]`` (one ``[E, K, N]`` carry)."""
+    return _block_mm(x, w, experts, active)
+
+
+def _blocked_fwd(x, w, experts, active):
+    return _block_mm(x, w, experts, active), (x, w, experts, active)
+
+
+def _blocked_bwd(res, dy):
+    x, w, experts, active = res
+    dx = _block_mm(dy, jnp.swapaxes(w, 1, 2), experts, active)
+    # dw: an expert's blocks are contiguous, so one float32 [K, N] accumulator runs over them
+    # and is written into dw (w's dtype) once per expert -- exact float32 sums without a
+    # float32 copy of all the local experts' weights
+    vary = lambda v: _vary(v, _varying(w))
+
+    def flush(dw, acc, e):
+        return jax.lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), e, 0)
+
+    def step(n, carry):
+        def add(carry):
+            dw, acc, cur = carry
+            e = experts[n]
+            dw, acc = jax.lax.cond(e != cur, lambda: (flush(dw, acc, cur), jnp.zeros_like(acc)),
+                                   lambda: (dw, acc))
+            g = jnp.dot(x[n].T, dy[n], preferred_element_type=jnp.float32)  # bf16 in, f32 sum
+            return dw, acc + g, e
+        return jax.lax.cond(active[n], add, lambda c: c, carry)
+    init = (vary(jnp.zeros(w.shape, w.dtype)), vary(jnp.zeros(w.shape[1:], jnp.float32)),
+            vary(experts[0]))
+    dw, acc, cur = jax.lax.fori_loop(0, x.shape[0], step, init)
+    dw = flush(dw, acc, cur)
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+    return dx, dw, zero(experts), zero(active)
+
+
+blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
+                    group_sizes: jax.Array, block: int, order: jax.Array | None = None
+                    ) -> jax.Array:
+    """Grouped SwiGLU for XLA:CPU: each expert's rows padded to a multiple of `block`, then
+    `blocked_matmul` over the blocks that hold rows (the rest are skipped at run time).
+
+    Static sizes: ``blocks = ceil((R + E_local * (block - 1)) / block)`` for an ``R``-row
+    buffer, so the program's FLOPs are at most ``1 + E_local * block / R`` times the useful
+    work when the buffer is full; rows past ``sum(group_sizes)`` cost nothing.
     """
-    rows, _ = x.shape
+    rows = x.shape[0]
     num_local = wi_gate.shape[0]
     blocks = -(-(rows + num_local * (block - 1)) // block)
     starts = jnp.cumsum(group_sizes) - group_sizes
@@ -138,62 +220,254 @@ def _blocked_swiglu(x: jax.Array, keys: jax.Array, wi_gate: jax.Array, wi_up: ja
     expert = jnp.minimum(jnp.searchsorted(padded_ends, q, side="right"), num_local - 1)
     offset = q - padded_starts[expert]
     src = jnp.clip(starts[expert] + offset, 0, rows - 1)
-    xp = jnp.where((offset < group_sizes[expert])[:, None], x[src], 0)
-    xp = xp.reshape(blocks, block, -1)
+    if order is not None:  # x is unsorted: one gather straight into the padded layout
+        src = order[src]
+    xp = jnp.where((offset < group_sizes[expert])[:, None], x[src], 0).reshape(blocks, block, -1)
     be = expert.reshape(blocks, block)[:, 0]  # one expert per block
-    gate = jnp.einsum("nbd,ndf->nbf", xp, wi_gate[be])
-    up = jnp.einsum("nbd,ndf->nbf", xp, wi_up[be])
-    out = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(gate) * up, wo[be]).reshape(blocks * block, -1)
-    e_row = jnp.minimum(keys, num_local - 1)
-    dest = padded_starts[e_row] + jnp.arange(rows) - starts[e_row]
-    return out[jnp.clip(dest, 0, blocks * block - 1)]  # rows of other shards: masked by caller
+    active = jnp.arange(blocks) * block < padded_ends[-1]
+    # one varying type for blocks and weights, so the custom VJP returns each weight's
+    # gradient in its own type (the sum over token shards is the transposed pcast's psum)
+    axes = frozenset().union(*(_varying(v) for v in (xp, be, wi_gate, wi_up, wo)))
+    xp, be, active, wi_gate, wi_up, wo = (_vary(v, axes)
+                                          for v in (xp, be, active, wi_gate, wi_up, wo))
+    h = (jax.nn.silu(blocked_matmul(xp, wi_gate, be, active))
+         * blocked_matmul(xp, wi_up, be, active))
+    out = blocked_matmul(h, wo, be, active).reshape(blocks * block, -1)
+    r = jnp.arange(rows)  # sorted row -> its padded row
+    e_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right"),
+                        num_local - 1)
+    dest = padded_starts[e_row] + r - starts[e_row]
+    if order is not None:  # each row of x's own order -> its padded row
+        dest = jnp.zeros_like(dest).at[order].set(dest)
+    return out[jnp.clip(dest, 0, blocks * block - 1)]  # rows past the groups: masked by caller
 
 
-def grouped_swiglu(x: jax.Array, keys: jax.Array, wi_gate: jax.Array, wi_up: jax.Array,
-                   wo: jax.Array, group_sizes: jax.Array, impl: str | None = None) -> jax.Array:
-    """SwiGLU of rows sorted by expert: ``[M, D] -> [M, D]``; rows past ``sum(group_sizes)``
-    are undefined. ``impl``: ``"ragged_dot"`` (`jax.lax.ragged_dot`: a grouped-matmul kernel on
-    GPU/TPU, but a dense masked matmul over all local experts on XLA:CPU), ``"blocked"``
-    (`_blocked_swiglu`) or None: ``"blocked"`` on CPU, ``"ragged_dot"`` elsewhere."""
-    impl = impl or ("blocked" if jax.default_backend() == "cpu" else "ragged_dot")
+def _ragged_swiglu(dot, x, wi_gate, wi_up, wo, group_sizes):
+    gate = dot(x, wi_gate, group_sizes)  # MD,EDF->MF
+    up = dot(x, wi_up, group_sizes)
+    return dot(jax.nn.silu(gate) * up, wo, group_sizes)  # MF,EFD->MD
+
+
+def _tokamax_dot(x, w, group_sizes):
+    import tokamax  # imported on use: an accelerator kernel library, not needed on CPU
+    from absl import flags
+    # tokamax 0.0.12 reads its options through absl flags and, if nobody parsed them, parses
+    # sys.argv -- which fails on any program's own flags (pytest's, the recipes'); take the
+    # defaults instead
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax.ragged_dot(x, w, group_sizes)
+
+
+def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
+                   group_sizes: jax.Array, impl: str = "auto", *,
+                   expected_rows: int | None = None, order: jax.Array | None = None
+                   ) -> jax.Array:
+    """SwiGLU of rows sorted by expert: ``[R, D] -> [R, D]``; rows past ``sum(group_sizes)``
+    are undefined (callers mask them).
+
+    ``impl``:
+      * ``"blocked"``: `_blocked_swiglu`, loops of dense block matmuls; the CPU path.
+      * ``"tokamax"``: ``tokamax.ragged_dot`` (Mosaic GPU kernels on Hopper/Blackwell, Triton,
+        Mosaic TPU; its XLA fallback elsewhere).
+      * ``"ragged_dot"``: `jax.lax.ragged_dot`; XLA:GPU and XLA:CPU expand it to a dense masked
+        matmul over every local expert (``E_local`` times the useful FLOPs), kept as a
+        reference.
+      * ``"auto"``: ``"blocked"`` when the program is lowered for CPU, ``"tokamax"`` for any
+        other platform (`jax.lax.platform_dependent`, so a program lowered here for ``cuda``
+        holds the accelerator path).
+    ``expected_rows``: the real rows expected (sets the block size; default ``R``).
+    ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
+    then comes back in ``x``'s own order (the blocked form folds both permutations into its
+    own gathers, saving two ``[R, D]`` temporaries).
+    """
+    if impl not in GROUPED_MATMULS:
+        raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
+    block = block_size(expected_rows or x.shape[0], wi_gate.shape[0])
+    args = (x, wi_gate, wi_up, wo, group_sizes)
+    blocked = lambda *a: _blocked_swiglu(*a, block, order)
+
+    def sorted_rows(dot):
+        def run(x, *rest):
+            if order is None:
+                return _ragged_swiglu(dot, x, *rest)
+            inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
+                                                                     dtype=order.dtype))
+            return _ragged_swiglu(dot, x[order], *rest)[inverse]
+        return run
     if impl == "blocked":
-        block = block_size(x.shape[0], wi_gate.shape[0])
-        return _blocked_swiglu(x, keys, wi_gate, wi_up, wo, group_sizes, block)
-    if impl != "ragged_dot":
-        raise ValueError(f"grouped matmul impl={impl!r} must be 'ragged_dot', 'blocked' or None")
-    gate = jax.lax.ragged_dot(x, wi_gate, group_sizes)  # MD,EDF->MF
-    up = jax.lax.ragged_dot(x, wi_up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes)  # MF,EFD->MD
+        return blocked(*args)
+    if impl == "ragged_dot":
+        return sorted_rows(jax.lax.ragged_dot)(*args)
+    tok = sorted_rows(_tokamax_dot)
+    if impl == "tokamax":
+        return tok(*args)
+    return jax.lax.platform_dependent(*args, cpu=blocked, default=tok)
+
+
+# -- dispatch ----------------------------------------------------------------------------------
+def _combine(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
+    """``out [k, T, D]`` (copy ``j*T + t``) weighted by ``weights [T, k]`` and summed over k,
+    as one dot in the compute dtype (so its transpose is one too; GPU/TPU matmul units
+    accumulate it in float32), returned as float32."""
+    return jnp.einsum("ktd,tk->td", out_copies,
+                      weights.astype(out_copies.dtype)).astype(jnp.float32)
 
 
 def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,
-                     wi_up: jax.Array, wo: jax.Array, *, expert_offset=0,
-                     impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+                     wi_up: jax.Array, wo: jax.Array, *, expert_offset=0, impl: str = "auto",
+                     expected_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of the local experts' SwiGLU outputs for each token; nothing dropped.
 
     Args:
       x: ``[T, D]`` tokens; indices, weights: ``[T, k]`` from `route`.
       wi_gate, wi_up: ``[E_local, D, F]``; wo: ``[E_local, F, D]`` (experts
         ``expert_offset ..``; the offset may be traced, e.g. from `jax.lax.axis_index`).
-      impl: the grouped matmul, see `grouped_swiglu`.
+      impl, expected_rows: the grouped matmul, see `grouped_swiglu`.
     Returns:
       ``(y [T, D] float32, dropped)`` with ``dropped`` an int32 zero (nothing is dropped).
     """
     num_tokens, k = indices.shape
     num_local = wi_gate.shape[0]
-    keys = _local_keys(indices.reshape(-1), expert_offset, num_local)  # [M], row = t*k + j
+    keys = _local_keys(indices.T.reshape(-1), expert_offset, num_local)  # [M], row = j*T + t
     order = jnp.argsort(keys, stable=True)  # local experts' copies first, grouped by expert
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
-    x_sorted = x[order // k].astype(wi_gate.dtype)  # [M, D]
-    out = grouped_swiglu(x_sorted, keys[order], wi_gate, wi_up, wo, group_sizes, impl)
+    x_sorted = x.astype(wi_gate.dtype)[order % num_tokens]  # [M, D]
+    out = grouped_swiglu(x_sorted, wi_gate, wi_up, wo, group_sizes, impl,
+                         expected_rows=expected_rows)
     # rows past the local groups belong to other shards' experts: zero them explicitly, since
     # a grouped-matmul kernel need not define them
-    w_sorted = jnp.where(keys < num_local, weights.reshape(-1), 0.0)[order]
     valid = jnp.arange(order.shape[0]) < group_sizes.sum()
-    out = jnp.where(valid[:, None], out.astype(jnp.float32) * w_sorted[:, None], 0.0)
+    out = jnp.where(valid[:, None], out, 0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = out[inverse].reshape(num_tokens, k, -1).sum(1)  # back to token order, sum over k
+    y = _combine(out[inverse].reshape(k, num_tokens, -1), weights)
     return y, jnp.zeros((), jnp.int32)
+
+
+def a2a_capacity(tokens: int, k: int, num_local: int, num_shards: int,
+                 buffer_factor: float | None) -> int:
+    """Rows each device reserves per peer in `all_to_all_experts`: dropless (None) the most
+    that can arrive from ``tokens`` tokens, ``tokens * min(k, E_local)`` (a token sends at
+    most one copy to each of a peer's experts); else ``ceil(f * tokens * k / EP)``, ``f``
+    times the balanced share, capped at the dropless size."""
+    most = tokens * min(k, num_local)
+    if buffer_factor is None:
+        return most
+    return max(1, min(most, math.ceil(buffer_factor * tokens * k / num_shards)))
+
+
+def _send_padded(x, e_local, src, filled, axis_name):
+    """CPU transport: ``[EP, C]`` slots gathered from the tokens, one dense `all_to_all`."""
+    send_x = jnp.where(filled[..., None], x[src], 0)
+    send_e = jnp.where(filled, e_local, -1)
+    recv = [jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True) for v in (send_x, send_e)]
+    return recv[0].reshape(-1, x.shape[-1]), recv[1].reshape(-1)
+
+
+def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
+                       wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *,
+                       axis_name, num_shards: int, capacity: int, impl: str = "auto",
+                       transport: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel dispatch by all-to-all, inside `jax.shard_map` over `axis_name`.
+
+    Each device holds its own tokens ``x [T, D]`` (with ``indices/weights [T, k]``) and the
+    experts ``me * E_local ..`` (``me = axis_index(axis_name)``). Every token copy travels
+    only to the device holding its expert, into ``capacity`` rows reserved per sender there
+    (see `a2a_capacity`); the receiver sorts what arrived by expert, runs the grouped SwiGLU
+    and sends the rows back the same way, and the sender combines them with the routing
+    weights. Copies beyond a peer's ``capacity`` are dropped: first choices go before second
+    choices (then token order), exactly like on every platform; kept copies are exact.
+
+    ``transport``: ``"ragged"`` (`jax.lax.ragged_all_to_all`: only real rows travel; GPU/TPU),
+    ``"padded"`` (a dense `jax.lax.all_to_all` of ``[EP, capacity, D]``; XLA:CPU has no ragged
+    all-to-all) or ``"auto"``: padded when lowered for CPU, ragged elsewhere
+    (`jax.lax.platform_dependent`).
+    Returns ``(y [T, D] float32, dropped copies int32 on this device)``.
+    """
+    num_tokens, k = indices.shape
+    num_local = wi_gate.shape[0]
+    copies, cap, n = num_tokens * k, capacity, num_shards
+    me = jax.lax.axis_index(axis_name)
+    ids = indices.T.reshape(-1)  # [M], copy j*T + t: first choices first
+    dest = ids // num_local
+    order = jnp.argsort(dest, stable=True)  # by destination, priority order within
+    counts = jnp.bincount(dest, length=n).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    sent = jnp.minimum(counts, cap)
+    x = x.astype(wi_gate.dtype)
+    e_local = ids - dest * num_local
+    slot = jnp.arange(cap)
+    src_copy = order[jnp.clip(starts[:, None] + slot, 0, copies - 1)]  # [EP, C]
+    filled = slot < sent[:, None]
+    recv_sizes = jax.lax.all_to_all(sent, axis_name, 0, 0, tiled=True)  # from each peer
+    their_starts = jax.lax.all_to_all(starts, axis_name, 0, 0, tiled=True)
+    vary = lambda v, like: _vary(v, _varying(like))
+
+    def ragged_go(x, e_local):
+        xs, es = x[order % num_tokens], e_local[order]  # sorted copies [M, D], [M]
+        at = jnp.full((n,), me * cap, jnp.int32)  # my rows on every peer
+        rx = jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, x.shape[-1]), x.dtype), xs),
+                                       starts, sent, at, recv_sizes, axis_name=axis_name)
+        re = jax.lax.ragged_all_to_all(es, vary(jnp.full((n * cap,), -1, es.dtype), es),
+                                       starts, sent, at, recv_sizes, axis_name=axis_name)
+        return rx, re
+
+    def padded_go(x, e_local):
+        return _send_padded(x, e_local[src_copy], src_copy % num_tokens, filled, axis_name)
+
+    go = dict(ragged=ragged_go, padded=padded_go)
+    if transport == "auto":
+        recv_x, recv_e = jax.lax.platform_dependent(x, e_local, cpu=padded_go, default=ragged_go)
+    else:
+        recv_x, recv_e = go[transport](x, e_local)
+
+    # on the receiver: [EP * C] rows, peer-major; empty slots have expert -1
+    keys = jnp.where(recv_e < 0, num_local, recv_e)
+    order2 = jnp.argsort(keys, stable=True)
+    group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    out = grouped_swiglu(recv_x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows=copies,
+                         order=order2)  # in arrival order
+    out = jnp.where((keys < num_local)[:, None], out, 0)
+
+    pos = jnp.zeros_like(order).at[order].set(jnp.arange(copies, dtype=order.dtype))
+    rank = pos - starts[dest]  # each copy's place among those for its destination
+    kept = rank < cap
+
+    def ragged_back(out):
+        back = jax.lax.ragged_all_to_all(
+            out, vary(jnp.zeros((copies, out.shape[-1]), out.dtype), out), jnp.arange(n) * cap,
+            recv_sizes, their_starts, sent, axis_name=axis_name)
+        return back[pos]
+
+    def padded_back(out):
+        back = jax.lax.all_to_all(out.reshape(n, cap, -1), axis_name, 0, 0, tiled=True)
+        return back[dest, jnp.minimum(rank, cap - 1)]
+
+    back = dict(ragged=ragged_back, padded=padded_back)
+    if transport == "auto":
+        got = jax.lax.platform_dependent(out, cpu=padded_back, default=ragged_back)
+    else:
+        got = back[transport](out)
+    got = jnp.where(kept[:, None], got, 0).reshape(k, num_tokens, -1)
+    return _combine(got, weights), (copies - sent.sum()).astype(jnp.int32)
+
+
+def dispatch_bytes(scheme: str, *, tokens: int, k: int, embed: int, num_shards: int,
+                   itemsize: int = 2) -> float:
+    """Analytic bytes one device sends per MoE layer and train step (forward and backward),
+    with ``tokens`` tokens per device and balanced routing.
+
+    ``all_gather``: tokens gathered over the expert axis, outputs reduce-scattered back
+    (``(EP - 1) * T * D`` each way; the transposes repeat both in the backward pass).
+    ``all_to_all``: the copies bound for other devices, ``T * k * (EP - 1) / EP`` rows each
+    way and again in the backward pass -- the minimum for any scheme that moves activations.
+    """
+    ep, row = num_shards, embed * itemsize
+    if scheme == "all_gather":
+        return 2 * 2 * (ep - 1) * tokens * row
+    if scheme == "all_to_all":
+        return 2 * 2 * tokens * k * (ep - 1) / ep * row
+    raise ValueError(f"dispatch scheme {scheme!r} must be 'all_gather' or 'all_to_all'")
 
 
 def capacity_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,

@@ -457,7 +457,7 @@ def _build(recipe, parser, args, config, tokenizer, run_lock) -> Setup:
     try:
         step_lib.check_process_layout(batch_sharding, (B, L))
         # Build once abstractly now so shape/mesh errors surface here as flag errors.
-        nnx.eval_shape(lambda: recipe.model_cls(config, inputs_shape=(B, L),
+        abstract = nnx.eval_shape(lambda: recipe.model_cls(config, inputs_shape=(B, L),
                                                 partitioner=partitioner, rngs=nnx.Rngs(0)))
     except ValueError as e:
         _refuse(parser, args, e, f"{e} (mesh {mesh_text}, strategy {strategy}, batch {B}, "
@@ -504,6 +504,10 @@ def _build(recipe, parser, args, config, tokenizer, run_lock) -> Setup:
                       load_balance=balance != "none"),
         data=dict(paths=args.data, tokenizer=args.tokenizer or "bytes", from_hf=args.from_hf,
                   load_balance=balance, corpus_docs=args.corpus_docs))
+    from zoo.layers.moe import moe_modules  # the MoE kernels as resolved for this mesh
+    run_config["moe"] = next((dict(dispatch=m.dispatch, requested=m.dispatch_requested,
+                                   grouped_matmul=m.grouped_matmul, buffer_factor=m.buffer_factor)
+                              for m in moe_modules(abstract, with_bias=False)), None)
     return Setup(args=args, config=config, partitioner=partitioner, mesh_text=mesh_text,
                  strategy=strategy, batch_sharding=batch_sharding, make_model=make_model, tx=tx,
                  schedule=schedule, train_step=train_step, data=data, run_config=run_config,

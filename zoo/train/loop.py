@@ -388,6 +388,8 @@ def _loop(*, step_fn, model, optimizer, schedule, data, batch_sharding, ckpt, st
                    model_flops_per_s=flops_per_token * tokens_per_step / dt,
                    step_time_s=dt, data_time_s=f.t_data,
                    target_tokens=int(out["weight_sum"]))
+        if "dropped_tokens" in out:  # MoE token copies over the all_to_all buffers
+            row["dropped_tokens"] = int(out["dropped_tokens"])
         counts = out.get("expert_counts")
         if counts is not None:
             counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])

@@ -156,6 +156,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
                        param_norm=optax.tree.norm(nnx.state(model, nnx.Param)),
                        lr=jnp.asarray(lr, jnp.float32),
                        weight_sum=jnp.sum(batch["loss_weights"].astype(jnp.float32)))
+        if aux.get("dropped_tokens") is not None:  # MoE copies over an all-to-all buffer
+            metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
         counts = aux.get("expert_counts")
         if counts is not None and jnp.size(counts):
             counts = jnp.asarray(counts)
