@@ -337,10 +337,10 @@ ERRORS = [  # (what, thunk, message pattern)
     ("heads not a multiple of kv heads", lambda: _attn(num_heads=6, num_kv_heads=4),
      r"num_heads=6 is not a multiple of num_kv_heads=4; choose num_kv_heads among \[1, 2, 3, 6\]"),
     ("length vs 2*cp", lambda: _attn(_p("cp", context=8), inputs_shape=(B, 24, D)),
-     r"length 24 is not divisible by 2\*context = 16.*pad it to 32 \(or cut it to 16\)"),
+     r"length=24 is not divisible by 2\*context = 16.*pad it to 32 \(or cut it to 16\)"),
     ("length vs 2*cp, ep_as_cp", lambda: _mla(_p("ep_as_cp", fsdp=2, expert=2, context=2),
                                               inputs_shape=(B, 36, D)),
-     r"length 36 is not divisible by 2\*context = 8.*pad it to 40"),
+     r"length=36 is not divisible by 2\*context = 8.*pad it to 40"),
     ("heads vs tensor", lambda: _attn(_p("fsdp", fsdp=4, tensor=2), num_heads=3, num_kv_heads=1),
      r"num_heads=3 is not divisible by the tensor axis size 2"),
     ("kv heads vs tensor", lambda: _attn(_p("fsdp", fsdp=2, tensor=4), num_heads=12,
@@ -349,9 +349,9 @@ ERRORS = [  # (what, thunk, message pattern)
     ("mla heads vs tensor", lambda: _mla(_p("fsdp", fsdp=2, tensor=4), num_heads=6),
      r"MLA: num_heads=6 is not divisible by the tensor axis size 4"),
     ("batch vs shards", lambda: _attn(_p("fsdp", fsdp=8), inputs_shape=(2, L, D)),
-     r"batch 2 is not divisible by its 8 shards.*multiple of 8"),
+     r"batch=2 is not divisible by its 8 shards.*multiple of 8"),
     ("embed vs shards", lambda: _attn(_p("fsdp", fsdp=8), inputs_shape=(8, L, 36)),
-     r"embed 36 is not divisible by the 8 shards"),
+     r"embed=36 is not divisible by its 8 shards"),
     ("bad inputs_shape", lambda: _attn(inputs_shape=(B, L)), r"three positive ints"),
     ("bad implementation", lambda: _attn(implementation="flash"),
      r"implementation='flash'; valid values are"),
@@ -380,7 +380,7 @@ def test_call_checks_shapes():
     with pytest.raises(ValueError, match=r"positions has shape \(4, 16\)"):
         m(x, positions=pos[:, :16])
     m = _attn(_p("cp", context=8))
-    with pytest.raises(ValueError, match=r"length 24 is not divisible by 2\*context = 16"):
+    with pytest.raises(ValueError, match=r"length=24 is not divisible by 2\*context = 16"):
         jax.eval_shape(lambda x, pos: m(x, positions=pos), x[:, :24], pos[:, :24])
 
 

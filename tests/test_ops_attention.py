@@ -323,7 +323,7 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="implementation='flash'"):
         attention(q, k, v, implementation="flash", **kw)
     short = dict(q_positions=pos[:, :60], kv_positions=pos[:, :60])
-    with pytest.raises(ValueError, match="not divisible by the attention sequence shards"):
+    with pytest.raises(ValueError, match="query length=60 is not divisible by its 8 shards"):
         attention(q[:, :60], k[:, :60], v[:, :60], partitioner=partitioner("cp8"), **short)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         attention(q[:, :, :3], k, v, **kw)
@@ -333,8 +333,7 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="not divisible by the tensor axis size 4"):
         attention(q6, k3, jnp.concatenate([v, v[:, :, :1]], axis=2), partitioner=p, **kw)
     with pytest.raises(ValueError, match="must divide one another"):
-        zoo.ops.check_attention_shapes(partitioner=p, batch=2, q_length=64, kv_length=64,
-                                       num_heads=12, num_kv_heads=3)
+        p.check_heads(12, 3)
     with pytest.raises(ValueError, match="segment_ids"):
         attention(q, k, v, q_segment_ids=seg, **kw)
     with pytest.raises(ValueError, match="q_positions has shape"):

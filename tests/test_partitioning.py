@@ -162,3 +162,48 @@ def test_mesh_shape_parse(devices):
 
 def test_top_level_exports():
     assert zoo.make_mesh is make_mesh and zoo.Partitioner is Partitioner
+
+
+def test_shape_checks_live_on_the_partitioner(devices):
+    """The layers' and ops' divisibility and head rules: each check passes on a shape that
+    splits and names the value, the shards and the fix on one that does not."""
+    p = Partitioner(make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")  # attention cp = 4
+    p.check_split("embed", 64, "embed", "attention")
+    with pytest.raises(ValueError, match=r"X: embed=6 is not divisible by its 8 shards over "
+                                         r"mesh axes \('fsdp', 'context', 'expert'\).*e\.g\. 8"):
+        p.check_split("embed", 6, "embed", "attention", what="X")
+    p.check_sequence(24, "attention")  # 24 = 3 * 2*cp: balanced chunks
+    with pytest.raises(ValueError, match=r"length=20 is not divisible by 2\*context = 8.*pad "
+                                         r"it to 24 \(or cut it to 16\)"):
+        p.check_sequence(20, "attention")
+    p.check_sequence(20, "attention", balanced=False)  # 20 % cp == 0 is enough unbalanced
+    with pytest.raises(ValueError, match=r"kv length=6 is not divisible by its 4 shards"):
+        p.check_sequence(6, "attention", name="kv length", balanced=False)
+    p.check_tokens(2, 8, "moe")
+    with pytest.raises(ValueError, match=r"batch=3 is not divisible by its 2 shards.*multiple "
+                                         r"of 2"):
+        p.check_tokens(3, 8, "attention")
+    t = Partitioner(make_mesh(fsdp=2, tensor=4), "fsdp")
+    t.check_heads(8, 2)  # 2 kv heads repeated over 4 tensor shards
+    t.check_heads(8, 8)
+    for heads, kv, pattern in ((6, 4, "not a multiple of num_kv_heads=4; choose num_kv_heads "
+                                      r"among \[1, 2, 3, 6\]"),
+                               (6, 3, "num_heads=6 is not divisible by the tensor axis size 4"),
+                               (12, 3, "num_kv_heads=3 and the tensor axis size 4 must divide "
+                                       "one another")):
+        with pytest.raises(ValueError, match=pattern):
+            t.check_heads(heads, kv)
+    assert Partitioner.check_inputs_shape((2, 8, 4)) == (2, 8, 4)
+    with pytest.raises(ValueError, match="three positive ints"):
+        Partitioner.check_inputs_shape((2, 8))
+    assert zoo.partitioning.axes_size(t.mesh, ("fsdp", "tensor")) == 8 == t.axis_size(
+        ("fsdp", "tensor"))
+    assert zoo.partitioning.axes_size(None, "fsdp") == 1
+
+
+def test_flax_workarounds_are_version_guarded():
+    from zoo import _flax_compat as fc
+    assert fc.version_tuple("0.12.8") == (0, 12, 8) == fc.version_tuple("0.12.8+local")
+    assert fc.version_tuple("0.13.0rc1") == (0, 13, 0)
+    on = fc.FLAX_VERSION <= fc.CHECKED_ON
+    assert fc.NUMPY_RNG_COUNTER is on and fc.TREE_MODE_REMAT is on

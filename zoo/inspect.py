@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zoo.partitioning import axes_size
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -34,13 +36,6 @@ class Row:
     @property
     def total_bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-
-def _axes_size(mesh: Any, entry: Any) -> int:
-    if entry is None or mesh is None:
-        return 1
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
-    return math.prod(mesh.shape[n] for n in names)
 
 
 def _human(n: float) -> str:
@@ -123,7 +118,7 @@ def _row(path: tuple, var: nnx.Variable) -> Row:
         spec, mesh = sharding.spec, sharding.mesh
     spec = P(*spec) if spec is not None else P()
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    shard = tuple(-(-d // _axes_size(mesh, e)) for d, e in zip(shape, entries))
+    shard = tuple(-(-d // axes_size(mesh, e)) for d, e in zip(shape, entries))
     logical = meta.get("logical_axes")
     return Row(path="/".join(str(p) for p in path), kind=type(var).__name__, shape=shape,
                dtype=dtype, logical_axes=tuple(logical) if logical is not None else None,
@@ -174,7 +169,7 @@ def activation_table(partitioner: Any, *, batch: int, length: int, embed: int, h
         shape = tuple(sizes[k] for k in keys)
         spec = partitioner.spec(axes, scope)
         entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-        shard = tuple(-(-d // _axes_size(mesh, e)) for d, e in zip(shape, entries))
+        shard = tuple(-(-d // axes_size(mesh, e)) for d, e in zip(shape, entries))
         rows.append(Row(path=f"{name} [{scope or 'default'}]", kind="activation", shape=shape,
                         dtype=str(np.dtype(dtype)), logical_axes=axes, spec=spec,
                         shard_shape=shard,

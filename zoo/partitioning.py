@@ -272,11 +272,83 @@ class Partitioner:
                     f"{self.strategy!r}, scope {scope!r}); use a size divisible by {shards} or a "
                     f"mesh/strategy that shards {logical!r} fewer ways")
 
+    # -- shape checks: the one home of every layer's and op's divisibility rules -------------
+    def check_split(self, name: str, value: int, logical: str, scope: str | None = None, *,
+                    what: str = "", role: str = "", fix: str = "") -> None:
+        """Raise unless ``value`` (the dimension called `name`) splits evenly over the mesh
+        axes that shard the logical axis `logical` in `scope`. ``role`` says what those shards
+        are; ``fix`` replaces the default advice (a multiple, or fewer shards)."""
+        n = self.size(logical, scope)
+        if value % n:
+            axes = self.mesh_axes(logical, scope)
+            role = f" ({role})" if role else ""
+            fix = fix or (f"make {name} a multiple of {n} (e.g. {-(-value // n) * n}) or "
+                          f"shrink those mesh axes")
+            raise ValueError(f"{_prefix(what)}{name}={value} is not divisible by its {n} shards "
+                             f"over mesh axes {axes}{role}; {fix}")
+
+    def check_sequence(self, length: int, scope: str | None = "attention", *, what: str = "",
+                       name: str = "length", balanced: bool = True) -> None:
+        """Raise unless a sequence of `length` splits over the `scope`'s sequence shards ``cp``:
+        into ``2*cp`` chunks when `balanced` (the load-balanced layout: shard r holds chunks r
+        and 2*cp-1-r), into ``cp`` pieces otherwise."""
+        cp = self.context_size(scope)
+        chunks = 2 * cp if balanced else cp
+        if cp > 1 and length % chunks:
+            up, down = -(-length // (2 * cp)) * 2 * cp, length // (2 * cp) * 2 * cp
+            alt = f" (or cut it to {down})" if down else ""
+            why = (f"2*context = {chunks} (the sequence is sharded {cp} ways over "
+                   f"{self.sequence_axes(scope)} and load balancing cuts it into {chunks} "
+                   f"chunks)" if balanced else
+                   f"its {cp} shards over mesh axes {self.sequence_axes(scope)}")
+            raise ValueError(f"{_prefix(what)}{name}={length} is not divisible by {why}; pad it "
+                             f"to {up}{alt} or change the context/expert mesh axes")
+
+    def check_tokens(self, batch: int, length: int, scope: str | None = None, *,
+                     what: str = "", balanced: bool = False) -> None:
+        """Raise unless a ``[batch, length, ...]`` activation shards in `scope`."""
+        self.check_split("batch", batch, "batch", scope, what=what,
+                         role="the tokens' batch shards", fix=(
+                             f"use a batch that is a multiple of {self.size('batch', scope)} or "
+                             f"shrink those mesh axes"))
+        self.check_sequence(length, scope, what=what, balanced=balanced)
+
+    def check_heads(self, num_heads: int, num_kv_heads: int, scope: str | None = "attention",
+                    *, what: str = "") -> None:
+        """Grouped-query head rules: ``num_heads`` a multiple of ``num_kv_heads`` and of the
+        tensor axis size ``tp`` that shards heads; ``num_kv_heads`` and ``tp`` divide one
+        another (fewer kv heads than tensor shards are repeated so each shard has its own)."""
+        pre = _prefix(what)
+        if num_heads < 1 or num_kv_heads < 1:
+            raise ValueError(f"{pre}num_heads={num_heads} and num_kv_heads={num_kv_heads} must "
+                             f"be positive")
+        if num_heads % num_kv_heads:
+            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ValueError(f"{pre}num_heads={num_heads} is not a multiple of num_kv_heads="
+                             f"{num_kv_heads}; choose num_kv_heads among {divisors}")
+        tp = self.size("act_heads", scope)
+        if num_heads % tp:
+            raise ValueError(f"{pre}num_heads={num_heads} is not divisible by the tensor axis "
+                             f"size {tp}; use a tensor axis that divides {num_heads}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"{pre}num_kv_heads={num_kv_heads} and the tensor axis size {tp} "
+                             f"must divide one another (kv heads are split over, or repeated "
+                             f"across, the tensor shards); change num_kv_heads or the tensor "
+                             f"axis")
+
+    @staticmethod
+    def check_inputs_shape(inputs_shape: Sequence[int], *, what: str = "") -> tuple[int, ...]:
+        """``(batch, length, embed)`` as three positive ints, or a `ValueError`."""
+        shape = tuple(inputs_shape)
+        if len(shape) != 3 or not all(isinstance(n, (int, np.integer)) and not
+                                      isinstance(n, bool) and n > 0 for n in shape):
+            raise ValueError(f"{_prefix(what)}inputs_shape={inputs_shape!r} must be three "
+                             f"positive ints (batch, length, embed), e.g. (8, 4096, 2048)")
+        return tuple(int(n) for n in shape)
+
     # -- sizes --------------------------------------------------------------------------------
     def axis_size(self, axes: str | Sequence[str] | None) -> int:
-        if self.mesh is None:
-            return 1
-        return math.prod(self.mesh.shape[a] for a in _as_tuple(axes))
+        return axes_size(self.mesh, axes)
 
     def size(self, logical: str, scope: str | None = None) -> int:
         """How many shards one logical axis has in `scope` (1 when unsharded)."""
@@ -324,6 +396,17 @@ class Partitioner:
 
     def __hash__(self) -> int:
         return hash((self.strategy, id(self.mesh)))
+
+
+def axes_size(mesh: Any, axes: str | Sequence[str] | None) -> int:
+    """Devices along mesh axes (a name, a tuple of names, or None); 1 without a mesh."""
+    if mesh is None or axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in _as_tuple(axes))
+
+
+def _prefix(what: str) -> str:
+    return f"{what}: " if what else ""
 
 
 def resolve(partitioner: Partitioner | None) -> Partitioner:

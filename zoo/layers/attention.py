@@ -29,7 +29,7 @@ from flax import nnx
 
 from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import IMPLEMENTATIONS, check_attention_shapes, choose_implementation
+from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
 from zoo.ops.attention import attention as attention_op
 from zoo.ops.kernels import get_kernel
 from zoo.ops.masks import Mask
@@ -44,52 +44,16 @@ def check_inputs_shape(inputs_shape: Sequence[int], p: Partitioner, *, num_heads
                        num_kv_heads: int, what: str = "Attention") -> tuple[int, int, int]:
     """Validate ``(batch, length, embed)`` against the partitioner; return it as ints.
 
-    Rules (each a `ValueError` naming the numbers and the fix):
-      * the sequence, when sharded ``cp`` ways, has a length divisible by ``2*cp`` (the
-        load-balanced order cuts it into ``2*cp`` chunks);
-      * the batch is divisible by the number of attention batch shards;
-      * ``embed`` is divisible by the shards of the parameters' ``embed`` axis;
-      * ``num_heads`` is a multiple of ``num_kv_heads`` and divisible by the tensor axis;
-        ``num_kv_heads`` and the tensor axis divide one another (fewer kv heads than tensor
-        shards are replicated).
+    The rules are the Partitioner's (`Partitioner.check_tokens`, `check_split`,
+    `check_heads`): the batch splits over the attention batch shards, the sequence into
+    ``2*cp`` load-balanced chunks, ``embed`` over the parameters' embed shards, and the heads
+    follow the grouped-query / tensor-axis rules. Each raises a `ValueError` naming the fix.
     """
-    shape = tuple(inputs_shape)
-    if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape):
-        raise ValueError(f"{what}: inputs_shape={inputs_shape!r} must be three positive ints "
-                         f"(batch, length, embed), e.g. (8, 4096, 2048)")
-    batch, length, embed = shape
-    if num_heads < 1 or num_kv_heads < 1:
-        raise ValueError(f"{what}: num_heads={num_heads} and num_kv_heads={num_kv_heads} must "
-                         f"be positive")
-    if num_heads % num_kv_heads:
-        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(f"{what}: num_heads={num_heads} is not a multiple of num_kv_heads="
-                         f"{num_kv_heads}; choose num_kv_heads among {divisors}")
-    cp = p.context_size(SCOPE)
-    if cp > 1 and length % (2 * cp):
-        up = -(-length // (2 * cp)) * 2 * cp
-        down = length // (2 * cp) * 2 * cp
-        alt = f" (or cut it to {down})" if down else ""
-        raise ValueError(
-            f"{what}: sequence length {length} is not divisible by 2*context = {2 * cp} (the "
-            f"sequence is sharded {cp} ways over {p.sequence_axes(SCOPE)} and load balancing "
-            f"cuts it into {2 * cp} chunks); pad it to {up}{alt} or change the context/expert "
-            f"mesh axes")
-    nb = p.size("batch", SCOPE)
-    if batch % nb:
-        raise ValueError(f"{what}: batch {batch} is not divisible by its {nb} shards over "
-                         f"{p.batch_axes(SCOPE)}; use a batch that is a multiple of {nb} (e.g. "
-                         f"{-(-batch // nb) * nb}) or shrink those mesh axes")
-    ne = p.size("embed", SCOPE)
-    if embed % ne:
-        raise ValueError(f"{what}: embed {embed} is not divisible by the {ne} shards of the "
-                         f"parameters' embed axis {p.mesh_axes('embed', SCOPE)}; use an embed "
-                         f"size that is a multiple of {ne} or shrink those mesh axes")
-    try:  # head/tensor-axis rules are the op's own: one definition, prefixed with the layer
-        check_attention_shapes(partitioner=p, batch=batch, q_length=length, kv_length=length,
-                               num_heads=num_heads, num_kv_heads=num_kv_heads)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
+    batch, length, embed = p.check_inputs_shape(inputs_shape, what=what)
+    p.check_heads(num_heads, num_kv_heads, SCOPE, what=what)
+    p.check_tokens(batch, length, SCOPE, what=what, balanced=True)
+    p.check_split("embed", embed, "embed", SCOPE, what=what,
+                  role="the parameters' embed axis")
     return batch, length, embed
 
 
@@ -175,6 +139,17 @@ class AttentionBlock(nnx.Module):
 
     block_name = "attention"
     mask: Mask | None = None
+
+    def run_op(self, op, *operands, positions: jax.Array, segment_ids: jax.Array | None,
+               **kw) -> jax.Array:
+        """Self-attention through `op` (`zoo.ops.attention` or `zoo.ops.mla_attention`) with
+        this layer's mask, score modifiers, strategy and kernel -> [B, L, N, Hv], sharded."""
+        o = op(*operands, q_positions=positions, kv_positions=positions,
+               q_segment_ids=segment_ids, kv_segment_ids=segment_ids, scale=self.scale,
+               partitioner=self.partitioner, implementation=self.implementation,
+               **score_kwargs(self), **kw)
+        return self.partitioner.constrain(o, ("batch", "length", "act_heads", "act_head_dim"),
+                                          SCOPE)
 
     def out(self, o: jax.Array) -> jax.Array:
         """o [B, L, N, Hv] -> [B, L, D]."""
@@ -282,9 +257,4 @@ class Attention(AttentionBlock):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
                segment_ids: jax.Array | None) -> jax.Array:
         """Attention of q over k/v under ``self.mask`` -> [B, L, N, H] (`zoo.ops.attention`)."""
-        o = attention_op(q, k, v, q_positions=positions, kv_positions=positions,
-                         q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                         scale=self.scale, partitioner=self.partitioner,
-                         implementation=self.implementation, **score_kwargs(self))
-        return self.partitioner.constrain(o, ("batch", "length", "act_heads", "act_head_dim"),
-                                          SCOPE)
+        return self.run_op(attention_op, q, k, v, positions=positions, segment_ids=segment_ids)

@@ -40,7 +40,6 @@ from zoo.layers.attention import (
     check_inputs_shape,
     resolve_implementation,
     resolve_scores,
-    score_kwargs,
 )
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
@@ -172,11 +171,7 @@ class MLA(AttentionBlock):
         """Attention under ``self.mask`` -> [B, L, N, Hv] via `zoo.ops.mla_attention` (the
         latent and k_pe cross the wire, each shard expands them with ``kv_b_proj``)."""
         dtype = self.kv_b_proj.dtype or latent.dtype
-        o = mla_attention(q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
-                          self.kv_b_proj.kernel[...].astype(dtype),
-                          qk_nope_head_dim=self.qk_nope_head_dim, q_positions=positions,
-                          kv_positions=positions, q_segment_ids=segment_ids,
-                          kv_segment_ids=segment_ids, scale=self.scale,
-                          partitioner=self.partitioner, implementation=self.implementation,
-                          **score_kwargs(self))
-        return self.partitioner.constrain(o, _HEADS, SCOPE)
+        return self.run_op(mla_attention, q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
+                           self.kv_b_proj.kernel[...].astype(dtype),
+                           qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
+                           segment_ids=segment_ids)

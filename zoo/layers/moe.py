@@ -81,11 +81,6 @@ def _entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _divisible(value: int, what: str, shards: int, why: str, fix: str) -> None:
-    if value % shards:
-        raise ValueError(f"{what}={value} is not divisible by {shards} ({why}); {fix}")
-
-
 class MoE(nnx.Module):
     """Mixture of SwiGLU experts with top-k routing; see the module docstring.
 
@@ -119,10 +114,7 @@ class MoE(nnx.Module):
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)
-        if len(inputs_shape) != 3:
-            raise ValueError(f"inputs_shape={tuple(inputs_shape)} must be (batch, length, "
-                             f"embed)")
-        batch, length, embed = (int(v) for v in inputs_shape)
+        batch, length, embed = p.check_inputs_shape(inputs_shape, what="MoE")
         E, k = num_experts, num_experts_per_tok
         if scoring not in ops.SCORINGS:
             raise ValueError(f"scoring={scoring!r} must be one of {ops.SCORINGS}")
@@ -158,22 +150,15 @@ class MoE(nnx.Module):
                              "capacity after the gather); with dispatch='all_to_all' bound the "
                              "buffers with buffer_factor instead")
         shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
-        mesh = "" if p.mesh is None else f" on mesh {dict(p.mesh.shape)}"
-        _divisible(E, "num_experts", p.size("experts", "moe"),
-                   f"experts are sharded over {p.mesh_axes('experts', 'moe')}{mesh}",
-                   "change the expert-axis size or the number of experts")
-        _divisible(batch, "batch", p.size("batch"),
-                   f"tokens are sharded over {p.batch_axes()}{mesh}",
-                   "change the batch size or the mesh")
-        _divisible(length, "length", p.size("length"),
-                   f"the sequence is sharded over {p.sequence_axes(None)}{mesh}",
-                   "pad the sequence or change the mesh")
-        _divisible(embed, "embed", p.size("embed", "moe"),
-                   f"expert weights are FSDP-sharded over {p.mesh_axes('embed', 'moe')}{mesh}",
-                   "change the embedding width or the mesh")
-        _divisible(mlp_dim, "mlp_dim", p.size("mlp", "moe"),
-                   f"the expert width is sharded over {p.mesh_axes('mlp', 'moe')}{mesh}",
-                   "change mlp_dim or the tensor-axis size")
+        p.check_split("num_experts", E, "experts", "moe", what="MoE",
+                      role="experts are sharded over them",
+                      fix="change the expert-axis size or the number of experts")
+        p.check_tokens(batch, length, what="MoE")
+        p.check_split("embed", embed, "embed", "moe", what="MoE",
+                      role="expert weights are FSDP-sharded over them")
+        p.check_split("mlp_dim", mlp_dim, "mlp", "moe", what="MoE",
+                      role="the expert width is sharded over them",
+                      fix="change mlp_dim or the tensor-axis size")
 
         self.partitioner = p
         self.num_experts, self.num_experts_per_tok, self.mlp_dim = E, k, mlp_dim
@@ -347,11 +332,7 @@ class MoE(nnx.Module):
                              f"{x.shape}")
         p = self.partitioner
         B, L, _ = x.shape
-        _divisible(B, "batch", p.size("batch"), f"tokens are sharded over {p.batch_axes()}",
-                   "change the batch size or the mesh")
-        _divisible(L, "length", p.size("length"),
-                   f"the sequence is sharded over {p.sequence_axes(None)}",
-                   "pad the sequence or change the mesh")
+        p.check_tokens(B, L, what="MoE")
         with jax.named_scope("moe"):
             x = p.constrain(x, ACT)
             with jax.named_scope("router"):

@@ -44,6 +44,7 @@ from flax import nnx
 from flax.nnx import spmd
 from jax.ad_checkpoint import checkpoint_name
 
+from zoo import _flax_compat
 from zoo.layers.embed import Embed
 from zoo.layers.linear import Linear
 from zoo.layers.mlp import MLP
@@ -123,15 +124,12 @@ def count_params(model: nnx.Module) -> int:
 
 
 def abstract_rngs(seed: int = 0) -> nnx.Rngs:
-    """`nnx.Rngs` for building a model under `nnx.eval_shape`, with a numpy draw counter.
-
-    With the default (jax) counter, every ``rngs.params()`` inside the trace stores a tracer in
-    the counter variable and flax's ``Variable.set_value`` reads ``tracer.sharding``, whose error
-    message walks the whole trace: quadratic in the number of parameters (DeepSeek-V3: 43 s
-    instead of 2 s, flax 0.12.8). A numpy counter is updated in place, outside the trace.
-    """
+    """`nnx.Rngs` for building a model under `nnx.eval_shape`: on the flax versions where a jax
+    draw counter makes that quadratic in the parameter count, with a numpy counter
+    (`zoo._flax_compat.NUMPY_RNG_COUNTER`)."""
     rngs = nnx.Rngs(seed)
-    rngs.params.count.set_raw_value(np.zeros((), np.uint32))
+    if _flax_compat.NUMPY_RNG_COUNTER:
+        rngs.params.count.set_raw_value(np.zeros((), np.uint32))
     return rngs
 
 
@@ -273,10 +271,8 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
 
     if layer.stack_size is None:
         if use_remat:
-            # Tree mode: graph-mode nnx.remat raises TraceContextError on the MoE's RouterBias
-            # when the model was merged inside an outer jit (flax 0.12.8); a forward pass
-            # mutates no variable, so tree mode loses nothing.
-            body = nnx.remat(body, policy=policy, graph=False)
+            # tree mode where graph-mode remat breaks on the RouterBias (zoo._flax_compat)
+            body = nnx.remat(body, policy=policy, graph=not _flax_compat.TREE_MODE_REMAT)
         x, aux = body(x, layer)
         return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
 

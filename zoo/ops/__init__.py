@@ -8,7 +8,7 @@ context-parallel strategies (`zoo.ops.ring`) calling pluggable block kernels
 mixture-of-experts routing and dispatch functions.
 """
 
-from zoo.ops.attention import (IMPLEMENTATIONS, attention, check_attention_shapes,
+from zoo.ops.attention import (IMPLEMENTATIONS, attention,
                                choose_implementation, dot_product_attention, mla_attention)
 from zoo.ops.flash import FlashKernel
 from zoo.ops.kernels import (BlockKernel, ScoreMod, Scores, TokamaxKernel, get_kernel,
@@ -18,6 +18,6 @@ from zoo.ops.masks import (Causal, Chunked, Document, Mask, MaskFn, PrefixLM, Sl
 
 __all__ = ["IMPLEMENTATIONS", "BlockKernel", "Causal", "Chunked", "Document", "FlashKernel",
            "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow", "TokamaxKernel",
-           "attention", "attention_mask", "block_may_attend", "check_attention_shapes",
+           "attention", "attention_mask", "block_may_attend",
            "choose_implementation", "dot_product_attention", "get_kernel", "mla_attention",
            "register_kernel"]

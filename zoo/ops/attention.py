@@ -102,9 +102,7 @@ def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     if Bk != B or v.shape[:3] != k.shape[:3] or Hk != H:
         raise ValueError(f"k {k.shape} and v {v.shape} must be [B={B}, S, K, H={H}] and "
                          f"[B={B}, S, K, Hv] to match q {q.shape}")
-    if N % K:
-        raise ValueError(f"num_heads N={N} must be a multiple of num_kv_heads K={K} "
-                         f"(grouped-query attention); choose K among the divisors of {N}")
+    resolve(None).check_heads(N, K, what="attention")  # grouped-query: N a multiple of K
     for name, x, n in (("q_positions", q_positions, L), ("kv_positions", kv_positions, S),
                        ("q_segment_ids", q_segment_ids, L),
                        ("kv_segment_ids", kv_segment_ids, S)):
@@ -130,39 +128,6 @@ def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
                          f"fn(score, q_pos, kv_pos, q_seg, kv_seg, head) -> score")
 
 
-def check_attention_shapes(*, partitioner: Partitioner | None, batch: int, q_length: int,
-                           kv_length: int, num_heads: int, num_kv_heads: int) -> None:
-    """Raise `ValueError` (numbers and fix) if these shapes cannot be sharded by `partitioner`.
-
-    Layers call this at construction with their ``inputs_shape``; `attention` calls it at trace
-    time. Rules: the sequence axes' size ``cp`` divides both lengths; the attention tensor axis
-    size ``tp`` divides ``num_heads``; ``num_kv_heads`` is a multiple of ``tp`` or divides it
-    (then each kv head is repeated ``tp // num_kv_heads`` times so every tensor shard holds the
-    one it needs). The batch is sharded over the largest prefix of the attention batch axes
-    whose size divides it (the rest replicate the work), so any batch size is accepted.
-    """
-    p = resolve(partitioner)
-    cp = p.axis_size(p.sequence_axes("attention"))
-    for name, n in (("query length", q_length), ("kv length", kv_length)):
-        if n % cp:
-            raise ValueError(
-                f"{name} {n} is not divisible by the attention sequence shards "
-                f"{p.sequence_axes('attention')} of size {cp}; pad the sequence to "
-                f"{-(-n // (2 * cp)) * 2 * cp} (a multiple of 2*cp for load balancing) or use "
-                f"a smaller context/expert axis")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
-                         f"{num_kv_heads}; choose num_kv_heads among the divisors of {num_heads}")
-    tp = p.axis_size(p.mesh_axes("act_heads", "attention"))
-    if num_heads % tp:
-        raise ValueError(f"num_heads={num_heads} is not divisible by the tensor axis size {tp}; "
-                         f"use a tensor axis that divides {num_heads}")
-    if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"num_kv_heads={num_kv_heads} and the tensor axis size {tp} must divide "
-                         f"one another (kv heads are split over, or repeated across, the tensor "
-                         f"shards); change num_kv_heads or the tensor axis")
-
-
 def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_length: int,
                           num_heads: int, num_kv_heads: int, head_dim: int,
                           v_head_dim: int | None = None, wire_width: int | None = None) -> str:
@@ -180,7 +145,7 @@ def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_
     its latent, ``kv_lora_rank + Hr``), so "the whole K/V" is ``S * wire_width``.
     """
     p = resolve(partitioner)
-    cp = p.axis_size(p.sequence_axes("attention"))
+    cp = p.context_size("attention")
     if cp == 1:
         return "all_gather"
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -292,8 +257,9 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     B, L, N, H = q.shape
     S = kpos.shape[1]
     p = resolve(partitioner)
-    check_attention_shapes(partitioner=p, batch=B, q_length=L, kv_length=S, num_heads=N,
-                           num_kv_heads=num_kv_heads)
+    for name, n in (("query length", L), ("kv length", S)):  # any order of the tokens is exact
+        p.check_sequence(n, name=name, balanced=False)
+    p.check_heads(N, num_kv_heads)
     if implementation == "auto":
         implementation = choose_implementation(
             partitioner=p, q_length=L, kv_length=S, num_heads=N, num_kv_heads=num_kv_heads,
