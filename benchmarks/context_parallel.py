@@ -19,18 +19,14 @@ expanded per-head K/V, counted from the compiled HLO (loop bodies times trip cou
 `zoo.ops.hlo.collective_bytes`; all-reduce excluded: it is kv_up's weight gradient, the same in
 both), at DeepSeek-V3's attention dims by default.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/context_parallel.py
+    python benchmarks/context_parallel.py      # 8 virtual CPU devices unless JAX_NUM_CPU_DEVICES
+                                               # or XLA_FLAGS sets a count
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +35,7 @@ import numpy as np
 import zoo
 from zoo.ops import attention, hlo, mla_attention
 from zoo.ops.masks import Causal, Document, block_kind, bounds
+from zoo.train.launch import set_cpu_devices
 
 
 def balanced_order(length: int, cp: int) -> np.ndarray:
@@ -128,6 +125,7 @@ def main():
     ap.add_argument("--mla", default="128,512,128,64,128",
                     help="heads,kv_lora_rank,qk_nope,qk_rope,v_head_dim (DeepSeek-V3)")
     args = ap.parse_args()
+    set_cpu_devices(None)  # importing jax started no backend: still in time
     lengths = [int(x) for x in args.lengths.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
     dtype = jnp.dtype(args.dtype)

@@ -34,24 +34,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import sys
 import time
 
-_flags = os.environ.get("XLA_FLAGS", "")  # 8 virtual CPU devices unless the caller chose
-if "xla_force_host_platform_device_count" not in _flags:
-    _n = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"
-    os.environ["XLA_FLAGS"] = (_flags + f" --xla_force_host_platform_device_count={_n}").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from zoo.layers.moe import ACT, MoE  # noqa: E402
-from zoo.ops import moe as ops  # noqa: E402
-from zoo.partitioning import Partitioner, make_mesh  # noqa: E402
+from zoo.layers.moe import ACT, MoE
+from zoo.ops import moe as ops
+from zoo.partitioning import Partitioner, make_mesh
+from zoo.train.launch import set_cpu_devices
 
 
 def _combine(indices, weights, expert_offset, num_local):
@@ -257,7 +251,9 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices (set at start)")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="virtual CPU devices (default 8 unless JAX_NUM_CPU_DEVICES or "
+                         "XLA_FLAGS sets a count)")
     ap.add_argument("--bytes", action="store_true",
                     help="print only the collective-bytes table (full-size shapes, lowered, "
                          "not run; EP up to --devices)")
@@ -266,6 +262,10 @@ def main(argv=None):
                     help="print only the full-width DeepSeek-V3 layer temporaries for these "
                          "buffer factors, e.g. none,2,1 (needs --devices 64; ~2 min each)")
     args = ap.parse_args(argv)
+    try:
+        set_cpu_devices(args.devices)  # importing jax started no backend: still in time
+    except ValueError as e:
+        ap.error(str(e))
     if args.temporaries:
         return temporaries_table([None if f.lower() == "none" else float(f)
                                   for f in args.temporaries.split(",")], args.tokens_per_device)

@@ -17,7 +17,7 @@ synthetic (random tokens, one document per row, so attention is fully causal -- 
 real packed batch can need); its positions are load-balanced for the attention's CP degree, as
 the data pipeline does. The persistent compilation cache is off, so compile times are real.
 
-The machine rate: on CPU the virtual devices of ``--xla_force_host_platform_device_count``
+The machine rate: on CPU the virtual devices (``jax_num_cpu_devices``)
 share the same cores, so the machine's rate is that of *one* jitted matmul (which uses all
 cores); on accelerators it is one device's rate times the device count.
 
@@ -92,7 +92,7 @@ def parse_args(argv=None):
     a("--set", action="append", default=[], dest="overrides", metavar="FIELD=VALUE",
       help="override a field of every model's config, e.g. --set num_hidden_layers=2")
     a("--devices", type=int, default=None, help="virtual CPU devices (default 8 unless "
-      "XLA_FLAGS sets a count)")
+      "JAX_NUM_CPU_DEVICES or XLA_FLAGS sets a count)")
     a("--quick", action="store_true", help=f"smoke test: {QUICK['models']} x "
       f"{QUICK['strategies']}, {QUICK['steps']} steps, seq_len {QUICK['seq_len']}, "
       f"--set {' '.join(QUICK['overrides'])}")
@@ -170,12 +170,16 @@ def bench_one(recipe, config, strategy: str, mesh_text: str, args, machine_rate_
     partitioner = Partitioner(MeshShape.parse(mesh_text).make(), strategy)
 
     def make_model():
-        return recipe.model_cls(config, inputs_shape=(B, L), partitioner=partitioner,
-                                rngs=nnx.Rngs(0))
+        return recipe.make_model(config, inputs_shape=(B, L), partitioner=partitioner,
+                                 rngs=nnx.Rngs(0))
 
-    tx = make_tx(weight_decay=recipe.weight_decay, clip=recipe.clip)
-    aux_weight = getattr(config, recipe.aux_loss_field) if recipe.aux_loss_field else 0.0
-    step = make_train_step(aux_loss_weight=aux_weight, expert_bias_rate=recipe.expert_bias_rate)
+    t = recipe.train  # the recipe's optimizer and balancing settings (zoo.train.TrainConfig)
+    tx = make_tx(weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
+                 clip=t.clip)
+    aux_weight = t.aux_loss_weight
+    if aux_weight is None:
+        aux_weight = getattr(config, t.aux_loss_field) if t.aux_loss_field else 0.0
+    step = make_train_step(aux_loss_weight=aux_weight, expert_bias_rate=t.expert_bias_rate)
     model, optimizer = create_sharded(make_model, tx)
     batch = synthetic_batch(config, partitioner, B, L)
     lr = np.float32(1e-4)

@@ -1,15 +1,15 @@
-"""Test setup: 8 virtual CPU devices (set before jax is imported) and a shared compile cache."""
+"""Test setup: 8 virtual CPU devices (set before jax starts its backend) and a shared compile
+cache."""
 
 import os
-import re
 
-_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
+# Overrides any count in XLA_FLAGS/JAX_NUM_CPU_DEVICES; importing jax started no backend yet.
+jax.config.update("jax_num_cpu_devices", 8)
 # Many tests (and xdist workers) compile the same small programs: share them on disk.
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)

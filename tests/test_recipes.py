@@ -8,6 +8,7 @@ compilation cache of tests/conftest.py.
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -18,12 +19,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import typing
 
 import jax
 import numpy as np
 import pytest
 
-from zoo.train import cli
+from zoo.models.mixtral import Mixtral, MixtralDecoderLayer
+from zoo.train import TrainConfig, cli
 from zoo.train.checkpoint import Checkpointer
 from zoo.train.loop import read_metrics
 
@@ -137,9 +140,15 @@ def test_run_outputs(learned):
     assert info["config"]["model"]["hidden_size"] == 32
     assert info["config"]["moe"]["dispatch"] in ("all_to_all", "all_gather")  # "auto" resolved
     assert all(r["dropped_tokens"] == 0 for r in rows)  # dropless by default, and logged
-    assert info["config"]["parallel"] == {"mesh": "fsdp=2,expert=2,context=2",
-                                          "strategy": "ep_as_cp", "context_parallel": 4,
-                                          "load_balance": True}
+    train = info["config"]["train"]  # dataclasses.asdict of the TrainConfig, defaults resolved
+    assert set(train) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert dataclasses.asdict(TrainConfig(**train)) == train
+    assert (train["steps"], train["batch_size"], train["seq_len"], train["attention"]) == (
+        20, 4, 32, "all_gather")
+    assert (train["mesh"], train["strategy"], train["load_balance"], train["run_dir"]) == (
+        "fsdp=2,expert=2,context=2", "ep_as_cp", "auto", str(learned))
+    assert train["aux_loss_weight"] == info["config"]["model"]["aux_loss_alpha"]
+    assert info["config"]["context_parallel"] == 4
     assert (learned / "loss.png").stat().st_size > 1000
     assert Checkpointer(learned / "checkpoints").steps() == [20]
     summary = (learned / "stdout.txt").read_text().strip().splitlines()[-1]
@@ -260,13 +269,13 @@ def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attent
     _, loss = losses(run_dir)
     assert np.all(np.isfinite(loss))
     info = json.loads((run_dir / "run.json").read_text())["config"]
-    assert info["parallel"]["strategy"] == strategy
+    assert info["train"]["strategy"] == strategy
     assert info["model"]["attention_implementation"] == attention
     if "--dtype" in extra:
         assert info["model"]["dtype"] == "bfloat16" and info["model"]["param_dtype"] == "float32"
     if "--data" in extra:
-        assert info["data"]["paths"] == [str(text)]
-    assert info["parallel"]["load_balance"] == ("--no-load-balance" not in extra)
+        assert info["train"]["data"] == [str(text)]
+    assert info["train"]["load_balance"] == ("none" if "--no-load-balance" in extra else "auto")
 
 
 def test_from_hf_starts_from_the_checkpoint(tmp_path, learned):
@@ -334,7 +343,14 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--batch-size", "3"], "batch 3 is not divisible"),
     (["--devices", "4"], "already started with 8 CPU devices"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
-    (["--dtype", "float33"], "--dtype float33: not a dtype"),
+    (["--dtype", "float33"], "argument --dtype: 'float33' is not valid for TrainConfig.dtype: "
+                             "expected a dtype name (e.g. float32, bfloat16)"),
+    (["--steps", "ten"], "argument --steps: 'ten' is not valid for TrainConfig.steps: "
+                         "expected int"),
+    (["--strategy", "tp"], "'tp' is not valid for TrainConfig.strategy: expected one of fsdp, "
+                           "cp, ep_as_cp or none"),
+    (["--set", "scan_layers=maybe"], "--set scan_layers=maybe: expected true or false (the "
+                                     "field MixtralConfig.scan_layers is true or false)"),
     (["--steps", "12", "--warmup", "50"], "--warmup 50: must be in [0, --steps 12]"),
 ])
 def test_flag_errors_are_clear(tmp_path, devices, capsys, argv, message):
@@ -363,3 +379,135 @@ def test_default_mesh():
     assert cli.default_mesh(4, "cpu") == "fsdp=1,expert=2,context=2"
     assert cli.default_mesh(1, "cpu") == "fsdp=1,expert=1,context=1"
     assert cli.default_mesh(16, "gpu") == "fsdp=16"
+
+
+# -- TrainConfig: generated flags, typed values, a research recipe -----------------------------
+
+def test_help_lists_every_train_config_field_with_its_default(capsys):
+    """`--help` has one flag per TrainConfig field, its help text the field's doc and its
+    default the recipe's value."""
+    mod = recipe("mini_deepseek3")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    text = "".join(out.split())  # argparse wraps lines (also after hyphens)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(mod.TRAIN, f.name)
+        help_text = "".join(f.metadata["help"].split())
+        assert f"  {flag}" in out, flag
+        assert f"{help_text}(default:{default})" in text, (flag, default)
+    assert "--set FIELD=VALUE" in out and "--no-load-balance" in out
+    assert "(default:0.01)" in text and "(default:aux_loss_alpha)" in text  # the recipe's
+
+
+def test_values_are_parsed_from_the_field_types():
+    """`parse_text` follows the resolved annotation: ints, floats, bools, optionals, tuples,
+    Literals, dtype names, nested dataclasses; a bad value names what was expected."""
+    from typing import Any, Literal
+
+    import jax.numpy as jnp
+
+    from zoo.layers.rope import YaRN
+    from zoo.train.config import DTypeName, parse_text
+    cases = [(int, "12", 12), (float, "1e-3", 1e-3), (float, "inf", float("inf")),
+             (bool, "no", False), (int | None, "None", None), (int | None, "4", 4),
+             (int | str, "3", 3), (int | str, "x3", "x3"), (tuple[int, ...], "1,2,3", (1, 2, 3)),
+             (tuple[int, ...], "[4, 5]", (4, 5)), (tuple[str, float], "a,2", ("a", 2.0)),
+             (Literal["fsdp", "cp"] | None, "cp", "cp"), (DTypeName, "f4", "float32"),
+             (Any, "bfloat16", jnp.bfloat16), (YaRN | None, '{"factor": 2, '
+              '"original_max_position_embeddings": 64}', YaRN(2, 64))]
+    for tp, text, want in cases:
+        got = parse_text(tp, text, jnp.float32 if tp is Any else None)
+        if tp is Any:  # a dtype field (its current value is one): a numpy scalar type
+            assert jnp.dtype(got) == jnp.dtype(want), got
+        else:
+            assert got == want and type(got) is type(want), (tp, text, got)
+    for tp, text, expected in [(int, "1.5", "expected int"), (bool, "maybe", "true or false"),
+                               (int | None, "x", "expected int or none"),
+                               (tuple[int, ...], "1,b", "expected int"),
+                               (Literal["a", "b"], "c", "expected one of a, b"),
+                               (DTypeName, "float33", "a dtype name"),
+                               (YaRN, "[1]", "a JSON object of YaRN fields")]:
+        with pytest.raises(ValueError, match=expected):
+            parse_text(tp, text)
+    # TrainConfig's choices are the library's own
+    from zoo.models.decoder import REMAT_POLICIES
+    from zoo.ops.attention import IMPLEMENTATIONS
+    from zoo.partitioning import STRATEGIES
+    hints = typing.get_type_hints(TrainConfig)
+    assert set(typing.get_args(typing.get_args(hints["strategy"])[0])) == set(STRATEGIES)
+    assert set(typing.get_args(typing.get_args(hints["attention"])[0])) == set(IMPLEMENTATIONS)
+    assert all(p in TrainConfig.__dataclass_fields__["remat"].metadata["help"]
+               for p in REMAT_POLICIES)
+
+
+class ResearchLayer(MixtralDecoderLayer):
+    """A research layer: the same computation, and a record that it was built."""
+
+    built: typing.ClassVar[list[int]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ResearchLayer.built.append(kwargs["layer_idx"])
+
+
+class ResearchMixtral(Mixtral):
+    pass
+
+
+def test_a_research_recipe_names_its_model_and_layer_classes(tmp_path, straight):
+    """A recipe of the mini ones' shape with its own model class and ``decoder_layer_cls``
+    trains with them (here they compute what Mixtral does, so the losses equal the straight
+    run's: the compiled program is even shared)."""
+    from zoo.models.mixtral import MixtralConfig
+    TRAIN = TrainConfig(steps=12, batch_size=4, seq_len=32, checkpoint_every=50,
+                        aux_loss_field="router_aux_loss_coef", progress=False)
+    RECIPE = cli.Recipe(name="research", model_cls=ResearchMixtral,
+                        config=MixtralConfig.mini(), train=TRAIN,
+                        decoder_layer_cls=ResearchLayer)
+    ResearchLayer.built.clear()
+    # step 2's loss follows the first update only: lr(0) = --lr under --warmup 1 in both runs
+    argv = [*TINY["mini_mixtral"], "--steps", "2", "--warmup", "1", "--run-dir", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(RECIPE, argv) == 0
+    assert ResearchLayer.built  # the recipe's layer class built the layers
+    info = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert (info["model_cls"], info["decoder_layer_cls"]) == ("ResearchMixtral", "ResearchLayer")
+    np.testing.assert_allclose(losses(tmp_path)[1], losses(straight)[1][:2], atol=1e-5, rtol=0)
+
+
+DEVICE_COUNTS = """
+import jax, sys
+from zoo.train.launch import set_cpu_devices
+want = None if sys.argv[1] == "default" else int(sys.argv[1])
+set_cpu_devices(want)
+print(jax.device_count())
+set_cpu_devices(want)  # the same request again, after the start: accepted
+try:
+    set_cpu_devices(jax.device_count() + 1)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("env,arg,count", [({}, "default", 8), ({}, "3", 3),
+                                           ({"JAX_NUM_CPU_DEVICES": "2"}, "default", 2),
+                                           ({"JAX_NUM_CPU_DEVICES": "2"}, "5", 5),
+                                           ({"XLA_FLAGS": "--xla_force_host_platform_device_count"
+                                                          "=6"}, "default", 6)])
+def test_cpu_device_count_through_jax_config(env, arg, count):
+    """`set_cpu_devices` (jax_num_cpu_devices): 8 by default, the environment's count when it
+    names one, an explicit count over both; after the backend started, another count is
+    refused naming the fix."""
+    base = {k: v for k, v in sub_env().items()
+            if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    proc = subprocess.run([sys.executable, "-c", DEVICE_COUNTS, arg], env=base | env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == str(count)
+    assert lines[1] == (f"--devices {count + 1}: jax already started with {count} CPU devices "
+                        f"(something touched a device first); run the recipe as a script, or "
+                        f"set JAX_NUM_CPU_DEVICES={count + 1} before starting Python")

@@ -3,6 +3,7 @@ unsharded, sharded creation, the DeepSeek bias update and checkpoints (roundtrip
 fallback). Recipe-level behaviour (resume, signals, processes) is in test_recipes.py."""
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -272,10 +273,9 @@ def test_the_loop_runs_ahead_of_its_metrics(tmp_path, devices):
                 return compiled(*a)
             return SimpleNamespace(compile=lambda: call)
 
-    loop.train(make_model=s.make_model, tx=s.tx, train_step=Counting(s.train_step),
-               schedule=s.schedule, data=s.data, batch_sharding=s.batch_sharding,
-               run_dir=tmp_path, steps=8, global_batch=4, seq_len=32, config=s.run_config,
-               checkpoint_every=4, progress=False,
+    config = dataclasses.replace(s.train, steps=8, checkpoint_every=4, progress=False,
+                                 run_dir=str(tmp_path))
+    loop.train(config, dataclasses.replace(s, train_step=Counting(s.train_step)),
                on_step=lambda step, row: events.append(step))
     s.data.close()
     dispatched_before = {e: events[:i].count("dispatch") for i, e in enumerate(events)
@@ -284,3 +284,7 @@ def test_the_loop_runs_ahead_of_its_metrics(tmp_path, devices):
     for step, n in dispatched_before.items():
         assert n == (step if step in (4, 8) else step + 1), (step, events)
     assert [r["step"] for r in loop.read_metrics(tmp_path)] == list(range(1, 9))
+    # run.json records the TrainConfig as dataclasses.asdict (JSON: tuples become lists)
+    info = json.loads((tmp_path / "run.json").read_text())["config"]
+    assert info["train"] == json.loads(json.dumps(dataclasses.asdict(config)))
+    assert info["model"] == s.record["model"] and info["recipe"] == "mini_mixtral"

@@ -39,8 +39,9 @@ def kernel_env() -> dict[str, str]:
     """The environment the kernel gets: this checkout first on the path, 8 CPU devices."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+    # jax reads JAX_NUM_CPU_DEVICES (the jax_num_cpu_devices option) at import; it wins over
+    # any count in XLA_FLAGS
+    env["JAX_NUM_CPU_DEVICES"] = str(DEVICES)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -2,6 +2,9 @@
 
 `train` runs one run in ``run_dir``:
 
+`train(config, pieces)` takes the run's `zoo.train.TrainConfig` and the built `Pieces`
+(model factory, optimizer, train step, data, batch sharding).
+
 * **create or resume** -- with checkpoints in ``run_dir/checkpoints`` the newest readable one
   is restored straight onto the shardings (a corrupt one is skipped with a warning), else the
   model and optimizer are created sharded; a checkpoint whose model has other shapes is refused
@@ -48,12 +51,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from zoo.models import count_params
 from zoo.train import guard
 from zoo.train import step as step_lib
 from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
+from zoo.train.config import TrainConfig
 
-__all__ = ["train", "TrainingDiverged", "IncompatibleCheckpoint", "Summary", "read_metrics",
-           "plot_loss"]
+__all__ = ["train", "Pieces", "TrainingDiverged", "IncompatibleCheckpoint", "Summary",
+           "read_metrics", "plot_loss"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -191,49 +196,62 @@ def _model_changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> l
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
-def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
-          train_step: Callable, schedule: Callable[[int], float], data, batch_sharding,
-          run_dir: str | os.PathLike, steps: int,
-          global_batch: int, seq_len: int, config: Mapping[str, Any],
-          checkpoint_every: int = 100, flops_per_token: float | None = None,
-          name: str = "train", progress: bool = True, max_to_keep: int = 3,
-          on_step: Callable[[int, dict[str, Any]], None] | None = None,
-          create: Callable[[], tuple[nnx.Module, nnx.Optimizer]] | None = None,
-          divergence_factor: float = 5.0) -> Summary:
-    """Train until `steps` updates are done (or a signal arrives); see the module docstring.
+@dataclasses.dataclass(kw_only=True)
+class Pieces:
+    """What `train` runs, built from a `TrainConfig` (the recipes' `zoo.train.cli.setup` builds
+    them; a notebook or test can build its own)."""
+
+    make_model: Callable[[], nnx.Module]  # builds the model sharded (called under jax.jit)
+    tx: optax.GradientTransformation      # zoo.train.step.make_tx
+    train_step: Callable                  # zoo.train.step.make_train_step
+    data: Any                             # checkpointable iterator (get_state/set_state) of
+    #                                       this process's batches
+    batch_sharding: Any                   # NamedSharding of the global [batch, seq_len] arrays
+    record: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # JSON-able: what
+    #   run.json and each checkpoint hold beside "train" ("model" is compared on resume)
+    flops_per_token: float | None = None  # training FLOPs per token (None: 6 * parameters)
+    create: Callable[[], tuple[nnx.Module, nnx.Optimizer]] | None = None  # a fresh run's
+    #   model and optimizer (None: create_sharded(make_model, tx)), e.g. from Hugging Face
+
+
+def train(config: TrainConfig, pieces: Pieces, *, name: str = "train",
+          on_step: Callable[[int, dict[str, Any]], None] | None = None) -> Summary:
+    """Train until ``config.steps`` updates are done (or a signal arrives); see the module
+    docstring. The settings come from `config` (steps, batch, schedule, run dir, checkpoints,
+    divergence factor, progress bar); ``config.run_dir`` must be set. ``run.json`` (its
+    ``config``) and every checkpoint record ``pieces.record`` plus ``train``:
+    ``dataclasses.asdict(config)``.
 
     Args:
-      make_model: builds the model (sharded via its partitioner); called under `jax.jit`.
-      tx: the optax transformation (`zoo.train.step.make_tx`).
-      train_step: from `zoo.train.step.make_train_step`.
-      schedule: learning rate of update ``t`` (0-based), e.g. `lr_schedule(lr, steps)`.
-      data: a checkpointable iterator (``get_state``/``set_state``) of this process's batches.
-      batch_sharding: `NamedSharding` of the global ``[global_batch, seq_len]`` arrays.
-      config: the run's configuration (JSON-able); ``config["model"]`` is compared with a
-        checkpoint's before resuming. Saved in every checkpoint and in ``run.json``.
-      flops_per_token: training FLOPs per token (default ``6 * parameters``).
       on_step: called as ``on_step(step, metrics)`` after each step's metrics are written.
-      create: builds the model and optimizer of a fresh run (default: `create_sharded` of
-        `make_model`), e.g. loaded from a Hugging Face checkpoint; ignored when resuming.
-      divergence_factor: stop when the loss stays above this many times the best of the last
-        100 steps for 10 steps (``inf``: never).
 
     Raises:
       TrainingDiverged: the loss became NaN/Inf or diverged (the last good checkpoint is kept).
       IncompatibleCheckpoint: the checkpoint holds a model of another shape.
     """
+    if config.run_dir is None:
+        raise ValueError("TrainConfig.run_dir is None: pass the folder of the run "
+                         "(zoo.train.cli fills in runs/<recipe name>)")
+    make_model, tx, train_step = pieces.make_model, pieces.tx, pieces.train_step
+    data, batch_sharding, create = pieces.data, pieces.batch_sharding, pieces.create
+    steps, global_batch, seq_len = config.steps, config.batch_size, config.seq_len
+    checkpoint_every, flops_per_token = config.checkpoint_every, pieces.flops_per_token
+    progress = config.progress
+    schedule = step_lib.lr_schedule(config.lr, steps, warmup=config.warmup,
+                                    final_fraction=config.final_lr_fraction)
     t_start = time.perf_counter()
-    run_dir = os.path.abspath(os.fspath(run_dir))
+    run_dir = os.path.abspath(os.fspath(config.run_dir))
     main = jax.process_index() == 0
     os.makedirs(run_dir, exist_ok=True)
-    config = _normalise(dict(config))
+    # what run.json and each checkpoint record: the settings beside the pieces' record
+    record = _normalise(dict(pieces.record, train=dataclasses.asdict(config)))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=max_to_keep)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=config.max_to_keep)
     mesh = getattr(batch_sharding, "mesh", None)
     model, optimizer = step_lib.abstract_state(make_model, tx, mesh)
     tokens_per_step = global_batch * seq_len
     if flops_per_token is None:
-        flops_per_token = 6.0 * step_lib.param_count(model)
+        flops_per_token = 6.0 * count_params(model)
 
     # Compile the step from shapes alone while the model is created or restored.
     batch_abstract = {k: jax.ShapeDtypeStruct((global_batch, seq_len),
@@ -257,7 +275,7 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
     compiler.start()
 
     def check(step: int, saved: Mapping[str, Any]) -> None:
-        changes = _model_changes(saved.get("model"), config.get("model", {}))
+        changes = _model_changes(saved.get("model"), record.get("model", {}))
         if not changes:
             return
         diffs = shape_differences(ckpt.saved_shapes(step)["model"],
@@ -282,7 +300,7 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
                 model, optimizer = restored.model, restored.optimizer
                 data.set_state(restored.data)
                 start = restored.step
-                changed = [f"{k}.{kk}" for k, v in config.items()
+                changed = [f"{k}.{kk}" for k, v in record.items()
                            if k != "model" and isinstance(v, dict)
                            for kk in v if (restored.config.get(k) or {}).get(kk) != v[kk]]
                 if main:
@@ -297,7 +315,7 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
         if main:
             print(f"{name}: compiled in {compiled['s']:.1f}s", file=sys.stderr, flush=True)
             _truncate_metrics(metrics_path, start)
-            run_info = dict(config=config, device_count=jax.device_count(),
+            run_info = dict(config=record, device_count=jax.device_count(),
                             local_device_count=jax.local_device_count(),
                             process_count=jax.process_count(), backend=jax.default_backend(),
                             mesh=dict(mesh.shape) if mesh is not None else None,
@@ -314,10 +332,10 @@ def train(*, make_model: Callable[[], nnx.Module], tx: optax.GradientTransformat
         step, stopped_by, losses, speeds = _loop(
             step_fn=step_fn, model=model, optimizer=optimizer, schedule=schedule, data=data,
             batch_sharding=batch_sharding, ckpt=ckpt, start=start, steps=steps,
-            checkpoint_every=checkpoint_every, config=config, metrics_path=metrics_path,
+            checkpoint_every=checkpoint_every, config=record, metrics_path=metrics_path,
             tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, name=name,
             progress=progress and main, on_step=on_step,
-            monitor=guard.DivergenceMonitor(divergence_factor, history=history))
+            monitor=guard.DivergenceMonitor(config.divergence_factor, history=history))
     finally:
         ckpt.wait()
         ckpt.close()

@@ -249,20 +249,13 @@ def hlo_stats(text: str) -> HloStats:
 # -- virtual devices -------------------------------------------------------------------------------
 
 def set_virtual_devices(n: int) -> None:
-    """Give the CPU backend `n` devices (`jax_num_cpu_devices`). Must run before jax starts its
-    backend (importing jax is fine); afterwards only the same count is accepted."""
-    import jax
-    from jax._src import xla_bridge
-    if n < 1:
-        raise ValueError(f"devices={n} must be >= 1")
-    if xla_bridge.backends_are_initialized():
-        if jax.device_count() != n:
-            raise ValueError(
-                f"devices={n}: jax already started with {jax.device_count()} devices; call "
-                f"zoo.train.rehearse.set_virtual_devices({n}) (or pass --devices {n}) before "
-                f"anything touches a device, e.g. first thing in the script")
-        return
-    jax.config.update("jax_num_cpu_devices", n)
+    """Give the CPU backend `n` devices (`jax_num_cpu_devices`, via
+    `zoo.train.launch.set_cpu_devices`). Must run before jax starts its backend (importing jax
+    is fine); afterwards only the same count is accepted."""
+    from zoo.train.launch import set_cpu_devices
+    set_cpu_devices(n, what="devices={}", fix=f"call zoo.train.rehearse.set_virtual_devices({n}) "
+                    f"(or pass --devices {n}) before anything touches a device, e.g. first "
+                    f"thing in the script")
 
 
 # -- the rehearsal -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
-           "param_count", "BATCH_KEYS"]
+           "BATCH_KEYS"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
 
@@ -210,11 +210,6 @@ def abstract_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTrans
         for module in (model, optimizer):
             nnx.update(module, jax.tree.map(fill, nnx.state(module)))
     return model, optimizer
-
-
-def param_count(model: nnx.Module) -> int:
-    """Number of parameters (`nnx.Param` elements); works on abstract models too."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 # -- batches -----------------------------------------------------------------------------------

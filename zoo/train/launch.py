@@ -1,0 +1,103 @@
+"""Process-level setup shared by the recipes, benchmarks and the rehearsal: the virtual CPU
+device count, joining a multi-process job, the default mesh and the compile cache.
+
+The device count goes through ``jax.config.update("jax_num_cpu_devices", n)``, which jax
+accepts until its backend starts (importing jax starts none). Once it has started, the same
+call raises `RuntimeError` for any value other than the one set before; that refusal is the
+public sign that the backend is up, and the count it started with is then
+``jax.local_device_count("cpu")`` -- so `set_cpu_devices` needs no private jax module.
+Child processes inherit a count through the environment variable ``JAX_NUM_CPU_DEVICES``
+(jax reads it at import) or ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["DEFAULT_CPU_DEVICES", "set_cpu_devices", "env_names_cpu_devices",
+           "init_distributed", "default_mesh", "enable_compile_cache"]
+
+DEFAULT_CPU_DEVICES = 8
+_XLA_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
+def env_names_cpu_devices() -> bool:
+    """Whether the environment already chose a CPU device count (read only, never edited)."""
+    return bool(os.environ.get("JAX_NUM_CPU_DEVICES")
+                or _XLA_COUNT.search(os.environ.get("XLA_FLAGS", "")))
+
+
+def set_cpu_devices(n: int | None, *, what: str = "--devices {}", fix: str | None = None
+                    ) -> None:
+    """Give the CPU backend `n` devices; ``None``: `DEFAULT_CPU_DEVICES` unless the environment
+    names a count (`env_names_cpu_devices`). Must run before jax's backend starts; after that
+    only the count it started with is accepted (a `ValueError` naming `what`, ``{}`` the
+    count, and `fix` otherwise)."""
+    import jax
+    if n is None and env_names_cpu_devices():
+        return
+    count = DEFAULT_CPU_DEVICES if n is None else n
+    if count < 1:
+        raise ValueError(f"{what.format(count)}: must be >= 1")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend has started: fine if it has this count
+        if n is None:
+            return  # no explicit request: keep what is running
+        try:
+            have = jax.local_device_count("cpu")
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS names only accelerators)
+            have = None
+        if have != n:
+            raise ValueError(
+                f"{what.format(n)}: jax already started with {have} CPU devices (something "
+                f"touched a device first); {fix or 'run the recipe as a script'}, or set "
+                f"JAX_NUM_CPU_DEVICES={n} before starting Python") from None
+
+
+def init_distributed(*, coordinator: str | None, num_processes: int | None,
+                     process_id: int | None, distributed: bool) -> None:
+    """Join a multi-process job when the arguments or ``JAX_*`` environment variables ask."""
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    num = num_processes if num_processes is not None else (
+        int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None)
+    pid = process_id if process_id is not None else (
+        int(env["JAX_PROCESS_ID"]) if env.get("JAX_PROCESS_ID") else None)
+    if coordinator is None and num is None and pid is None and not distributed:
+        return
+    import jax
+    if not distributed and (coordinator is None or num is None or pid is None):
+        raise ValueError(
+            f"multi-process needs all of --coordinator HOST:PORT, --num-processes N and "
+            f"--process-id I (got {coordinator!r}, {num!r}, {pid!r}), or --distributed to "
+            f"detect them (SLURM, Open MPI, Cloud TPU)")
+    if num is not None and pid is not None and not 0 <= pid < num:
+        raise ValueError(f"--process-id {pid} must be in [0, --num-processes {num})")
+    # CPU collectives across processes need gloo (harmless where the backend is GPU/TPU).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
+                               process_id=pid)
+
+
+def default_mesh(n: int, backend: str) -> str:
+    """CPU: the EP-as-CP showcase (expert=2, context=2, the rest fsdp) as far as `n` allows;
+    accelerators: plain FSDP over every device."""
+    if backend != "cpu":
+        return f"fsdp={n}"
+    expert = 2 if n % 2 == 0 else 1
+    context = 2 if n % (2 * expert) == 0 else 1
+    return f"fsdp={n // (expert * context)},expert={expert},context={context}"
+
+
+def enable_compile_cache() -> None:
+    """Cache compiled programs on disk (``JAX_COMPILATION_CACHE_DIR``, else
+    ``ZOO_COMPILATION_CACHE``, else ``~/.cache/zoo/jax``): a rerun or resume skips most of the
+    first compile."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        path = os.environ.get("ZOO_COMPILATION_CACHE",
+                              os.path.join(os.path.expanduser("~"), ".cache", "zoo", "jax"))
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
