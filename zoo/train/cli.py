@@ -159,9 +159,10 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
     # The run dir first (before any restore or compile), then the lock, then the inputs.
     run_lock, problem = None, None
     try:
-        run_dir = validate.check_run_dir(train.run_dir or os.path.join("runs", recipe.name))
+        run_dir = train.run_dir or os.path.join("runs", recipe.name)  # kept as given
+        writable = validate.check_run_dir(run_dir)
         if lock and jax.process_index() == 0:
-            run_lock = RunLock(run_dir).acquire()
+            run_lock = RunLock(writable).acquire()
         validate.check_data(train.data)
         tokenizer = validate.load_tokenizer(train.tokenizer)
     except (ValueError, RunDirLocked) as e:

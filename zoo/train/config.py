@@ -312,7 +312,7 @@ def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:
         tp, current = hints.get(name, Any), getattr(config, name)
         try:
             changes[name] = parse_text(tp, text, current)
-        except (ValueError, json.JSONDecodeError) as e:
+        except ValueError as e:  # json.JSONDecodeError included
             raise ValueError(f"--set {name}={text.strip()}: {e} (the field "
                              f"{type(config).__name__}.{name} is {describe(tp, current)})"
                              ) from None
