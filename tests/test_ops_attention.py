@@ -379,7 +379,7 @@ def test_auto_rule():
     assert choose(partitioner=None, num_heads=32, num_kv_heads=8, **kw) == "all_gather"
     assert choose(partitioner=cp8, num_heads=64, num_kv_heads=4, **kw) == "all_gather"
     assert choose(partitioner=cp8, num_heads=32, num_kv_heads=8, **kw) == "ring"
-    assert choose(partitioner=partitioner("cp2_fsdp4"), num_heads=32, num_kv_heads=8,
+    assert choose(partitioner=partitioner("cp2"), num_heads=32, num_kv_heads=8,
                   **kw) == "all_gather"
     # MLA: per-head K/V with a wider q/k head than v head
     assert choose(partitioner=cp8, num_heads=16, num_kv_heads=16, q_length=8192,
