@@ -175,7 +175,7 @@ def main():
     for cp in cps:
         for balanced in (False, True):
             frac = work_per_shard(lengths[-1], cp, balanced)
-            shown = " ".join(f"{f:.2f}" for f in frac)
+            shown = " ".join(f"{f:.3f}" for f in frac)
             print(f"| {cp} | {'load-balanced' if balanced else 'contiguous'} | {shown} | "
                   f"{frac.max() / frac.mean():.3f} |", flush=True)
     cp = cps[-1]

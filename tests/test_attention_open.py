@@ -292,6 +292,7 @@ def test_tile_budget_is_exact_and_picked(order):
         q, k, v, pos, seg, w = (x[:, perm] for x in (q, k, v, pos, seg, w))
     plans = kern.partial_plans(32, 32)
     assert [p.budget for p in plans] == [40, None]
+    assert FlashKernel(q_tile=4, kv_tile=4, tile_budget=False).partial_plans(32, 32) == plans[1:]
     for mask in (Causal() & Document(), Causal() & SlidingWindow(6) & Document()):
         scores = kernels.Scores(mask, 8 ** -0.5)
         tokens = (pos, pos, seg, seg)

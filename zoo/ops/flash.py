@@ -96,9 +96,13 @@ class TilePlan:
 @dataclasses.dataclass(frozen=True)
 class FlashKernel(BlockKernel):
     """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
-    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths."""
+    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
+    offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
+    fewer per sub-block switch, which compiles faster and needed less memory in the
+    DeepSeek-V3 rehearsal; see the README's attention section)."""
     q_tile: int | None = None
     kv_tile: int | None = None
+    tile_budget: bool = True
 
     def tiles(self, L: int, S: int) -> tuple[int, int]:
         dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
@@ -110,7 +114,9 @@ class FlashKernel(BlockKernel):
         tq, tk = self.tiles(L, S)
         nq, nk = L // tq, S // tk
         budget = nq * nk // 2 + max(nq, nk)
-        return (TilePlan(budget), TilePlan(None)) if budget < nq * nk else (TilePlan(None),)
+        if not self.tile_budget or budget >= nq * nk:
+            return (TilePlan(None),)
+        return TilePlan(budget), TilePlan(None)
 
     def pick_plan(self, plans, scores, q_pos, kv_pos, q_seg, kv_seg) -> jax.Array:
         """int32 index into `partial_plans`: 0 when the tiles that may be visible in this block
