@@ -7,9 +7,10 @@ strategy, and its ratio to the same strategy unsharded (cp=1) -- the tiled kerne
 measures sharding alone; the dense reference (O(L^2) logits) is shown for scale. Nothing is
 executed.
 
-Work: the fraction of (query, key) pairs each shard computes under a causal mask -- the
-sub-blocks (``split`` x ``split`` per ring block) the strategies' classification
-(`zoo.ops.masks.block_kind`) does not skip, every tile of a kept sub-block computed -- for
+Work: the fraction of (query, key) pairs each shard computes under a causal mask (ideal:
+(L+1)/(2L) on average) -- the sub-blocks (``split`` x ``split`` per ring block) the strategies'
+classification (`zoo.ops.masks.block_kind`) does not skip, and within a partially masked one
+the tiles the flash kernel walks (its tile budget when the visible tiles fit, CPU tiles) -- for
 contiguous and load-balanced (shard r holds chunks r and 2*cp-1-r) order, and the busiest shard
 relative to the mean.
 
@@ -34,7 +35,9 @@ import numpy as np
 
 import zoo
 from zoo.ops import attention, hlo, mla_attention
-from zoo.ops.masks import Causal, Document, block_kind, bounds
+from zoo.ops.flash import FlashKernel
+from zoo.ops.kernels import Scores
+from zoo.ops.masks import FULL, PARTIAL, Causal, Document, block_kind, bounds
 from zoo.train.launch import set_cpu_devices
 
 
@@ -65,19 +68,31 @@ def per_device_bytes(length, cp, strategy, *, heads, kv_heads, head_dim, dtype):
     return mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
 
 
-def work_per_shard(length, cp, balanced, split=2):
-    """Computed (query, key) pairs per shard / all pairs per shard, causal, one document."""
+def work_per_shard(length, cp, balanced, split=2, kernel=FlashKernel()):
+    """(query, key) pairs the flash kernel computes per shard / all pairs per shard, causal,
+    one document: sub-blocks the strategies' classification (`zoo.ops.masks.block_kind`) does
+    not skip, every tile of a full one, and of a partial one the tiles of the plan the kernel
+    picks (`FlashKernel.pick_plan`: its tile budget when the visible tiles fit)."""
     order = balanced_order(length, cp) if balanced else np.arange(length)
     n = length // cp // split  # sub-block length
-    pos = jnp.asarray(order.reshape(cp, split, 1, n))  # [shard, sub-block, batch 1, token]
+    pos = jnp.asarray(order.reshape(cp * split, 1, n))  # [sub-block of any shard, batch 1, n]
     seg = jnp.ones_like(pos)
-    kind = jax.vmap(jax.vmap(lambda qp, qs, kp, ks: block_kind(
-        Causal() & Document(), bounds(qp, qs), bounds(kp, ks)), (None, None, 0, 0)),
-        (0, 0, None, None))  # [q sub-block, kv sub-block] over all sub-blocks of all shards
-    flat = lambda x: x.reshape(cp * split, 1, n)
-    kept = np.asarray(kind(flat(pos), flat(seg), flat(pos), flat(seg)) != 0)
-    per_shard = kept.reshape(cp, split, cp * split).sum(axis=(1, 2))
-    return per_shard / (cp * split * split)
+    mask = Causal() & Document()
+    scores = Scores(mask, 1.0)
+    plans = kernel.partial_plans(n, n)
+    tq, tk = kernel.tiles(n, n)
+    walked = jnp.asarray([n * n if p.budget is None else p.budget * tq * tk for p in plans])
+
+    def pairs(qp, qs, kp, ks):
+        kind = block_kind(mask, bounds(qp, qs), bounds(kp, ks))
+        plan = kernel.pick_plan(plans, scores, qp, kp, qs, ks)
+        return jnp.where(kind == FULL, n * n, jnp.where(kind == PARTIAL, walked[plan], 0))
+
+    # [q sub-block, kv sub-block] over all sub-blocks of all shards
+    grid = jax.jit(jax.vmap(jax.vmap(pairs, (None, None, 0, 0)), (0, 0, None, None)))
+    done = np.asarray(grid(pos, seg, pos, seg))
+    per_shard = done.reshape(cp, split, cp * split).sum(axis=(1, 2))
+    return per_shard / (length * length / cp)
 
 
 def mla_bytes(length, cp, strategy, *, heads, kv_lora_rank, nope, rope, v_dim, dtype):
@@ -151,13 +166,14 @@ def main():
               + " | ".join("-" for _ in cps[1:]) + " |", flush=True)
 
     print(f"\n## Work per shard: computed (query, key) pairs / all pairs, causal mask, length "
-          f"{lengths[-1]}, 2x2 sub-blocks per ring block\n")
+          f"{lengths[-1]}, 2x2 sub-blocks per ring block, flash kernel tiles "
+          f"{FlashKernel().tiles(lengths[-1], lengths[-1])}\n")
     print("| cp | order | per shard | busiest / mean |")
     print("|---|---|---|---|")
     for cp in cps:
         for balanced in (False, True):
             frac = work_per_shard(lengths[-1], cp, balanced)
-            shown = " ".join(f"{f:.2f}" for f in frac)
+            shown = " ".join(f"{f:.3f}" for f in frac)
             print(f"| {cp} | {'load-balanced' if balanced else 'contiguous'} | {shown} | "
                   f"{frac.max() / frac.mean():.3f} |", flush=True)
     cp = cps[-1]

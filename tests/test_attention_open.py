@@ -279,6 +279,34 @@ def test_conditionals_do_not_grow_with_length():
                               "conditional") == 0
 
 
+@pytest.mark.parametrize("order", ["chunk", "shuffled"])
+def test_tile_budget_is_exact_and_picked(order):
+    """The flash kernel's tile budget (`TilePlan`) on one 32x32 block of 8x8 tiles (budget 40
+    of 64): with a load-balanced chunk (tokens in order, packed documents) the causal and
+    window masks' visible tiles fit and the budget is picked; with shuffled tokens they do
+    not and every tile is walked. Either way forward and dq/dk/dv equal the reference."""
+    kern = FlashKernel(q_tile=4, kv_tile=4)
+    q, k, v, pos, seg, w = _packed()
+    if order == "shuffled":
+        perm = np.random.default_rng(4).permutation(32)
+        q, k, v, pos, seg, w = (x[:, perm] for x in (q, k, v, pos, seg, w))
+    plans = kern.partial_plans(32, 32)
+    assert [p.budget for p in plans] == [40, None]
+    assert FlashKernel(q_tile=4, kv_tile=4, tile_budget=False).partial_plans(32, 32) == plans[1:]
+    for mask in (Causal() & Document(), Causal() & SlidingWindow(6) & Document()):
+        scores = kernels.Scores(mask, 8 ** -0.5)
+        tokens = (pos, pos, seg, seg)
+        pick = int(kern.pick_plan(plans, scores, *tokens))
+        assert pick == (0 if order == "chunk" else 1)
+
+        out, lse = kern.forward(q, k, v, *tokens, scores=scores, masked=plans[pick])
+        grads = kern.backward(q, k, v, *tokens, out, lse, w, scores=scores, masked=plans[pick])
+        ref = functools.partial(dot_product_attention, q_positions=pos, kv_positions=pos,
+                                q_segment_ids=seg, kv_segment_ids=seg, mask=mask)
+        ref_out, vjp = jax.vjp(ref, q, k, v)
+        _close((out, *grads), (ref_out, *vjp(w)), names=("out", "dq", "dk", "dv"))
+
+
 # -- MLA: the latent on the wire --------------------------------------------------------------
 
 def _mla_bytes(impl, latent_on_wire, cp=4):

@@ -1,12 +1,15 @@
-"""zoo.ops attention: reference vs a numpy loop, and every sharded strategy vs the reference.
+"""zoo.ops attention: reference vs a numpy loop, and every mask under every strategy.
 
-Each sharded case runs forward and backward (dq, dk, dv of a weighted sum of the outputs) on
-*permuted* inputs (contiguous or load-balanced chunk order) and compares with the reference on
-the original order, so masks that leaned on array indices would fail. Inputs are packed
-documents of uneven lengths that cross chunk boundaries, with trailing padding. Every mask kind
-(`MASKS`) runs under both strategies, spread over the meshes (cp = 1, 2, 4, 8, EP-as-CP, with a
-tensor axis). Compiled programs are shared between tests through `_runner`; the flash kernel
-uses 8x16 tiles so short test sequences still take many tiles per block.
+The cross product (`test_every_mask_strategy_and_cp`): every mask kind (`MASKS`) x {reference,
+all_gather, ring} x {cp = 2, 4, 8, EP-as-CP}, forward and dq/dk/dv against a dense reference
+built from the same mask function (`_dense`: the mask evaluated into a boolean matrix, softmax,
+autodiff). Inputs are packed documents of uneven lengths that cross chunk boundaries, with
+prefix-marked segment ids (for `PrefixLM`), trailing padding and one all-padding row, in the
+*load-balanced* order (the strategies see permuted tokens; masks that leaned on array indices
+would fail). One compiled program per (strategy, mesh) runs all masks, so the compile cost is
+shared; head shapes (GQA, MQA, MHA, MLA-like wider q/k than v) and a tensor axis vary across
+the programs. The flash kernel uses 8x8 tiles so short test sequences still take several tiles
+per block (its tile budgets are tested on their own in tests/test_attention_open.py).
 """
 
 import functools
@@ -30,13 +33,11 @@ SHAPES = {  # name: (N, K, H, Hv)
     "mla": (4, 4, 24, 16),
 }
 MESHES = {  # name: (strategy, mesh sizes)
-    "fsdp8": ("fsdp", dict(fsdp=8)),
+    "cp2": ("cp", dict(fsdp=4, context=2)),
+    "cp4": ("cp", dict(context=4, tensor=2)),
     "cp8": ("cp", dict(context=8)),
+    "ep_as_cp": ("ep_as_cp", dict(fsdp=2, expert=2, context=2)),
     "cp4_data2": ("cp", dict(data=2, context=4)),
-    "ep4_fsdp2": ("ep_as_cp", dict(fsdp=2, expert=4)),
-    "ep2_cp2_fsdp2": ("ep_as_cp", dict(fsdp=2, expert=2, context=2)),
-    "cp4_tensor2": ("cp", dict(context=4, tensor=2)),
-    "cp2_fsdp4": ("cp", dict(fsdp=4, context=2)),
 }
 
 
@@ -53,27 +54,15 @@ MASKS = {  # name: the mask value (None: the causal default, the shorthand path)
     "document": Document(),  # bidirectional within documents
     "user": MaskFn(_sentence) & Causal() & Document(),
 }
-# (mesh, implementation, order, shape, mask): every mask kind with both strategies, every
-# strategy on every mesh, both orders on the CP meshes.
-CASES = [
-    ("fsdp8", "all_gather", "contiguous", "gqa", "causal"),
-    ("fsdp8", "ring", "contiguous", "mqa", "window"),
-    ("cp8", "ring", "balanced", "gqa", "window"),
-    ("cp8", "all_gather", "balanced", "mha", "document"),
-    ("cp8", "ring", "contiguous", "mla", "chunked"),
-    ("cp8", "all_gather", "contiguous", "mqa", "prefix"),
-    ("cp4_data2", "ring", "balanced", "mqa", "user"),
-    ("cp4_data2", "all_gather", "contiguous", "gqa", "chunked"),
-    ("ep4_fsdp2", "ring", "balanced", "mla", "prefix"),
-    ("ep4_fsdp2", "all_gather", "balanced", "gqa", "user"),
-    ("ep2_cp2_fsdp2", "ring", "balanced", "gqa", "document"),
-    ("ep2_cp2_fsdp2", "all_gather", "contiguous", "mla", "window"),
-    ("cp4_tensor2", "ring", "balanced", "mqa", "causal"),  # kv head repeated over tensor
-    ("cp4_tensor2", "all_gather", "balanced", "gqa", "prefix"),  # kv heads split over tensor
-    ("cp2_fsdp4", "all_gather", "balanced", "mqa", "user"),  # K/V gathered in one piece
-    ("cp2_fsdp4", "ring", "contiguous", "gqa", "chunked"),
-]
-KERNEL = FlashKernel(q_tile=8, kv_tile=16)
+# (strategy, mesh): head shape. With a tensor axis, MQA's one kv head is repeated per tensor
+# shard (ring) and GQA's kv heads are split over it (all_gather); on cp2 MQA's K/V are
+# gathered in one piece.
+PROGRAMS = {
+    ("ring", "cp2"): "gqa", ("all_gather", "cp2"): "mqa",
+    ("ring", "cp4"): "mqa", ("all_gather", "cp4"): "gqa", ("ring", "cp8"): "mla",
+    ("all_gather", "cp8"): "mha", ("ring", "ep_as_cp"): "mla", ("all_gather", "ep_as_cp"): "gqa",
+}
+KERNEL = FlashKernel(q_tile=8, kv_tile=8)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -138,14 +127,6 @@ def _mask_kw(mask):
 def _reference(mask):
     fn = functools.partial(dot_product_attention, **_mask_kw(mask))
     return jax.jit(functools.partial(_fwd_bwd, fn))
-
-
-@functools.cache
-def _runner(mesh, impl, shape, mask, dtype="float32"):
-    """AOT-compiled forward+backward of `attention` (its HLO text is checked too)."""
-    fn = functools.partial(attention, partitioner=partitioner(mesh), implementation=impl,
-                           kernel=KERNEL, **_mask_kw(mask))
-    return jax.jit(functools.partial(_fwd_bwd, fn)).lower(*data(shape, dtype)).compile()
 
 
 def _permute(arrays, order):
@@ -226,27 +207,83 @@ def test_block_skip_is_sound(causal, window):
 
 # -- every strategy against the reference --------------------------------------------------------
 
-def _compare(got, want, dtype="float32"):
+def _compare(got, want, dtype="float32", err=""):
     tol = dict(float32=(2e-4, 2e-5), bfloat16=(0, 4e-2))[dtype]
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         atol = tol[1] * max(1.0, float(np.abs(r).max()))
-        np.testing.assert_allclose(g, r, rtol=tol[0], atol=atol, err_msg=name)
+        np.testing.assert_allclose(g, r, rtol=tol[0], atol=atol, err_msg=f"{err} {name}")
 
 
-@pytest.mark.parametrize("mesh,impl,order,shape,mask", CASES,
-                         ids=["-".join(map(str, c)) for c in CASES])
-def test_sharded_matches_reference(mesh, impl, order, shape, mask):
-    q, k, v, pos, seg, w = data(shape, prefix=mask == "prefix")
-    want = _reference(mask)(q, k, v, pos, seg, w)
-    cp = zoo.Partitioner.context_size(partitioner(mesh))
-    perm = balanced_order(L, cp) if order == "balanced" else np.arange(L)
-    got = _runner(mesh, impl, shape, mask)(*_permute((q, k, v, pos, seg, w), perm))
-    _compare(got, _permute(want, perm))
-    out, dq, dk, dv = (np.asarray(x) for x in got)
-    pad = np.asarray(seg)[:, perm] == 0
-    assert np.all(out[pad] == 0) and np.all(dq[pad] == 0)  # padding: exact zeros
-    assert np.all(dk[pad] == 0) and np.all(dv[pad] == 0)
+@functools.cache
+def cross_data(shape):
+    """Four rows: the two packed rows of `data`, one all padding, one document without padding
+    (with 4 rows per device or fewer, some shards see fully visible sub-blocks); prefix-marked
+    segment ids, for `PrefixLM` (the other masks compare |segment id|)."""
+    q, k, v, pos, seg, w = data(shape)
+    rows = lambda x, y: jnp.concatenate([x, y], axis=0)
+    q, k, v, w = (rows(x, x[::-1] * 0.5) for x in (q, k, v, w))
+    seg = np.concatenate([np.asarray(seg), np.zeros((1, L), np.int32), np.ones((1, L), np.int32)])
+    seg = prefix_segment_ids(seg, [[4, 10, 3], [2, 12, 5], [], [6]])
+    pos = rows(pos, jnp.stack([jnp.arange(L), jnp.arange(L)]).astype(pos.dtype))
+    return q, k, v, pos, jnp.asarray(seg), w
+
+
+def _all_masks(fn):
+    """fn(q, k, v, **kw) -> attention; (out, dq, dk, dv) for every mask, in one program."""
+    return lambda *a: {m: _fwd_bwd(functools.partial(fn, **_mask_kw(m)), *a) for m in MASKS}
+
+
+def _dense_attention(q, k, v, *, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                     mask=None):
+    """Softmax over a dense boolean mask evaluated from the same mask value, then autodiff."""
+    allowed = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                             mask=mask)[:, None]  # [B, 1, L, S]
+    G = q.shape[2] // k.shape[2]
+    kk, vv = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("blnh,bsnh->bnls", q, kk) / np.sqrt(q.shape[-1])
+    s = jnp.where(allowed, s, -1e30)
+    p = jax.nn.softmax(s, axis=-1) * allowed.any(-1, keepdims=True)
+    return jnp.einsum("bnls,bsnh->blnh", p, vv)
+
+
+@functools.cache
+def _dense(shape):
+    """Every mask's (out, dq, dk, dv) from the dense reference, original token order."""
+    return jax.jit(_all_masks(_dense_attention))(*cross_data(shape))
+
+
+@functools.cache
+def _program(impl, mesh, shape):
+    """AOT-compiled forward+backward of `attention` under every mask (HLO text checked too)."""
+    fn = functools.partial(attention, partitioner=partitioner(mesh), implementation=impl,
+                           kernel=KERNEL)
+    return jax.jit(_all_masks(fn)).lower(*cross_data(shape)).compile()
+
+
+@pytest.mark.parametrize("impl,mesh", list(PROGRAMS), ids=[f"{i}-{m}" for i, m in PROGRAMS])
+def test_every_mask_strategy_and_cp(impl, mesh):
+    shape = PROGRAMS[impl, mesh]
+    cp = 1 if mesh is None else partitioner(mesh).context_size()
+    perm = balanced_order(L, cp)
+    inputs = cross_data(shape)
+    got = _program(impl, mesh, shape)(*_permute(inputs, perm))
+    pad = np.asarray(inputs[4])[:, perm] == 0
+    for m in MASKS:
+        _compare(got[m], _permute(_dense(shape)[m], perm), err=m)
+        for x in got[m]:  # padding (and the all-padding row): exact zeros, never NaN
+            x = np.asarray(x)
+            assert np.all(np.isfinite(x)) and np.all(x[pad] == 0), m
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_reference_every_mask(shape):
+    """implementation="reference" (the dense fp32 op the others are usually checked against)
+    against the independent dense softmax, every mask, forward and gradients."""
+    got = jax.jit(_all_masks(functools.partial(attention, implementation="reference")))(
+        *cross_data(shape))
+    for m in MASKS:
+        _compare(got[m], _dense(shape)[m], err=m)
 
 
 @pytest.mark.parametrize("impl", ["ring", "all_gather"])
@@ -268,13 +305,6 @@ def test_kv_shorter_than_queries(impl):
     _compare(got, jax.jit(lambda: run(dot_product_attention))())
 
 
-@pytest.mark.parametrize("impl", ["auto", "ring", "all_gather"])
-def test_unsharded_matches_reference(impl):
-    q, k, v, pos, seg, w = data("gqa")
-    got = _runner(None, impl, "gqa", "window")(q, k, v, pos, seg, w)
-    _compare(got, _reference("window")(q, k, v, pos, seg, w))
-
-
 def test_reference_implementation_and_no_segments():
     q, k, v, pos, _, _ = data("gqa")
     kw = dict(q_positions=pos, kv_positions=pos)
@@ -287,29 +317,18 @@ def test_reference_implementation_and_no_segments():
 def test_bf16_ring_within_bf16_tolerance():
     q, k, v, pos, seg, w = data("gqa", "bfloat16")
     perm = balanced_order(L, 4)
-    got = _runner("cp4_data2", "ring", "gqa", "causal", "bfloat16")(
-        *_permute((q, k, v, pos, seg, w), perm))
+    fn = functools.partial(attention, partitioner=partitioner("cp4_data2"),
+                           implementation="ring", kernel=KERNEL)
+    got = jax.jit(functools.partial(_fwd_bwd, fn))(*_permute((q, k, v, pos, seg, w), perm))
     assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
     f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
     want = _reference("causal")(*f32, pos, seg, w)
     _compare(got, _permute(want, perm), "bfloat16")
 
 
-@pytest.mark.parametrize("impl", ["ring", "all_gather"])
-def test_fully_padded_rows_no_nan(impl):
-    q, k, v, pos, seg, w = data("gqa", full_pad_row=True)
-    perm = balanced_order(L, 8)
-    got = _runner("cp8", impl, "gqa", "window")(*_permute((q, k, v, pos, seg, w), perm))
-    for x in got:
-        x = np.asarray(x)
-        assert np.all(np.isfinite(x))
-        assert np.all(x[1] == 0)  # the all-padding row: zero output and zero gradients
-    _compare(got, _permute(_reference("window")(q, k, v, pos, seg, w), perm))
-
-
 def test_compiled_collectives():
-    ring = _runner("cp8", "ring", "gqa", "window").as_text()
-    gather = _runner("cp8", "all_gather", "mqa", "prefix").as_text()
+    ring = _program("ring", "cp8", PROGRAMS["ring", "cp8"]).as_text()
+    gather = _program("all_gather", "cp8", PROGRAMS["all_gather", "cp8"]).as_text()
     assert "collective-permute" in ring and "all-gather" not in ring
     assert "all-gather" in gather and "reduce-scatter" in gather
     assert "collective-permute" not in gather
@@ -359,7 +378,7 @@ def test_auto_rule():
     assert choose(partitioner=None, num_heads=32, num_kv_heads=8, **kw) == "all_gather"
     assert choose(partitioner=cp8, num_heads=64, num_kv_heads=4, **kw) == "all_gather"
     assert choose(partitioner=cp8, num_heads=32, num_kv_heads=8, **kw) == "ring"
-    assert choose(partitioner=partitioner("cp2_fsdp4"), num_heads=32, num_kv_heads=8,
+    assert choose(partitioner=partitioner("cp2"), num_heads=32, num_kv_heads=8,
                   **kw) == "all_gather"
     # MLA: per-head K/V with a wider q/k head than v head
     assert choose(partitioner=cp8, num_heads=16, num_kv_heads=16, q_length=8192,

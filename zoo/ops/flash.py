@@ -1,13 +1,23 @@
 """The zoo flash kernel: tiled (flash-style) attention of one query block over one key block.
 
-A `zoo.ops.kernels.BlockKernel` in pure JAX that runs on any platform. Both passes walk every
-(``q_tile`` x ``kv_tile``) tile pair of the block with `lax.fori_loop` over *static* trip counts
+A `zoo.ops.kernels.BlockKernel` in pure JAX that runs on any platform. Both passes walk a list
+of (``q_tile`` x ``kv_tile``) tile pairs with one `lax.fori_loop` over a *static* trip count
 and dynamic slices: no per-tile `lax.cond` (on GPU each would send its predicate to the host)
 and no loop whose length is known only at run time, so one [B, N, q_tile, kv_tile] logit tile
-is the largest temporary and the compiled program holds no conditional at all. Skipping is the
-strategy's job, per block and sub-block (`zoo.ops.ring`): empty ones are never handed to the
-kernel and fully visible ones come with ``masked=False``, so the mask is not evaluated there;
-within a partial block the kernel masks elementwise.
+is the largest temporary and the compiled kernel holds no conditional at all.
+
+Skipping is shared with the strategy (`zoo.ops.ring`), which classifies each sub-block: empty
+ones never reach the kernel, fully visible ones come with ``masked=False`` (every tile, the
+mask not evaluated), and a partially masked one with the `TilePlan` picked by `pick_plan` --
+one more branch of the strategy's one `lax.switch` per sub-block:
+
+* ``TilePlan(budget)``: the tiles that may be visible (`zoo.ops.masks.tile_visible`, from
+  per-tile position/segment bounds, so exact for any token order and packing) are compacted
+  at run time into a list of ``budget`` entries, padding entries masked out; the plan is
+  picked only when they fit. The budget is ``T/2 + d`` of ``T`` tiles (``d`` tiles per side):
+  a causal diagonal block fits, so do bands (windows, chunks, short documents). One budget,
+  because each plan is one more copy of the kernel in the program (compile time).
+* ``TilePlan(None)``: every tile, masked elementwise (any block).
 
 * `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32).
 * `FlashKernel.backward` from the global (out, lse): p = exp(s - lse) are the true
@@ -31,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zoo.ops.kernels import BlockKernel, Scores, register_kernel
-from zoo.ops.masks import evaluate
+from zoo.ops.masks import evaluate, tile_visible
 
 F32 = jnp.float32
 # Default tiles: on CPU 64x64 was the fastest of 32..256 and keeps the per-device constant
@@ -62,7 +72,7 @@ def _bqkg(x):
     return jnp.moveaxis(x, -1, 1)[..., None]
 
 
-def _tile_logits(scores: Scores, masked, q, k, qp, kp, qs, ks, head):
+def _tile_logits(scores: Scores, masked, q, k, qp, kp, qs, ks, head, ok=None):
     """Logits [B,K,G,Q,C] fp32 (-inf where masked) and the VJP of the score modifiers."""
     s = jnp.einsum("bqkgh,bckh->bkgqc", q, k, preferred_element_type=F32) * scores.scale
     tokens = (qp[:, None, None, :, None], kp[:, None, None, None, :],
@@ -71,56 +81,96 @@ def _tile_logits(scores: Scores, masked, q, k, qp, kp, qs, ks, head):
     if scores.modified:
         s, mod_vjp = jax.vjp(lambda x: scores.modify(x, *tokens, head), s)
     if masked:
-        s = jnp.where(evaluate(scores.mask, *tokens), s, -jnp.inf)
+        visible = evaluate(scores.mask, *tokens)
+        s = jnp.where(visible if ok is None else visible & ok, s, -jnp.inf)
     return s, mod_vjp
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """How the kernel walks a partially masked block: at most ``budget`` tiles that may be
+    visible, compacted at run time, or every tile (``budget=None``). See the module docstring."""
+    budget: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashKernel(BlockKernel):
     """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
-    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths."""
+    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
+    offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
+    fewer per sub-block switch, which compiles faster and needed less memory in the
+    DeepSeek-V3 rehearsal; see the README's attention section)."""
     q_tile: int | None = None
     kv_tile: int | None = None
+    tile_budget: bool = True
 
     def tiles(self, L: int, S: int) -> tuple[int, int]:
         dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
         return tile_size(L, self.q_tile or dq), tile_size(S, self.kv_tile or dk)
+
+    def partial_plans(self, L: int, S: int) -> tuple[TilePlan, ...]:
+        """Static plans for a partially masked [L, S] block: a budget of half the tiles plus
+        one row (a causal diagonal block fits), then every tile (any block)."""
+        tq, tk = self.tiles(L, S)
+        nq, nk = L // tq, S // tk
+        budget = nq * nk // 2 + max(nq, nk)
+        if not self.tile_budget or budget >= nq * nk:
+            return (TilePlan(None),)
+        return TilePlan(budget), TilePlan(None)
+
+    def pick_plan(self, plans, scores, q_pos, kv_pos, q_seg, kv_seg) -> jax.Array:
+        """int32 index into `partial_plans`: 0 when the tiles that may be visible in this block
+        fit the budget, else the last (every tile)."""
+        if plans[0].budget is None:
+            return jnp.int32(0)
+        tq, tk = self.tiles(q_pos.shape[1], kv_pos.shape[1])
+        n = jnp.sum(tile_visible(scores.mask, q_pos, kv_pos, q_seg, kv_seg, tq, tk))
+        return (n > plans[0].budget).astype(jnp.int32)
+
+    def _schedule(self, masked, scores, tokens, L, S):
+        """(trip count, t -> (query tile, key tile, valid or None)) of the tile walk."""
+        tq, tk = self.tiles(L, S)
+        nk = S // tk
+        if not isinstance(masked, TilePlan) or masked.budget is None:
+            return L // tq * nk, lambda t: (t // nk, t % nk, None)
+        may = tile_visible(scores.mask, *tokens, tq, tk).ravel()
+        (pairs,) = jnp.nonzero(may, size=masked.budget, fill_value=0)
+        count = jnp.sum(may)
+        return masked.budget, lambda t: (pairs[t] // nk, pairs[t] % nk, t < count)
 
     def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
         B, L, N, H = q.shape
         _, S, K, V = v.shape
         G = N // K
         tq, tk = self.tiles(L, S)
+        trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         q = q.reshape(B, L, K, G, H)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
 
-        def q_body(i, carry):
-            out, lse = carry
+        def body(t, state):
+            m, den, acc = state  # running max [B,K,G,L], denominator [B,K,G,L], [B,L,K,G,V]
+            i, j, ok = pair(t)
             qi, qpi, qsi = _slice(q, i, tq), _slice(q_pos, i, tq), _slice(q_seg, i, tq)
+            kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
+            s, _ = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
+            mi, di = _slice(m, i, tq, axis=3), _slice(den, i, tq, axis=3)
+            m_new = jnp.maximum(mi, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing seen yet
+            alpha = jnp.exp(mi - m_safe)  # 0 when mi is -inf
+            p = jnp.exp(s - m_safe[..., None])  # 0 on masked entries
+            pv = jnp.einsum("bkgqc,bckv->bqkgv", p.astype(vj.dtype), vj,
+                            preferred_element_type=F32)
+            return (_put(m, m_new, i, tq, axis=3),
+                    _put(den, di * alpha + jnp.sum(p, axis=-1), i, tq, axis=3),
+                    _put(acc, _slice(acc, i, tq) * _bqkg(alpha) + pv, i, tq))
 
-            def kv_body(j, state):
-                m, den, acc = state  # max [B,K,G,Q], denominator [B,K,G,Q], [B,Q,K,G,V]
-                kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
-                s, _ = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing seen yet
-                alpha = jnp.exp(m - m_safe)  # 0 when m is -inf
-                p = jnp.exp(s - m_safe[..., None])  # 0 on masked entries
-                pv = jnp.einsum("bkgqc,bckv->bqkgv", p.astype(vj.dtype), vj,
-                                preferred_element_type=F32)
-                return m_new, den * alpha + jnp.sum(p, axis=-1), acc * _bqkg(alpha) + pv
-
-            init = (jnp.full((B, K, G, tq), -jnp.inf, F32), jnp.zeros((B, K, G, tq), F32),
-                    jnp.zeros((B, tq, K, G, V), F32))
-            m, den, acc = lax.fori_loop(0, S // tk, kv_body, init)
-            seen = den > 0
-            den = jnp.where(seen, den, 1.0)
-            lse_i = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
-            return (_put(out, (acc / _bqkg(den)).reshape(B, tq, N, V), i, tq),
-                    _put(lse, lse_i.reshape(B, N, tq), i, tq, axis=2))
-
-        init = (jnp.zeros((B, L, N, V), F32), jnp.full((B, N, L), -jnp.inf, F32))
-        return lax.fori_loop(0, L // tq, q_body, init)
+        init = (jnp.full((B, K, G, L), -jnp.inf, F32), jnp.zeros((B, K, G, L), F32),
+                jnp.zeros((B, L, K, G, V), F32))
+        m, den, acc = lax.fori_loop(0, trips, body, init)
+        seen = den > 0
+        den = jnp.where(seen, den, 1.0)
+        lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
+        return (acc / _bqkg(den)).reshape(B, L, N, V), lse.reshape(B, N, L)
 
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
                  masked):
@@ -128,44 +178,40 @@ class FlashKernel(BlockKernel):
         _, S, K, V = v.shape
         G = N // K
         tq, tk = self.tiles(L, S)
+        trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
         # delta_i = sum_v dout * out over the *global* out: the softmax-Jacobian term
         delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p = 0 anyway
         q, dout = q.reshape(B, L, K, G, H), dout.astype(q.dtype).reshape(B, L, K, G, V)
 
-        def kv_body(j, carry):
+        def body(t, carry):
             dq, dk, dv = carry
+            i, j, ok = pair(t)
+            qi, doi, qpi, qsi = (_slice(x, i, tq) for x in (q, dout, q_pos, q_seg))
+            lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
+                              for x in (lse, delta))
             kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
-
-            def q_body(i, carry):
-                dq, dkj, dvj = carry
-                qi, doi, qpi, qsi = (_slice(x, i, tq) for x in (q, dout, q_pos, q_seg))
-                lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
-                                  for x in (lse, delta))
-                s, mod_vjp = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head)
-                p = jnp.exp(s - lse_i)  # exp(-inf) = 0 on masked entries
-                dvj = dvj + jnp.einsum("bkgqc,bqkgv->bckv", p.astype(doi.dtype), doi,
-                                       preferred_element_type=F32)
-                dp = jnp.einsum("bqkgv,bckv->bkgqc", doi, vj, preferred_element_type=F32)
-                ds = p * (dp - delta_i)
-                if mod_vjp is not None:
-                    ds = jnp.where(p > 0, mod_vjp(ds)[0], 0.0)
-                # ds in the operands' dtype, as flash kernels do: mixing fp32 with bf16 operands
-                # would let XLA hoist fp32 copies of the whole q and k out of the loops
-                ds = (ds * scores.scale).astype(qi.dtype)
-                dqi = jnp.einsum("bkgqc,bckh->bqkgh", ds, kj, preferred_element_type=F32)
-                dkj = dkj + jnp.einsum("bkgqc,bqkgh->bckh", ds, qi, preferred_element_type=F32)
-                dq = _put(dq, _slice(dq, i, tq) + dqi.reshape(B, tq, N, H), i, tq)
-                return dq, dkj, dvj
-
-            dq, dkj, dvj = lax.fori_loop(0, L // tq, q_body, (
-                dq, jnp.zeros((B, tk, K, H), F32), jnp.zeros((B, tk, K, V), F32)))
-            return dq, _put(dk, dkj, j, tk), _put(dv, dvj, j, tk)
+            s, mod_vjp = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
+            p = jnp.exp(s - lse_i)  # exp(-inf) = 0 on masked entries
+            dvj = jnp.einsum("bkgqc,bqkgv->bckv", p.astype(doi.dtype), doi,
+                             preferred_element_type=F32)
+            dp = jnp.einsum("bqkgv,bckv->bkgqc", doi, vj, preferred_element_type=F32)
+            ds = p * (dp - delta_i)
+            if mod_vjp is not None:
+                ds = jnp.where(p > 0, mod_vjp(ds)[0], 0.0)
+            # ds in the operands' dtype, as flash kernels do: mixing fp32 with bf16 operands
+            # would let XLA hoist fp32 copies of the whole q and k out of the loops
+            ds = (ds * scores.scale).astype(qi.dtype)
+            dqi = jnp.einsum("bkgqc,bckh->bqkgh", ds, kj, preferred_element_type=F32)
+            dkj = jnp.einsum("bkgqc,bqkgh->bckh", ds, qi, preferred_element_type=F32)
+            return (_put(dq, _slice(dq, i, tq) + dqi.reshape(B, tq, N, H), i, tq),
+                    _put(dk, _slice(dk, j, tk) + dkj, j, tk),
+                    _put(dv, _slice(dv, j, tk) + dvj, j, tk))
 
         init = (jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
                 jnp.zeros((B, S, K, V), F32))
-        return lax.fori_loop(0, S // tk, kv_body, init)
+        return lax.fori_loop(0, trips, body, init)
 
 
 register_kernel("flash", FlashKernel())

@@ -16,8 +16,9 @@ pair. Its contract (`BlockKernel`):
 
 ``scores`` (`Scores`) carries the mask, scale, soft cap and `ScoreMod`; ``masked=False`` (a
 Python bool) says the strategy proved the block fully visible: the kernel must not evaluate the
-mask there. Kernels are frozen dataclasses (hashable: they are part of the compiled program's
-key). Kernels here: `zoo.ops.flash.FlashKernel` (``"flash"``, pure JAX, any platform) and
+mask there; otherwise it is True or one of the kernel's own `BlockKernel.partial_plans`.
+Kernels are frozen dataclasses (hashable: they are part of the compiled program's key).
+Kernels here: `zoo.ops.flash.FlashKernel` (``"flash"``, pure JAX, any platform) and
 `TokamaxKernel` (``"tokamax"``); `register_kernel` adds a user's, `get_kernel` resolves a name
 (``"auto"``: tokamax on GPU/TPU, flash on CPU).
 
@@ -67,7 +68,20 @@ class Scores:
 
 
 class BlockKernel:
-    """Base class documenting the contract (see the module docstring)."""
+    """Base class documenting the contract (see the module docstring).
+
+    Optional: a kernel that can walk a partially masked block in several static ways says so
+    with ``partial_plans(L, S) -> (plan, ...)`` (hashable values passed as ``masked``; the
+    last must take any block) and ``pick_plan(plans, scores, q_pos, kv_pos, q_seg, kv_seg)
+    -> int32`` (which one fits this block, from the data); the strategy makes each plan one
+    branch of its per-sub-block switch. The default is one plan, ``masked=True``.
+    """
+
+    def partial_plans(self, L: int, S: int) -> tuple:
+        return (True,)
+
+    def pick_plan(self, plans, scores, q_pos, kv_pos, q_seg, kv_seg):
+        return jnp.int32(0)
 
     def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores: Scores, masked: bool):
         raise NotImplementedError

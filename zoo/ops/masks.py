@@ -233,6 +233,23 @@ def block_kind(mask: Mask, q: Bounds, kv: Bounds) -> jax.Array:
     return jnp.where(may, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
 
+def _expand(b: Bounds, axis: int) -> Bounds:
+    return Bounds(**{f.name: jnp.expand_dims(getattr(b, f.name), axis)
+                     for f in dataclasses.fields(b)})
+
+
+def tile_visible(mask: Mask, q_pos, kv_pos, q_seg, kv_seg, q_tile: int,
+                 kv_tile: int) -> jax.Array:
+    """[L/q_tile, S/kv_tile] bool: False only where no row of the batch can see any pair of
+    that (query tile, key tile) -- the per-tile form of `block_kind`'s EMPTY, for kernels that
+    walk only the tiles that may be visible."""
+    B = q_pos.shape[0]
+    q = _expand(bounds(q_pos.reshape(B, -1, q_tile), q_seg.reshape(B, -1, q_tile)), -1)
+    kv = _expand(bounds(kv_pos.reshape(B, -1, kv_tile), kv_seg.reshape(B, -1, kv_tile)), -2)
+    may, _ = mask.classify(q, kv)
+    return jnp.any(may & q.some & kv.some, axis=0)
+
+
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,
                    q_segment_ids: jax.Array | None = None,
                    kv_segment_ids: jax.Array | None = None, *, causal: bool | None = None,

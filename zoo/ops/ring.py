@@ -21,8 +21,10 @@ back the same way, and the parameters' gradients stay local; `shard_map` sums th
 Skipping: a block is split into ``split`` x ``split`` sub-blocks (per gathered shard for
 all-gather); each is classified from position/segment bounds (`zoo.ops.masks.block_kind`) and
 one `lax.switch` picks "skip" (empty), the kernel with ``masked=False`` (full) or with the mask
-(partial). That is ``split**2`` conditionals per ring step, none per tile: the count does not
-grow with the sequence length. ``split=2`` matches the load-balanced layout (each shard holds
+(partial) -- for kernels with several static ways to walk a partial block (the flash kernel's
+tile budgets, `zoo.ops.flash.TilePlan`), the one the kernel picks from the data. That is
+``split**2`` conditionals per ring step, none per tile: the count does not grow with the
+sequence length. ``split=2`` matches the load-balanced layout (each shard holds
 two chunks), so causal blocks are classified exactly at chunk granularity.
 
 Sinks (``[N]`` logits with no value) join each row's softmax after the merge; their gradient is
@@ -44,7 +46,7 @@ from jax import lax
 
 from zoo.ops.flash import _put, _slice
 from zoo.ops.kernels import BlockKernel, Scores
-from zoo.ops.masks import block_kind, bounds
+from zoo.ops.masks import PARTIAL, block_kind, bounds
 
 F32 = jnp.float32
 
@@ -127,11 +129,26 @@ def _merge(out, lse, o, l):
     return out * w1 + o * w2, new
 
 
+def _plans(kernel, L, S):
+    """The kernel's static ways to walk a partial [L, S] sub-block (`BlockKernel`)."""
+    plans = getattr(kernel, "partial_plans", None)
+    return tuple(plans(L, S)) if plans is not None else (True,)
+
+
+def _branch(cfg, kind, plans, q_pos, kv_pos, q_seg, kv_seg):
+    """Switch index: skip (EMPTY), full (FULL) or PARTIAL + the kernel's plan for the block."""
+    if len(plans) == 1:
+        return kind
+    plan = cfg.kernel.pick_plan(plans, cfg.scores, q_pos, kv_pos, q_seg, kv_seg)
+    return jnp.where(kind == PARTIAL, PARTIAL + plan, kind)
+
+
 def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
     """Merge attention of q over one (k, v) block into the running (out, lse)."""
     B, L, N, _ = q.shape
     S, V = k.shape[1], v.shape[-1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
+    plans = _plans(cfg.kernel, lq, lk)
 
     def pair(idx, state):
         a, b = idx // nk, idx % nk
@@ -146,7 +163,8 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
         def skip():
             return jnp.zeros((B, lq, N, V), F32), jnp.full((B, N, lq), -jnp.inf, F32)
 
-        o, l = lax.switch(kind, (skip, run(False), run(True)))
+        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
+        o, l = lax.switch(branch, (skip, run(False), *map(run, plans)))
         out, lse = state
         oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, l)
         return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
@@ -158,6 +176,7 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
     """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse)."""
     L, S = q.shape[1], k.shape[1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
+    plans = _plans(cfg.kernel, lq, lk)
 
     def pair(idx, acc):
         a, b = idx // nk, idx % nk
@@ -174,26 +193,27 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
             return (jnp.zeros(qa.shape, F32), jnp.zeros(kb.shape, F32),
                     jnp.zeros(vb.shape, F32))
 
-        gq, gk, gv = lax.switch(kind, (skip, run(False), run(True)))
+        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
+        gq, gk, gv = lax.switch(branch, (skip, run(False), *map(run, plans)))
         dq, dk, dv = acc
         return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
                 _put(dv, _slice(dv, b, lk) + gv, b, lk))
 
-    init = (dq, _zeros_after(dout, k.shape), _zeros_after(dout, v.shape))
+    # plain zeros: inside the backward's loops they cannot be hoisted into the forward
+    init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
     return lax.fori_loop(0, nq * nk, pair, init)
 
 
 def _zeros_after(x, shape):
     """fp32 zeros of `shape` that XLA can only materialise once `x` (a backward value) exists.
 
-    Plain `jnp.zeros` accumulators are constants: XLA's scheduler fills them at the start of
-    the program and keeps them alive through the whole forward, adding q + k + v sized fp32
-    buffers to the peak. Multiplying by one (finite) element of `x` ties them to the backward
-    (XLA does not fold ``y * 0`` for floats); the select keeps an inf/NaN in `x` out of the
-    gradients and `abs` makes the zero +0.0.
+    Plain `jnp.zeros` accumulators have no inputs: XLA's scheduler may fill them at the start
+    of the program and keep them alive through the whole forward, adding q + k + v sized fp32
+    buffers to the peak. An optimization barrier over (zeros, x) makes them available only
+    together with `x`, without arithmetic on it.
     """
-    anchor = x.ravel()[0].astype(F32)
-    return jnp.full(shape, jnp.where(jnp.isfinite(anchor), jnp.abs(anchor), 0.0) * 0.0, F32)
+    zeros, _ = lax.optimization_barrier((jnp.zeros(shape, F32), x))
+    return zeros
 
 
 # -- the custom_vjp ----------------------------------------------------------------------------
