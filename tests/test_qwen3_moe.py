@@ -7,6 +7,8 @@ count are the conformance suite's (``tests/conformance.py``).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import jax
@@ -41,11 +43,11 @@ def assert_close(actual, expected, what):
 
 
 def hf_config(**kw):
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=D, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
-        num_experts=E, num_experts_per_tok=TOPK, moe_intermediate_size=F, rms_norm_eps=EPS,
-        max_position_embeddings=64, rope_parameters={"rope_type": "default",
-                                                     "rope_theta": 10000.0}, **kw)
+    kw = dict(dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
+                   num_experts=E, num_experts_per_tok=TOPK, moe_intermediate_size=F,
+                   rms_norm_eps=EPS, max_position_embeddings=64,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), **kw)
+    cfg = transformers.Qwen3MoeConfig(**kw)
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -208,3 +210,31 @@ def test_sparse_moe_block_matches_hugging_face(norm_topk_prob, mesh):
     if not norm_topk_prob:  # the weights of a token then sum to less than one
         weights, _, _ = module.route(jnp.asarray(x))
         assert float(jnp.max(weights.sum(-1))) < 1 - 1e-3
+
+
+# -- which layers are sparse ------------------------------------------------------------------
+
+PATTERNS = [  # (num_hidden_layers, decoder_sparse_step, mlp_only_layers, num_experts)
+    (4, 1, (), E), (5, 2, (), E), (6, 3, (0, 5), E), (4, 1, (0, 1), E), (3, 1, (), 0)]
+
+
+@pytest.mark.parametrize("layers,step,mlp_only,experts", PATTERNS)
+def test_layer_kinds_and_runs_follow_transformers(layers, step, mlp_only, experts):
+    from zoo.models.decoder import layer_runs
+    from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, Qwen3MoeDecoderLayer
+    cfg = hf_config(num_hidden_layers=layers, decoder_sparse_step=step,
+                    mlp_only_layers=list(mlp_only), num_experts=experts, vocab_size=64)
+    with torch.device("meta"):
+        hf_model = transformers.Qwen3MoeForCausalLM(cfg)
+    hf_kinds = [isinstance(layer.mlp, hf_qwen3.Qwen3MoeSparseMoeBlock)
+                for layer in hf_model.model.layers]
+    config = Qwen3MoeConfig.from_hf_config(cfg.to_dict())
+    assert [config.is_moe_layer(i) for i in range(layers)] == hf_kinds
+    runs = layer_runs(Qwen3MoeDecoderLayer, config, scan=True)
+    # maximal runs: consecutive runs differ in kind, and together they cover every layer once
+    assert [i for first, n in runs for i in range(first, first + n)] == list(range(layers))
+    assert all(hf_kinds[a] != hf_kinds[b] for (a, _), (b, _) in itertools.pairwise(runs))
+    model = Qwen3Moe.abstract(config)
+    assert [(layer.layer_idx, layer.stack_size, layer.is_moe) for layer in model.layers] == [
+        (first, n, hf_kinds[first]) for first, n in runs]
+    assert config.num_params() == sum(p.numel() for p in hf_model.parameters())
