@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
@@ -193,6 +194,15 @@ class AttentionBlock(nnx.Module):
 
     block_name = "attention"
     mask: Mask | None = None
+    hf_projections: tuple[str, ...] = ()  # the projection submodules, in checkpoint order
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """The projections under their own names (``q_proj`` ...) and ``prefix.sinks``; a
+        subclass that adds a parameter extends this or lists it in ``hf_zoo_only``."""
+        rows = hfk.children(self, prefix, self.hf_projections)
+        if self.sinks is not None:
+            rows.append(hfk.copy(("sinks",), f"{prefix}.sinks"))
+        return rows
 
     def out(self, o: jax.Array) -> jax.Array:
         """o [B, L, N, Hv] -> [B, L, D]."""
@@ -235,6 +245,8 @@ class Attention(AttentionBlock):
       qk_norm: RMSNorm (eps ``qk_norm_eps``) over head_dim on each q and k head before RoPE.
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
+
+    hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,

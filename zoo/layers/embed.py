@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import hf_keys as hfk
 from zoo.partitioning import Partitioner, resolve
 
 
@@ -44,3 +45,6 @@ class Embed(nnx.Module):
         dtype = self.dtype or x.dtype
         logits = jnp.einsum("bld,vd->blv", x.astype(dtype), self.embedding[...].astype(dtype))
         return self.partitioner.constrain(logits, ("batch", "length", "act_vocab"))
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return [hfk.copy(("embedding",), f"{prefix}.weight")]

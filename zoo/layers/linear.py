@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import hf_keys as hfk
 from zoo.partitioning import Partitioner, resolve
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -74,3 +75,10 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """``prefix.weight`` (``nn.Linear`` layout ``[out, in]``) and ``prefix.bias``."""
+        rows = [hfk.linear(("kernel",), f"{prefix}.weight", in_ndim=len(self.in_features))]
+        if self.bias is not None:
+            rows.append(hfk.copy(("bias",), f"{prefix}.bias"))
+        return rows

@@ -74,6 +74,11 @@ class MLA(AttentionBlock):
 
     block_name = "mla"
 
+    @property
+    def hf_projections(self) -> tuple[str, ...]:  # Hugging Face DeepseekV3Attention's names
+        q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+        return (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
     def __init__(self, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,

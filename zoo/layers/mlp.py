@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear, default_kernel_init
 from zoo.partitioning import Partitioner, resolve
 
@@ -16,8 +19,12 @@ from zoo.partitioning import Partitioner, resolve
 class MLP(nnx.Module):
     """SwiGLU MLP with kernels ``gate``/``up`` ``[D, F]`` and ``down`` ``[F, D]``.
 
-    Override `activation` in a subclass to change the non-linearity.
+    Override `activation` in a subclass to change the non-linearity. Hugging Face names:
+    ``gate_proj``/``up_proj``/``down_proj`` (``hf_names``).
     """
+
+    hf_names: ClassVar[dict[str, str]] = {"gate": "gate_proj", "up": "up_proj",
+                                          "down": "down_proj"}
 
     def __init__(self, *, embed_dim: int, mlp_dim: int, partitioner: Partitioner | None = None,
                  scope: str | None = None, dtype=None, param_dtype=jnp.float32,
@@ -42,3 +49,6 @@ class MLP(nnx.Module):
             if x.ndim == 3:
                 y = self.partitioner.constrain(y, ("batch", "length", "act_embed"), self.scope)
             return y
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return hfk.children(self, prefix, ("gate", "up", "down"))

@@ -56,7 +56,7 @@ Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zoo.layers import hf_keys as hfk
 from zoo.layers.mlp import MLP
 from zoo.ops import moe as ops
 from zoo.partitioning import Partitioner, resolve
@@ -108,7 +109,14 @@ class MoE(nnx.Module):
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.
+
+    Hugging Face names (``hf_names``, the DeepSeek/Qwen layout): router ``gate.weight``,
+    ``gate.e_score_correction_bias``, experts ``experts.{e}.gate_proj|up_proj|down_proj``,
+    ``shared_experts``; a family with other names overrides entries (Mixtral: ``w1/w3/w2``).
     """
+
+    hf_names: ClassVar[dict[str, str]] = {"router": "gate", "wi_gate": "gate_proj",
+                                          "wi_up": "up_proj", "wo": "down_proj"}
 
     def __init__(self, *, num_experts: int, num_experts_per_tok: int, mlp_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
@@ -207,6 +215,20 @@ class MoE(nnx.Module):
                                    dtype=dtype, param_dtype=param_dtype,
                                    kernel_init=kernel_init, rngs=rngs)
                                if shared_dim else None)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """Router and bias under ``hf_names["router"]``, one ``nn.Linear`` per expert under
+        ``experts.{e}``, the shared experts' MLP."""
+        router = hfk.join(prefix, hfk.hf_name(self, "router"))
+        rows = [hfk.linear(("router",), f"{router}.weight")]
+        if self.e_score_correction_bias is not None:
+            rows.append(hfk.copy(("e_score_correction_bias",),
+                                 f"{router}.e_score_correction_bias"))
+        for attr in ("wi_gate", "wi_up", "wo"):
+            name = hfk.hf_name(self, attr)
+            rows.append(hfk.stacked_linear(
+                (attr,), [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.num_experts)]))
+        return rows + hfk.child(self, "shared_experts", prefix)
 
     # -- pieces a subclass may override ----------------------------------------------------
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.layers import hf_keys as hfk
 from zoo.partitioning import Partitioner, resolve
 
 
@@ -29,3 +30,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return [hfk.copy(("scale",), f"{prefix}.weight")]

@@ -11,7 +11,8 @@
       model = Mixtral(config, decoder_layer_cls=MyLayer, rngs=nnx.Rngs(0))
 
 * `CausalLM` -- embedding, the decoder layers (class attribute ``decoder_layer_cls`` or the
-  ``decoder_layer_cls=`` argument), final RMSNorm and an untied ``lm_head``;
+  ``decoder_layer_cls=`` argument), final RMSNorm and an ``lm_head`` (none with
+  ``tie_word_embeddings``: the logits go through the embedding table);
   ``logits, aux = model(tokens, positions=None, segment_ids=None)``. Positions default to
   ``arange(L)``; ``aux["load_balance_loss"]`` is summed over the MoE layers (Hugging Face's
   Mixtral averages it over layers: its ``router_aux_loss_coef`` equals ours times
@@ -21,8 +22,9 @@
   layer; each layer runs under ``jax.named_scope("layer_{i}")`` and, when the config names a
   ``remat_policy``, under `nnx.remat`. Layers are unrolled (no scan): the dense/MoE mix of
   DeepSeek-V3 is not uniform and the mini models compile in seconds.
-* Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with each family's
-  `hf_key_map` (module names follow the Hugging Face modules, so the map is short).
+* Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with the key map the modules
+  compose (`zoo.layers.hf_keys`: every layer names its own parameters' keys, `DecoderLayer`
+  and `CausalLM` compose them; a family only renames what differs, via ``hf_names``).
 
 Attribute names follow Hugging Face (``embed_tokens``, ``layers``, ``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``, ``norm``, ``lm_head``).
@@ -49,7 +51,9 @@ from zoo.layers.linear import Linear
 from zoo.layers.mlp import MLP
 from zoo.layers.moe import MoE
 from zoo.layers.norm import RMSNorm
+from zoo.layers import hf_keys as hfk
 from zoo.models import hf
+from zoo.models.config import REMAT_POLICIES, DecoderConfig
 from zoo.partitioning import Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
@@ -59,8 +63,6 @@ ACT = ("batch", "length", "act_embed")
 # `checkpoint_name` (so the backward recomputes inside one block, never the whole layer);
 # "offload_layer_outputs" moves the same tensors to pinned host memory (GPU/TPU only).
 LAYER_OUTPUT_NAMES = ("attention_out", "mlp_out")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "save_layer_outputs", "offload_layer_outputs")
 
 
 def remat_policy(name: str | None):
@@ -83,37 +85,6 @@ def remat_policy(name: str | None):
             offload_src="device", offload_dst="pinned_host")
     raise ValueError(f"remat_policy={name!r} is not known; valid values are None or "
                      f"{', '.join(map(repr, REMAT_POLICIES))}")
-
-
-def check_config(config: Any, *, positive: Sequence[str], optional_positive: Sequence[str] = (),
-                 what: str) -> None:
-    """Construction-time checks shared by the family configs (ValueError naming the field)."""
-    for name in positive:
-        value = getattr(config, name)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what}: {name}={value!r} must be a positive int")
-    for name in optional_positive:
-        value = getattr(config, name)
-        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{what}: {name}={value!r} must be a positive int or None")
-    if config.remat_policy is not None and config.remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"{what}: remat_policy={config.remat_policy!r} is not known; valid "
-                         f"values are None or {', '.join(map(repr, REMAT_POLICIES))}")
-    for name in ("dtype", "param_dtype"):
-        try:
-            dt = jnp.dtype(getattr(config, name))
-        except TypeError as e:
-            raise ValueError(f"{what}: {name}={getattr(config, name)!r} is not a dtype") from e
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
-                             f"bfloat16)")
-    if config.capacity_factor is not None and not config.capacity_factor > 0:
-        raise ValueError(f"{what}: capacity_factor={config.capacity_factor!r} must be > 0, or "
-                         f"None for dropless MoE")
-
-
-def dtype_name(dtype) -> str:
-    return jnp.dtype(dtype).name
 
 
 def count_params(model: nnx.Module) -> int:
@@ -166,6 +137,7 @@ class DecoderLayer(nnx.Module):
     moe_cls: ClassVar[type] = MoE
     mlp_cls: ClassVar[type] = MLP
     norm_cls: ClassVar[type] = RMSNorm
+    hf_names: ClassVar[dict[str, str]] = {}  # submodule -> Hugging Face name where they differ
 
     def __init__(self, config, *, layer_idx: int, inputs_shape: Sequence[int],
                  partitioner: Partitioner | None = None, rngs: nnx.Rngs):
@@ -202,6 +174,14 @@ class DecoderLayer(nnx.Module):
         return self.mlp_cls(embed_dim=config.hidden_size, mlp_dim=config.intermediate_size,
                             partitioner=partitioner, dtype=config.dtype,
                             param_dtype=config.param_dtype, rngs=rngs)
+
+    # -- Hugging Face keys ---------------------------------------------------------------------
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """The layer's rows, composed from its pieces' own ``hf_keys`` (so a swapped
+        ``attention_cls`` brings its keys along); ``hf_names`` renames a piece (Mixtral's
+        ``mlp`` is ``block_sparse_moe`` in its checkpoints)."""
+        return hfk.children(self, prefix, ("input_layernorm", "self_attn",
+                                           "post_attention_layernorm", "mlp"))
 
     # -- forward -------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, positions: jax.Array,
@@ -297,7 +277,8 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
 # -- model -----------------------------------------------------------------------------------
 
 class CausalLM(nnx.Module):
-    """Embedding -> decoder layers -> RMSNorm -> untied lm_head; see the module docstring.
+    """Embedding -> decoder layers -> RMSNorm -> lm_head (or the tied embedding); see the
+    module docstring.
 
     Args:
       config: the family's config.
@@ -311,15 +292,20 @@ class CausalLM(nnx.Module):
     identical layers (`layer_runs`), else one `DecoderLayer` per layer.
     """
 
-    config_cls: ClassVar[type] = object  # set by each family
+    config_cls: ClassVar[type[DecoderConfig]] = DecoderConfig  # set by each family
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ()
+    hf_names: ClassVar[dict[str, str]] = {"embed_tokens": "model.embed_tokens",
+                                          "norm": "model.norm", "layers": "model.layers"}
 
     def __init__(self, config, *, inputs_shape: Sequence[int] | None = None,
                  partitioner: Partitioner | None = None, rngs: nnx.Rngs,
                  decoder_layer_cls: type[DecoderLayer] | None = None):
         p = resolve(partitioner)
         name = type(self).__name__
+        if not isinstance(config, DecoderConfig):
+            raise ValueError(f"{name}: config={config!r} must be a zoo.models.DecoderConfig "
+                             f"(the family's config class, e.g. {type(self).config_cls.__name__})")
         if inputs_shape is None:
             inputs_shape = nominal_inputs_shape(p)
         shape = tuple(inputs_shape)
@@ -345,8 +331,10 @@ class CausalLM(nnx.Module):
             for first, count in layer_runs(layer_cls, config, scan)])
         self.norm = RMSNorm(D, eps=config.rms_norm_eps, partitioner=p,
                             param_dtype=config.param_dtype, rngs=rngs)
-        self.lm_head = Linear(D, V, in_axes=("embed",), out_axes=("vocab",), partitioner=p,
-                              dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+        # tied: no lm_head, the logits come from the embedding table (`Embed.attend`)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            D, V, in_axes=("embed",), out_axes=("vocab",), partitioner=p, dtype=config.dtype,
+            param_dtype=config.param_dtype, rngs=rngs)
 
     @property
     def num_moe_layers(self) -> int:
@@ -404,7 +392,9 @@ class CausalLM(nnx.Module):
                     auxes.append(aux)
             with jax.named_scope("head"):
                 x = self.norm(x)
-                logits = c(self.lm_head(x), ("batch", "length", "act_vocab"))
+                logits = (self.embed_tokens.attend(x) if self.lm_head is None else
+                          self.lm_head(x))
+                logits = c(logits, ("batch", "length", "act_vocab"))
         return logits, self.collect_aux(auxes)
 
     def collect_aux(self, auxes: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
@@ -420,28 +410,15 @@ class CausalLM(nnx.Module):
         return out
 
     # -- Hugging Face interop ------------------------------------------------------------------
-    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
-        """Rows of one decoder layer: paths relative to the layer (e.g. ``("self_attn",
-        "q_proj", "kernel")``), keys under ``model.layers.{layer_idx}``. A subclass that adds
-        layer parameters extends this (both layouts follow from it)."""
-        raise NotImplementedError
-
-    def hf_key_map(self) -> list[hf.Tensor]:
-        """Rows mapping every variable to its Hugging Face checkpoint key(s): the common
-        ones, then each layer's `hf_layer_keys` -- prefixed with ``("layers", i)`` when
-        unrolled, stacked per run (`hf.LayerStack`) when scanned."""
-        rows = [hf.copy(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
-                hf.copy(("norm", "scale"), "model.norm.weight"),
-                hf.linear(("lm_head", "kernel"), "lm_head.weight")]
+    def hf_keys(self, prefix: str = "") -> list[hf.Tensor]:
+        """Rows mapping every variable to its Hugging Face key(s), each module contributing its
+        own (`zoo.layers.hf_keys`): embedding, final norm, ``lm_head`` (none when tied) and
+        every layer's `DecoderLayer.hf_keys` -- prefixed with ``("layers", i)`` when unrolled,
+        stacked per run (`hf.LayerStack`, one row per layer) when scanned."""
+        rows = hfk.children(self, prefix, ("embed_tokens", "norm", "lm_head"))
+        layers = hfk.join(prefix, hfk.hf_name(self, "layers"))
         for s, layer in enumerate(self.layers):
-            per_layer = []
-            for i in self.layer_indices(layer):
-                pre = f"model.layers.{i}"
-                per_layer.append([hf.copy(("input_layernorm", "scale"),
-                                          f"{pre}.input_layernorm.weight"),
-                                  hf.copy(("post_attention_layernorm", "scale"),
-                                          f"{pre}.post_attention_layernorm.weight"),
-                                  *self.hf_layer_keys(i, layer.is_moe)])
+            per_layer = [hfk.keys_of(layer, f"{layers}.{i}") for i in self.layer_indices(layer)]
             if layer.stack_size is None:
                 rows += [dataclasses.replace(r, path=("layers", s, *r.path))
                          for r in per_layer[0]]
@@ -449,6 +426,10 @@ class CausalLM(nnx.Module):
                 rows += [hf.LayerStack(("layers", s, *group[0].path), tuple(group))
                          for group in zip(*per_layer)]
         return rows
+
+    def hf_key_map(self) -> list[hf.Tensor]:
+        """`hf_keys` of the whole checkpoint (no prefix)."""
+        return self.hf_keys("")
 
     @classmethod
     def abstract(cls, config, *, inputs_shape: Sequence[int] | None = None,
@@ -478,13 +459,29 @@ class CausalLM(nnx.Module):
         param_dtype = jnp.float32 if param_dtype is None else param_dtype
         config = dataclasses.replace(config, **{"dtype": dtype, "param_dtype": param_dtype,
                                                 **(config_overrides or {})})
-        model = cls.abstract(config, inputs_shape=inputs_shape, partitioner=partitioner,
-                             decoder_layer_cls=decoder_layer_cls)
+        def make(rngs):
+            return cls(config, inputs_shape=inputs_shape, partitioner=partitioner, rngs=rngs,
+                       decoder_layer_cls=decoder_layer_cls)
+
+        model = nnx.eval_shape(lambda: make(abstract_rngs()))
+        table = model.hf_key_map()
         quant = raw.get("quantization_config") or {}
         reader = hf.CheckpointReader(path, block_size=quant.get("weight_block_size", (128, 128)))
-        return hf.load_into(model, model.hf_key_map(), reader, what=what)
+        zoo_only = [row.path for row in table if row.zoo_only]
+        initial = initial_values(lambda: make(abstract_rngs()), zoo_only) if zoo_only else {}
+        return hf.load_into(model, table, reader, what=what, initial=initial)
 
     def to_hf(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write ``config.json`` + safetensors that transformers' ``from_pretrained`` loads."""
         hf.save_checkpoint(path, hf.export_tensors(self, self.hf_key_map()),
                            self.config.to_hf_config(), max_shard_bytes=max_shard_bytes)
+
+
+def initial_values(make, paths: Sequence[tuple[Any, ...]]) -> dict[tuple[Any, ...], jax.Array]:
+    """The constructor's values of the variables at `paths` (zoo-only parameters that a
+    checkpoint does not hold): one jitted build returning only them, so XLA drops the rest
+    of the initialisation."""
+    def build():
+        flat = dict(nnx.to_flat_state(nnx.state(make())))
+        return [flat[p].get_value() for p in paths]
+    return dict(zip(paths, jax.jit(build)()))

@@ -1,6 +1,7 @@
 """DeepSeek-V3: config presets, model and Hugging Face interop.
 
-* Decoder-only transformer, pre-norm (RMSNorm), untied embedding and ``lm_head``.
+* Decoder-only transformer, pre-norm (RMSNorm), embedding and ``lm_head`` (untied by default;
+  ``tie_word_embeddings=True`` shares the table).
 * Attention: multi-head latent attention (`zoo.layers.MLA`): low-rank query (``q_lora_rank``),
   compressed KV latent (``kv_lora_rank``) with a decoupled rotary key (``qk_rope_head_dim``)
   shared by all heads; RoPE in DeepSeek's interleaved layout with YaRN (``rope_scaling``) and
@@ -14,8 +15,9 @@
 * Multi-token prediction (MTP) is not implemented: the `deepseek_v3` preset and its parameter
   count (671,026,404,352) are the Hugging Face model without the MTP module, and `from_hf`
   ignores the checkpoint's MTP layer (``model.layers.61.*``).
-* `DeepSeek3Config` uses the Hugging Face field names plus zoo fields (``dtype``,
-  ``param_dtype``, ``remat_policy``, ``attention_implementation``, ``capacity_factor``).
+* `DeepSeek3Config` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names plus the
+  base's zoo-only fields (``dtype``, ``param_dtype``, ``remat_policy``, the attention and MoE
+  choices).
   Presets: `deepseek_v3` and `mini` (vocab 264 = the byte tokenizer's 259 ids padded).
 * `from_hf(path)` / `to_hf(model, path)`: the published layout (per-expert
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; FP8 block-quantised weights are dequantised
@@ -34,9 +36,8 @@ import jax.numpy as jnp
 
 from zoo.layers.mla import MLA
 from zoo.layers.rope import RoPE, YaRN
-from zoo.models import hf
-from zoo.models.decoder import (CausalLM, DecoderLayer, check_config, count_params,
-                                dtype_name)
+from zoo.models.config import DecoderConfig, check_positive, nullable
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 
 __all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "from_hf", "to_hf"]
 
@@ -47,10 +48,21 @@ V3_YARN = YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.
                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeepSeek3Config:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeek3Config(DecoderConfig):
     """DeepSeek-V3 hyper-parameters; field names are those of Hugging Face's
-    ``DeepseekV3Config`` (``rope_scaling`` is a `zoo.layers.YaRN`, or a dict of its fields)."""
+    ``DeepseekV3Config`` (``rope_scaling`` is a `zoo.layers.YaRN`, or a dict of its fields;
+    the shared and zoo-only fields are `zoo.models.config.DecoderConfig`'s)."""
+
+    hf_model_type: ClassVar[str] = "deepseek_v3"
+    hf_architecture: ClassVar[str] = "DeepseekV3ForCausalLM"
+    hf_supported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **DecoderConfig.hf_supported, "attention_bias": (False,), "scoring_func": ("sigmoid",),
+        "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}
+    hf_constants: ClassVar[dict[str, Any]] = {
+        **DecoderConfig.hf_constants, "attention_bias": False, "num_nextn_predict_layers": 0,
+        "bos_token_id": 0, "eos_token_id": 1}
+    aux_loss_field: ClassVar[str] = "aux_loss_alpha"
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -63,7 +75,7 @@ class DeepSeek3Config:
     n_routed_experts: int = 256
     routed_scaling_factor: float = 2.5
     kv_lora_rank: int = 512
-    q_lora_rank: int | None = 1536
+    q_lora_rank: int | None = nullable(1536)  # None (null in config.json): a plain q_proj
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     qk_nope_head_dim: int = 128
@@ -78,27 +90,15 @@ class DeepSeek3Config:
     rope_scaling: YaRN | None = V3_YARN
     rope_interleave: bool = True
     aux_loss_alpha: float = 1e-4  # weight of aux["load_balance_loss"] (DeepSeek's seq-wise alpha)
-    # zoo fields (not in config.json)
-    attention_implementation: str = "auto"
-    capacity_factor: float | None = None  # None: dropless MoE
-    moe_dispatch: str = "auto"  # MoE(dispatch=): "all_to_all", "all_gather" or "auto"
-    moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
-    moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
-    remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
-    scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
-    dtype: Any = jnp.float32  # computation dtype
-    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", YaRN(**self.rope_scaling))
+        super().__post_init__()
         what = "DeepSeek3Config"
-        check_config(self, what=what, positive=(
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_routed_experts",
-            "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group",
-            "topk_group", "num_experts_per_tok", "max_position_embeddings"),
-            optional_positive=("q_lora_rank",))
+        check_positive(self, ("moe_intermediate_size", "n_routed_experts", "kv_lora_rank",
+                              "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group",
+                              "topk_group", "num_experts_per_tok"), optional=("q_lora_rank",))
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(f"{what}: num_key_value_heads={self.num_key_value_heads} must equal "
                              f"num_attention_heads={self.num_attention_heads} (MLA expands the "
@@ -180,43 +180,6 @@ class DeepSeek3Config:
         attn = 2 * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * keys
         return 3 * (2 * self.active_matmul_params() + self.num_hidden_layers * attn)
 
-    # -- Hugging Face config.json ----------------------------------------------------------------
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], **overrides) -> DeepSeek3Config:
-        """A config from a parsed DeepSeek-V3 ``config.json`` (either rope spelling)."""
-        what = "DeepSeek3Config.from_hf_config"
-        hf.check_fields(cfg, {"hidden_act": ("silu",), "tie_word_embeddings": (False,),
-                              "attention_bias": (False,), "scoring_func": ("sigmoid",),
-                              "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}, what=what)
-        theta, scaling = hf.rope_from_hf(cfg, default_theta=10000.0, what=what)
-        zoo_only = {"rope_theta", "rope_scaling", "dtype", "param_dtype",
-                    "attention_implementation", "capacity_factor", "remat_policy", "scan_layers"}
-        names = {f.name for f in dataclasses.fields(cls)} - zoo_only
-        kwargs = {k: cfg[k] for k in names if cfg.get(k) is not None}
-        if "q_lora_rank" in cfg:  # None is meaningful here: a plain q_proj
-            kwargs["q_lora_rank"] = cfg["q_lora_rank"]
-        if cfg.get("num_key_value_heads") is None:
-            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads",
-                                                       cls.num_attention_heads)
-        return cls(**{**kwargs, "rope_theta": theta, "rope_scaling": scaling, **overrides})
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` loads."""
-        fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "n_shared_experts", "n_routed_experts", "routed_scaling_factor",
-                  "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
-                  "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
-                  "first_k_dense_replace", "norm_topk_prob", "max_position_embeddings",
-                  "rms_norm_eps", "rope_interleave", "aux_loss_alpha")
-        out = {k: getattr(self, k) for k in fields}
-        out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
-                   rope_parameters=hf.rope_to_hf(self.rope_theta, self.rope_scaling),
-                   hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-                   attention_dropout=0.0, num_nextn_predict_layers=0, bos_token_id=0,
-                   eos_token_id=1, dtype=dtype_name(self.param_dtype))
-        return out
-
 
 class DeepSeek3DecoderLayer(DecoderLayer):
     """MLA + (dense MLP for the first ``first_k_dense_replace`` layers, else sigmoid-routed
@@ -261,36 +224,6 @@ class DeepSeek3(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeek3DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
 
-    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
-        cfg, pre = self.config, f"model.layers.{layer_idx}"
-        rows = []
-        names = (["q_a_proj", "q_b_proj"] if cfg.q_lora_rank is not None else ["q_proj"])
-        names += ["kv_a_proj_with_mqa", "kv_b_proj"]
-        for name in names:
-            rows.append(hf.linear(("self_attn", name, "kernel"), f"{pre}.self_attn.{name}.weight"))
-        rows.append(hf.linear(("self_attn", "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
-                              in_ndim=2))
-        norms = (["q_a_layernorm"] if cfg.q_lora_rank is not None else []) + ["kv_a_layernorm"]
-        for name in norms:
-            rows.append(hf.copy(("self_attn", name, "scale"), f"{pre}.self_attn.{name}.weight"))
-        dense = [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
-        if not is_moe:
-            return rows + [hf.linear(("mlp", zoo_name, "kernel"), f"{pre}.mlp.{hf_name}.weight")
-                           for zoo_name, hf_name in dense]
-        rows += [hf.linear(("mlp", "router"), f"{pre}.mlp.gate.weight"),
-                 hf.copy(("mlp", "e_score_correction_bias"),
-                         f"{pre}.mlp.gate.e_score_correction_bias")]
-        for zoo_name, hf_name in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"),
-                                  ("wo", "down_proj")):
-            rows.append(hf.stacked_linear(
-                ("mlp", zoo_name),
-                [f"{pre}.mlp.experts.{e}.{hf_name}.weight" for e in range(cfg.n_routed_experts)]))
-        if cfg.n_shared_experts:
-            rows += [hf.linear(("mlp", "shared_experts", zoo_name, "kernel"),
-                               f"{pre}.mlp.shared_experts.{hf_name}.weight")
-                     for zoo_name, hf_name in dense]
-        return rows
-
 
 def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
             config_overrides: dict[str, Any] | None = None,
@@ -305,8 +238,8 @@ def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, par
       dtype: computation dtype; param_dtype: storage dtype (None: float32).
       config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
         ``{"scan_layers": False}`` (the unrolled layout).
-      model_cls, decoder_layer_cls: load into a subclass (its extra parameters need key-map
-        rows: extend ``hf_layer_keys`` or ``hf_key_map``).
+      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
+        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
     """
     return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
                              dtype=dtype, param_dtype=param_dtype,

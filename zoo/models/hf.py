@@ -7,9 +7,11 @@
 * `CheckpointReader` -- reads one tensor at a time with `safetensors.safe_open` (numpy), from a
   single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
   ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly.
-* `Tensor` -- one row of a family's key map: a zoo variable path, its Hugging Face key (or one
-  key per expert, stacked on the leading axis) and the layout (``nn.Linear`` weights are
-  ``[out, in]``; zoo kernels are ``[*in, *out]``).
+* `Tensor` -- one row of a model's key map (`zoo.layers.hf_keys`, re-exported here with its
+  helpers `linear`, `copy`, `stacked_linear`, `zoo_only`): a zoo variable path, its Hugging Face
+  key (or one key per expert, stacked on the leading axis, or none: zoo-only) and the layout
+  (``nn.Linear`` weights are ``[out, in]``; zoo kernels are ``[*in, *out]``). The layers own
+  their rows (``hf_keys(prefix)``); a model composes them.
 * `LayerStack` -- a scanned model's stacked ``[layers, ...]`` variable: one `Tensor` row per
   layer (the unrolled model's row), read and written a layer at a time.
 * `load_into` -- fills an abstract model (`nnx.eval_shape`) variable by variable: each array is
@@ -25,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -37,10 +38,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
-__all__ = ["CheckpointReader", "LayerStack", "Tensor", "load_into", "read_config", "rope_from_hf",
-           "rope_to_hf", "save_checkpoint", "export_tensors"]
+__all__ = ["CheckpointReader", "LayerStack", "Tensor", "copy", "export_tensors", "linear",
+           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint",
+           "stacked_linear", "zoo_only"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -238,57 +241,6 @@ def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) ->
 # -- the key map -----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One zoo variable and the Hugging Face tensor(s) it corresponds to.
-
-    ``keys``: one key, or one per slice of the zoo array's leading axis (per-expert weights).
-    ``in_ndim``: None copies the tensor (reshaped); ``k`` means an ``nn.Linear`` weight
-    ``[out, in]`` whose zoo kernel is ``[*in (k dims), *out]``: ``kernel = W.T.reshape(...)``.
-    """
-
-    path: tuple[Any, ...]
-    keys: tuple[str, ...]
-    in_ndim: int | None = None
-    stacked: bool = False
-
-    def to_zoo(self, w: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-        shape = tuple(shape)
-        if self.in_ndim is not None:
-            if w.ndim != 2 or w.shape[1] != math.prod(shape[:self.in_ndim]):
-                raise ValueError(f"{self.describe()}: Hugging Face weight of shape {w.shape} "
-                                 f"does not fit zoo kernel {shape} (expected [out, in] with "
-                                 f"in={math.prod(shape[:self.in_ndim])})")
-            w = w.T
-        if w.size != math.prod(shape):
-            raise ValueError(f"{self.describe()}: Hugging Face tensor of shape {w.shape} does "
-                             f"not fit zoo variable of shape {shape}; does config.json match "
-                             f"the weights?")
-        return w.reshape(shape)
-
-    def to_hf(self, z: np.ndarray) -> np.ndarray:
-        if self.in_ndim is None:
-            return z
-        n_in = math.prod(z.shape[:self.in_ndim])
-        return np.ascontiguousarray(z.reshape(n_in, -1).T)
-
-    def describe(self) -> str:
-        key = self.keys[0] if len(self.keys) == 1 else f"{self.keys[0]} .. {self.keys[-1]}"
-        return f"zoo {'.'.join(map(str, self.path))} <- {key}"
-
-
-def linear(path: Sequence[Any], key: str, in_ndim: int = 1) -> Tensor:
-    return Tensor(tuple(path), (key,), in_ndim)
-
-
-def copy(path: Sequence[Any], key: str) -> Tensor:
-    return Tensor(tuple(path), (key,), None)
-
-
-def stacked_linear(path: Sequence[Any], keys: Sequence[str]) -> Tensor:
-    return Tensor(tuple(path), tuple(keys), 1, stacked=True)
-
-
-@dataclasses.dataclass(frozen=True)
 class LayerStack:
     """A scanned model's stacked variable ``[layers, ...]``: slice ``i`` is ``rows[i]``, the
     row the unrolled model has for that layer (itself possibly stacked per expert)."""
@@ -299,6 +251,10 @@ class LayerStack:
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(k for r in self.rows for k in r.keys)
+
+    @property
+    def zoo_only(self) -> bool:
+        return all(r.zoo_only for r in self.rows)
 
     def describe(self) -> str:
         return (f"zoo {'.'.join(map(str, self.path))} <- {self.rows[0].keys[0]} .. "
@@ -318,38 +274,74 @@ def _sharding_of(var: nnx.Variable) -> NamedSharding | None:
     return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))  # scanned: a tuple
 
 
-def load_into(model: nnx.Module, table: Iterable[Tensor], reader: CheckpointReader, *,
-              what: str) -> nnx.Module:
+def _owner(model: nnx.Module, path: tuple[Any, ...]) -> str:
+    """The class of the innermost module holding the variable at `path` (for error messages)."""
+    node, owner = model, type(model).__name__
+    for part in path[:-1]:
+        node = node[part] if isinstance(part, int) else getattr(node, part, None)
+        if isinstance(node, nnx.Module):
+            owner = type(node).__name__
+    return owner
+
+
+def uncovered(model: nnx.Module, table: Iterable[Tensor | LayerStack], *, what: str) -> None:
+    """Raise unless every variable of `model` has exactly one row in `table` and every row
+    names a variable: the message names each uncovered variable, the class that holds it and
+    the two fixes (a key in that class's ``hf_keys``, or ``hf_zoo_only``)."""
+    flat = _flat_variables(model)
+    rows = {t.path for t in table}
+    missing = [(".".join(map(str, p)), _owner(model, p), p[-1]) for p, _ in flat
+               if p not in rows]
+    if missing:
+        listed = "; ".join(f"{path} (held by {owner})" for path, owner, _ in missing[:6])
+        more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        _, owner, name = missing[0]
+        raise ValueError(f"{what}: no Hugging Face key covers zoo variable(s) {listed}{more}. "
+                         f"A subclass that adds a parameter names its key in its own "
+                         f"hf_keys(prefix) (e.g. `return super().hf_keys(prefix) + "
+                         f"[hf.copy(({name!r},), f'{{prefix}}.{name}')]` in {owner}) or declares "
+                         f"it zoo-only (`hf_zoo_only = ({name!r},)`: initialised, never saved)")
+    known = {p for p, _ in flat}
+    extra = [t.describe() for t in table if t.path not in known]
+    if extra:
+        raise ValueError(f"{what}: the key map names variables the model lacks: {extra[:4]}")
+
+
+def load_into(model: nnx.Module, table: Iterable[Tensor | LayerStack], reader: CheckpointReader,
+              *, what: str, initial: dict[tuple[Any, ...], jax.Array] | None = None
+              ) -> nnx.Module:
     """Fill every variable of the abstract `model` from `reader` according to `table`.
 
     Each array is built with `jax.make_array_from_callback` into the sharding its variable's
     metadata names, so a device receives only its shard; stacked (per-expert) tensors read
-    only the experts a shard needs. Raises if a variable has no row in `table`.
+    only the experts a shard needs. Zoo-only rows (no key) take their value from `initial`.
+    Raises (`uncovered`) if a variable has no row, and if the checkpoint lacks a key.
     """
+    table = list(table)
+    uncovered(model, table, what=what)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     rows = {t.path: t for t in table}
-    missing = [".".join(map(str, p)) for p, _ in flat if p not in rows]
-    if missing:
-        raise ValueError(f"{what}: no Hugging Face tensor maps to zoo variable(s) "
-                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; a "
-                         f"subclass that adds parameters must extend the key map "
-                         f"(override hf_key_map) or initialise them itself")
-    known = {p for p, _ in flat}
-    extra = [t.describe() for t in rows.values() if t.path not in known]
-    if extra:
-        raise ValueError(f"{what}: the key map names variables the model lacks: {extra[:4]}")
+    initial = initial or {}
     missing_keys = [k for t in rows.values() for k in t.keys if k not in reader]
     if missing_keys:
         raise ValueError(f"{what}: checkpoint {reader.path!r} lacks {len(missing_keys)} tensor(s)"
-                         f" the config implies, e.g. {missing_keys[:4]}; is config.json from the "
-                         f"same checkpoint as the weights?")
+                         f" the model's key map names, e.g. {missing_keys[:4]}; is config.json "
+                         f"from the same checkpoint as the weights, and does every swapped layer "
+                         f"map its parameters to this checkpoint's names?")
     for path, var in flat:
         row = rows[path]
+        sharding = _sharding_of(var)
+        if row.zoo_only:
+            if path not in initial:
+                raise ValueError(f"{what}: zoo-only variable {'.'.join(map(str, path))} has no "
+                                 f"initial value")
+            value = initial[path]
+            var.set_value(value if sharding is None else jax.device_put(value, sharding))
+            continue
         abstract = var.get_value()
         shape, dtype = tuple(abstract.shape), abstract.dtype
         fetch = _fetcher(row, reader, shape, dtype)
-        sharding = _sharding_of(var)
         if sharding is None:
             arr = jax.device_put(fetch((slice(None),) * len(shape)))
         else:
@@ -406,9 +398,14 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 def export_tensors(model: nnx.Module, table: Iterable[Tensor]) -> Iterable[tuple[str, np.ndarray]]:
-    """``(Hugging Face key, numpy array)`` for every row of `table`, one variable at a time."""
+    """``(Hugging Face key, numpy array)`` for every row of `table`, one variable at a time
+    (zoo-only rows are skipped). Raises first if a variable has no row (`uncovered`)."""
+    table = list(table)
+    uncovered(model, table, what="to_hf")
     values = {p: v for p, v in _flat_variables(model)}
     for row in table:
+        if row.zoo_only:
+            continue
         if row.path not in values:
             raise ValueError(f"to_hf: the model has no variable {'.'.join(map(str, row.path))}")
         value = values[row.path].get_value()

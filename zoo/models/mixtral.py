@@ -1,18 +1,21 @@
 """Mixtral (Mistral AI's sparse mixture of experts): config presets, model, Hugging Face interop.
 
-* Decoder-only transformer, pre-norm (RMSNorm), untied embedding and ``lm_head``.
+* Decoder-only transformer, pre-norm (RMSNorm), embedding and ``lm_head`` (untied by default;
+  ``tie_word_embeddings=True`` shares the table).
 * Attention: grouped-query (``num_key_value_heads`` kv heads), RoPE in the half-split layout
   with ``rope_theta``, optional ``sliding_window``; context-parallel via `zoo.layers.Attention`.
 * Every layer's feed-forward is an MoE: softmax router, top-``num_experts_per_tok`` of
   ``num_local_experts`` SwiGLU experts of width ``intermediate_size`` (weights = softmax over the
   selected logits), dropless by default.
-* `MixtralConfig` uses the Hugging Face field names (``config.json`` maps one-to-one) plus a
-  few zoo fields (``dtype``, ``param_dtype``, ``remat_policy``, ``attention_implementation``,
-  ``capacity_factor``). Presets: `mixtral_8x7b` (46,702,792,704 parameters), `mixtral_8x22b`
-  (140,630,071,296) and `mini` (vocab 264 = the byte tokenizer's 259 ids padded to a multiple
-  of 8).
+* `MixtralConfig` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names
+  (``config.json`` maps one-to-one) plus the base's zoo-only fields (``dtype``,
+  ``param_dtype``, ``remat_policy``, ``attention_implementation``, the MoE choices). Presets:
+  `mixtral_8x7b` (46,702,792,704 parameters), `mixtral_8x22b` (140,630,071,296) and `mini`
+  (vocab 264 = the byte tokenizer's 259 ids padded to a multiple of 8).
 * `from_hf(path)` / `to_hf(model, path)`: the published checkpoint layout (per-expert
-  ``block_sparse_moe.experts.{e}.w1/w2/w3``), loaded tensor by tensor into sharded parameters.
+  ``block_sparse_moe.experts.{e}.w1/w2/w3``: `MixtralMoE` and ``MixtralDecoderLayer.hf_names``
+  are the only Mixtral-specific names; every layer maps its own keys), loaded tensor by tensor
+  into sharded parameters.
 
 Legend: B batch, L length, D hidden_size, N heads, K kv heads, H head_dim, E experts,
 F intermediate_size, V vocab.
@@ -26,17 +29,26 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from zoo.layers.attention import Attention
+from zoo.layers.moe import MoE
 from zoo.layers.rope import RoPE
-from zoo.models import hf
-from zoo.models.decoder import (CausalLM, DecoderLayer, check_config, count_params,
-                                dtype_name)
+from zoo.models.config import DecoderConfig, check_positive, nullable
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 
-__all__ = ["MixtralConfig", "MixtralDecoderLayer", "Mixtral", "from_hf", "to_hf"]
+__all__ = ["MixtralConfig", "MixtralDecoderLayer", "MixtralMoE", "Mixtral", "from_hf", "to_hf"]
 
 
-@dataclasses.dataclass(frozen=True)
-class MixtralConfig:
-    """Mixtral hyper-parameters; field names are those of Hugging Face's ``MixtralConfig``."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtralConfig(DecoderConfig):
+    """Mixtral hyper-parameters; field names are those of Hugging Face's ``MixtralConfig``
+    (the shared ones and the zoo-only fields are `zoo.models.config.DecoderConfig`'s)."""
+
+    hf_model_type: ClassVar[str] = "mixtral"
+    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
+    hf_constants: ClassVar[dict[str, Any]] = {
+        **DecoderConfig.hf_constants, "router_jitter_noise": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2}
+    hf_aliases: ClassVar[dict[str, str]] = {"num_experts": "num_local_experts"}
+    aux_loss_field: ClassVar[str] = "router_aux_loss_coef"
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -50,30 +62,15 @@ class MixtralConfig:
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-5
     rope_theta: float = 1e6
-    sliding_window: int | None = None
+    sliding_window: int | None = nullable(None)
     router_aux_loss_coef: float = 0.02  # weight of aux["load_balance_loss"] in the loss
-    # zoo fields (not in config.json)
-    attention_implementation: str = "auto"
-    capacity_factor: float | None = None  # None: dropless MoE
-    moe_dispatch: str = "auto"  # MoE(dispatch=): "all_to_all", "all_gather" or "auto"
-    moe_grouped_matmul: str = "auto"  # MoE(grouped_matmul=): blocked on CPU, tokamax elsewhere
-    moe_buffer_factor: float | None = None  # all_to_all receive buffers; None: dropless
-    remat_policy: str | None = None  # None, "full", "dots_saveable", ... (decoder.REMAT_POLICIES)
-    scan_layers: bool = True  # runs of identical layers as one jax.lax.scan over stacked params
-    dtype: Any = jnp.float32  # computation dtype
-    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        check_config(self, what="MixtralConfig", positive=(
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-            "num_experts_per_tok", "max_position_embeddings"),
-            optional_positive=("sliding_window",))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"MixtralConfig: num_attention_heads={self.num_attention_heads} is "
-                             f"not a multiple of num_key_value_heads={self.num_key_value_heads}")
+        super().__post_init__()
+        check_positive(self, ("head_dim", "num_local_experts", "num_experts_per_tok"),
+                       optional=("sliding_window",))
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(f"MixtralConfig: num_experts_per_tok={self.num_experts_per_tok} "
                              f"exceeds num_local_experts={self.num_local_experts}")
@@ -134,46 +131,21 @@ class MixtralConfig:
         attn = 2 * self.num_attention_heads * 2 * self.head_dim * keys
         return 3 * (2 * self.active_matmul_params() + self.num_hidden_layers * attn)
 
-    # -- Hugging Face config.json ----------------------------------------------------------------
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], **overrides) -> MixtralConfig:
-        """A config from a parsed Mixtral ``config.json`` (either rope spelling)."""
-        what = "MixtralConfig.from_hf_config"
-        hf.check_fields(cfg, {"hidden_act": ("silu",), "tie_word_embeddings": (False,)},
-                        what=what)
-        theta, scaling = hf.rope_from_hf(cfg, default_theta=1e6, what=what)
-        if scaling is not None:
-            raise ValueError(f"{what}: Mixtral with rope scaling {scaling} is not supported")
-        names = {f.name for f in dataclasses.fields(cls)} - {
-            "rope_theta", "dtype", "param_dtype", "attention_implementation", "capacity_factor",
-            "remat_policy", "scan_layers"}
-        if "num_local_experts" not in cfg and "num_experts" in cfg:
-            cfg = {**cfg, "num_local_experts": cfg["num_experts"]}
-        kwargs = {k: cfg[k] for k in names if cfg.get(k) is not None}
-        kwargs["sliding_window"] = cfg.get("sliding_window")
-        return cls(**{**kwargs, "rope_theta": theta, **overrides})
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers' ``MixtralForCausalLM`` loads."""
-        return dict(
-            architectures=["MixtralForCausalLM"], model_type="mixtral",
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            num_local_experts=self.num_local_experts, num_experts_per_tok=self.num_experts_per_tok,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=hf.rope_to_hf(self.rope_theta, None),
-            sliding_window=self.sliding_window, router_aux_loss_coef=self.router_aux_loss_coef,
-            hidden_act="silu", tie_word_embeddings=False, attention_dropout=0.0,
-            router_jitter_noise=0.0, bos_token_id=1, eos_token_id=2,
-            dtype=dtype_name(self.param_dtype))
+class MixtralMoE(MoE):
+    """`MoE` with Mixtral's checkpoint names: experts ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+
+    hf_names: ClassVar[dict[str, str]] = {**MoE.hf_names, "wi_gate": "w1", "wi_up": "w3",
+                                          "wo": "w2"}
 
 
 class MixtralDecoderLayer(DecoderLayer):
-    """GQA attention + softmax-routed MoE. Swap a piece with ``attention_cls = ...`` etc."""
+    """GQA attention + softmax-routed MoE. Swap a piece with ``attention_cls = ...`` etc.
+    (each piece maps its own Hugging Face keys; the MoE sits under ``block_sparse_moe``)."""
 
     attention_cls: ClassVar[type] = Attention
+    moe_cls: ClassVar[type] = MixtralMoE
+    hf_names: ClassVar[dict[str, str]] = {"mlp": "block_sparse_moe"}
 
     def make_attention(self, config: MixtralConfig, *, inputs_shape, partitioner, rngs):
         return self.attention_cls(
@@ -205,19 +177,6 @@ class Mixtral(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = MixtralDecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
 
-    def hf_layer_keys(self, layer_idx: int, is_moe: bool) -> list[hf.Tensor]:
-        pre, E = f"model.layers.{layer_idx}", self.config.num_local_experts
-        rows = [hf.linear(("self_attn", name, "kernel"), f"{pre}.self_attn.{name}.weight")
-                for name in ("q_proj", "k_proj", "v_proj")]
-        rows.append(hf.linear(("self_attn", "o_proj", "kernel"), f"{pre}.self_attn.o_proj.weight",
-                              in_ndim=2))
-        hf_moe = f"{pre}.block_sparse_moe"
-        rows.append(hf.linear(("mlp", "router"), f"{hf_moe}.gate.weight"))
-        for zoo_name, hf_name in (("wi_gate", "w1"), ("wi_up", "w3"), ("wo", "w2")):
-            rows.append(hf.stacked_linear(
-                ("mlp", zoo_name), [f"{hf_moe}.experts.{e}.{hf_name}.weight" for e in range(E)]))
-        return rows
-
 
 def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
             config_overrides: dict[str, Any] | None = None, model_cls: type[Mixtral] = Mixtral,
@@ -231,8 +190,8 @@ def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, par
       dtype: computation dtype; param_dtype: storage dtype (None: float32).
       config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
         ``{"scan_layers": False}`` (the unrolled layout).
-      model_cls, decoder_layer_cls: load into a subclass (its extra parameters need key-map
-        rows: extend ``hf_layer_keys`` or ``hf_key_map``).
+      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
+        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
     """
     return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
                              dtype=dtype, param_dtype=param_dtype,

@@ -1,0 +1,212 @@
+"""`DecoderConfig`: what every family's config has, and its mapping to Hugging Face config.json.
+
+A family config subclasses it as a frozen, keyword-only dataclass, keeps Hugging Face's field
+names, redeclares the shared fields whose defaults differ, and adds its own::
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class MyConfig(DecoderConfig):
+        hf_model_type: ClassVar[str] = "my_moe"
+        hf_architecture: ClassVar[str] = "MyMoeForCausalLM"
+        vocab_size: int = 32000
+        ...
+        num_experts_per_tok: int = 2            # a Hugging Face field: copied both ways
+        my_kernel: str = zoo_field("fast")      # zoo-only: never read from / written to config.json
+
+* Hugging Face fields are copied one-to-one by `DecoderConfig.from_hf_config` /
+  `DecoderConfig.to_hf_config`; zoo-only fields (`zoo_field`, declared once here for the shared
+  ones) are excluded, derived from the field metadata rather than listed per family. The rotary
+  settings (``rope_theta`` and, where the family has it, ``rope_scaling``) go through
+  `zoo.models.hf.rope_from_hf` / `rope_to_hf` (both spellings).
+* `nullable` marks a field where an explicit ``null`` in config.json means something (Mixtral's
+  ``sliding_window``, DeepSeek's ``q_lora_rank``); elsewhere a ``null`` keeps the default.
+* The fields `zoo.models.decoder.CausalLM` and the training CLI read are all declared here:
+  widths, depth, heads, ``rms_norm_eps``, ``tie_word_embeddings``, ``dtype``/``param_dtype``,
+  ``scan_layers``, ``remat_policy``, the attention and MoE choices, plus `num_experts`,
+  `num_params` and `flops_per_token` (each family implements these three).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.models import hf
+
+__all__ = ["DecoderConfig", "REMAT_POLICIES", "check_positive", "dtype_name", "nullable",
+           "zoo_field", "zoo_only_fields"]
+
+ZOO_ONLY = "zoo_only"
+NULLABLE = "hf_nullable"
+ROPE_FIELDS = ("rope_theta", "rope_scaling")  # mapped through hf.rope_from_hf / rope_to_hf
+
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "save_layer_outputs", "offload_layer_outputs")
+
+
+def zoo_field(default: Any, **kwargs) -> Any:
+    """A config field zoo uses that config.json does not carry (dtype, kernels, parallelism)."""
+    return dataclasses.field(default=default, metadata={ZOO_ONLY: True}, **kwargs)
+
+
+def nullable(default: Any) -> Any:
+    """A Hugging Face field whose explicit ``null`` in config.json is a value, not "unset"."""
+    return dataclasses.field(default=default, metadata={NULLABLE: True})
+
+
+def zoo_only_fields(cls: type) -> frozenset[str]:
+    """Names of `cls`'s zoo-only fields: declared so in `cls` or in `DecoderConfig` (a family
+    that redeclares a shared zoo field to change its default keeps it zoo-only)."""
+    base = {f.name for f in dataclasses.fields(DecoderConfig) if f.metadata.get(ZOO_ONLY)}
+    return frozenset(f.name for f in dataclasses.fields(cls)
+                     if f.metadata.get(ZOO_ONLY) or f.name in base)
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def check_positive(config: Any, names: Sequence[str], *, optional: Sequence[str] = ()) -> None:
+    """ValueError naming the field unless each of `names` is a positive int (`optional`: or
+    None)."""
+    what = type(config).__name__
+    for name in (*names, *optional):
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            extra = " or None" if name in optional else ""
+            raise ValueError(f"{what}: {name}={value!r} must be a positive int{extra}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Hyper-parameters every decoder family has (Hugging Face names) and zoo's own settings.
+
+    Subclass as ``@dataclasses.dataclass(frozen=True, kw_only=True)``; set the class
+    attributes ``hf_model_type``, ``hf_architecture`` and, if needed, ``hf_supported``
+    (values config.json may hold for features zoo does not vary), ``hf_constants`` (fixed
+    entries written to config.json), ``hf_aliases`` (alternative key -> field) and
+    ``aux_loss_field`` (the field weighting ``aux["load_balance_loss"]``).
+    """
+
+    hf_model_type: ClassVar[str] = ""
+    hf_architecture: ClassVar[str] = ""
+    hf_supported: ClassVar[dict[str, tuple[Any, ...]]] = {"hidden_act": ("silu",)}
+    hf_constants: ClassVar[dict[str, Any]] = {"hidden_act": "silu", "attention_dropout": 0.0}
+    hf_aliases: ClassVar[dict[str, str]] = {}
+    aux_loss_field: ClassVar[str | None] = None
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False  # True: no lm_head, logits through the embedding table
+    # -- zoo-only fields (not in config.json) --------------------------------------------------
+    attention_implementation: str = zoo_field("auto")  # zoo.ops.attention IMPLEMENTATIONS
+    capacity_factor: float | None = zoo_field(None)  # None: dropless MoE
+    moe_dispatch: str = zoo_field("auto")  # MoE(dispatch=): "all_to_all", "all_gather", "auto"
+    moe_grouped_matmul: str = zoo_field("auto")  # MoE(grouped_matmul=): blocked on CPU, tokamax
+    moe_buffer_factor: float | None = zoo_field(None)  # all_to_all receive buffers; None: dropless
+    remat_policy: str | None = zoo_field(None)  # None or one of REMAT_POLICIES
+    scan_layers: bool = zoo_field(True)  # runs of identical layers as one lax.scan
+    # (a dtype is immutable: RUF009 cannot tell)
+    dtype: Any = zoo_field(jnp.float32)  # noqa: RUF009 -- computation dtype
+    param_dtype: Any = zoo_field(jnp.float32)  # noqa: RUF009 -- storage dtype
+
+    def __post_init__(self):
+        what = type(self).__name__
+        check_positive(self, ("vocab_size", "hidden_size", "intermediate_size",
+                              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                              "max_position_embeddings"))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{what}: num_attention_heads={self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
+        if not isinstance(self.tie_word_embeddings, (bool, np.bool_)):
+            raise ValueError(f"{what}: tie_word_embeddings={self.tie_word_embeddings!r} must be "
+                             f"True or False")
+        if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"{what}: remat_policy={self.remat_policy!r} is not known; valid "
+                             f"values are None or {', '.join(map(repr, REMAT_POLICIES))}")
+        for name in ("dtype", "param_dtype"):
+            try:
+                dt = jnp.dtype(getattr(self, name))
+            except TypeError as e:
+                raise ValueError(f"{what}: {name}={getattr(self, name)!r} is not a dtype") from e
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
+                                 f"bfloat16)")
+        for name in ("capacity_factor", "moe_buffer_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{what}: {name}={value!r} must be > 0, or None for dropless "
+                                 f"MoE")
+
+    # -- what each family implements ---------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (``aux["expert_counts"]`` has this many columns)."""
+        raise NotImplementedError(f"{type(self).__name__} must define num_experts")
+
+    def num_params(self) -> int:
+        """Exact parameter count (``count_params(Model.abstract(self))``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define num_params")
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Training FLOPs per token at this sequence length (forward + backward)."""
+        raise NotImplementedError(f"{type(self).__name__} must define flops_per_token")
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """The weight of ``aux["load_balance_loss"]`` in the loss (``aux_loss_field``)."""
+        return float(getattr(self, self.aux_loss_field)) if self.aux_loss_field else 0.0
+
+    # -- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def hf_fields(cls) -> list[dataclasses.Field]:
+        """The fields copied to and from config.json as they are (not zoo-only, not rope)."""
+        skip = zoo_only_fields(cls) | set(ROPE_FIELDS)
+        return [f for f in dataclasses.fields(cls) if f.name not in skip]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], **overrides):
+        """A config from a parsed ``config.json`` (either rope spelling); `overrides` replace
+        fields afterwards. Values outside ``hf_supported`` are refused with a clear error."""
+        what = f"{cls.__name__}.from_hf_config"
+        hf.check_fields(cfg, cls.hf_supported, what=what)
+        cfg = {**{field: cfg[key] for key, field in cls.hf_aliases.items()
+                  if cfg.get(field) is None and cfg.get(key) is not None}, **cfg}
+        kwargs = {}
+        for f in cls.hf_fields():
+            if f.name in cfg and (cfg[f.name] is not None or f.metadata.get(NULLABLE)):
+                kwargs[f.name] = cfg[f.name]
+        if cfg.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # as transformers
+        names = {f.name for f in dataclasses.fields(cls)}
+        default_theta = cls.__dataclass_fields__["rope_theta"].default
+        kwargs["rope_theta"], scaling = hf.rope_from_hf(cfg, default_theta=default_theta,
+                                                        what=what)
+        if "rope_scaling" in names:
+            kwargs["rope_scaling"] = scaling
+        elif scaling is not None:
+            raise ValueError(f"{what}: rope scaling {scaling} is not supported by "
+                             f"{cls.__name__} (it has no rope_scaling field)")
+        return cls(**{**kwargs, **overrides})
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` dict transformers' ``hf_architecture`` loads."""
+        out = {f.name: getattr(self, f.name) for f in self.hf_fields()}
+        out["rope_parameters"] = hf.rope_to_hf(self.rope_theta, getattr(self, "rope_scaling",
+                                                                        None))
+        out.update(self.hf_constants)
+        out.update(architectures=[self.hf_architecture], model_type=self.hf_model_type,
+                   dtype=dtype_name(self.param_dtype))
+        return out
