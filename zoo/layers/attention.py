@@ -246,7 +246,7 @@ class Attention(AttentionBlock):
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
 
-    hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # norms: if set
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
