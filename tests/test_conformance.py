@@ -1,0 +1,109 @@
+"""Every model family against Hugging Face transformers: the checks of `conformance`, per spec.
+
+To add a family, add one `FamilySpec` to `FAMILIES` (see tests/conformance.py for the checks).
+"""
+
+import pytest
+from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loads_exactly,
+                         check_packed_documents, check_param_count, check_recipe,
+                         check_round_trip, check_strategy, reference)
+
+from zoo.models import deepseek3, mixtral
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+# recipe flags shared with tests/test_recipes.py, so the two reuse compiled steps
+MIXTRAL_TINY = ("--set", "num_hidden_layers=1", "--set", "hidden_size=32",
+                "--set", "intermediate_size=32", "--set", "num_attention_heads=4",
+                "--set", "head_dim=8")
+DEEPSEEK_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                 "--set", "intermediate_size=64", "--set", "moe_intermediate_size=16",
+                 "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
+                 "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
+                 "--set", "v_head_dim=8")
+
+FAMILIES = [
+    FamilySpec(
+        name="mixtral", config_cls=mixtral.MixtralConfig, model_cls=mixtral.Mixtral,
+        from_hf=mixtral.from_hf, to_hf=mixtral.to_hf,
+        hf_config=lambda: transformers.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=6, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        presets={"mixtral_8x7b": mixtral.MixtralConfig.mixtral_8x7b,
+                 "mixtral_8x22b": mixtral.MixtralConfig.mixtral_8x22b,
+                 "mini": mixtral.MixtralConfig.mini},
+        recipe="mini_mixtral", recipe_flags=MIXTRAL_TINY),
+    FamilySpec(
+        name="deepseek3", config_cls=deepseek3.DeepSeek3Config, model_cls=deepseek3.DeepSeek3,
+        from_hf=deepseek3.from_hf, to_hf=deepseek3.to_hf,
+        # MLA with a query LoRA and YaRN, one dense layer, group-limited sigmoid routing with a
+        # random e_score_correction_bias, a shared expert
+        hf_config=lambda: transformers.DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+            max_position_embeddings=32, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,
+                beta_fast=32, beta_slow=1)),
+        presets={"deepseek_v3": deepseek3.DeepSeek3Config.deepseek_v3,
+                 "mini": deepseek3.DeepSeek3Config.mini},
+        recipe="mini_deepseek3", recipe_flags=DEEPSEEK_TINY, bias_scale=0.05),
+]
+# the published totals, as a cross-check of the transformers count itself
+PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
+             "deepseek_v3": 671_026_404_352}  # DeepSeek-V3 without its MTP layer
+
+PRESETS = [(f, name) for f in FAMILIES for name in f.presets]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=repr)
+def spec(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ref(spec, tmp_path_factory):
+    return reference(spec, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def zoo_model(spec, ref):
+    return spec.from_hf(ref.path)
+
+
+def test_loads_exactly(spec, ref, zoo_model):
+    check_loads_exactly(spec, ref, zoo_model)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_logits_and_gradients(spec, ref, strategy, devices):
+    check_strategy(spec, ref, strategy)
+
+
+def test_packed_documents(spec, ref, zoo_model):
+    check_packed_documents(spec, ref, zoo_model)
+
+
+def test_round_trip_tied(spec, ref, tmp_path):
+    check_round_trip(spec, ref, tmp_path)
+
+
+def test_attention_swap(spec, ref, tmp_path):
+    check_attention_swap(spec, ref, tmp_path)
+
+
+@pytest.mark.parametrize("family,preset", PRESETS, ids=[f"{f.name}-{p}" for f, p in PRESETS])
+def test_param_count(family, preset):
+    n = check_param_count(family, preset)
+    assert n == PUBLISHED.get(preset, n)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=repr)
+def test_recipe_trains(family, tmp_path, devices):
+    check_recipe(family, tmp_path)
