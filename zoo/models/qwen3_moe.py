@@ -115,6 +115,10 @@ class Qwen3MoeConfig(DecoderConfig):
                              max_position_embeddings=4096, router_aux_loss_coef=0.01),
                       **overrides})
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The inherited mapping, with ``mlp_only_layers`` as the list transformers checks for."""
+        return {**super().to_hf_config(), "mlp_only_layers": list(self.mlp_only_layers)}
+
     # -- derived quantities --------------------------------------------------------------------
     @property
     def window(self) -> int | None:
