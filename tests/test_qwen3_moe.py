@@ -238,3 +238,36 @@ def test_layer_kinds_and_runs_follow_transformers(layers, step, mlp_only, expert
     assert [(layer.layer_idx, layer.stack_size, layer.is_moe) for layer in model.layers] == [
         (first, n, hf_kinds[first]) for first, n in runs]
     assert config.num_params() == sum(p.numel() for p in hf_model.parameters())
+    # what one token multiplies with: every matmul weight but the experts', plus k/E of those
+    named = list(hf_model.named_parameters())
+    experts = sum(p.numel() for n, p in named if ".experts." in n)
+    others = sum(p.numel() for n, p in named
+                 if "norm" not in n and "embed_tokens" not in n and ".experts." not in n)
+    active = others + experts * TOPK // E  # experts: E per MoE layer, TOPK of them used
+    assert config.active_matmul_params() == active
+
+
+def test_flops_per_token_by_hand():
+    from zoo.models.qwen3_moe import Qwen3MoeConfig
+    c = Qwen3MoeConfig.qwen3_30b_a3b()
+    attn_w = 2048 * 128 * (2 * 32 + 2 * 4)  # q, k, v, o projections
+    active = 48 * (attn_w + 2048 * 128 + 8 * 3 * 2048 * 768) + 2048 * 151936
+    assert c.active_matmul_params() == active  # ~3.3B: the "A3B"
+    attn = 48 * 2 * 32 * 256 * 2048.5  # scores + values, 2048.5 keys on average at 4096
+    assert c.flops_per_token(4096) == pytest.approx(6 * active + 3 * attn)
+    windowed = Qwen3MoeConfig.qwen3_30b_a3b(use_sliding_window=True, sliding_window=1024)
+    assert windowed.flops_per_token(4096) == pytest.approx(6 * active + 3 * attn / 2048.5 * 1024)
+    # a window in config.json without use_sliding_window is not in effect (as in transformers)
+    assert Qwen3MoeConfig.qwen3_30b_a3b(sliding_window=1024).window is None
+
+
+def test_config_errors():
+    from zoo.models.qwen3_moe import Qwen3MoeConfig
+    with pytest.raises(ValueError, match=r"mlp_only_layers holds \[4\], not layer indices"):
+        Qwen3MoeConfig.mini(mlp_only_layers=[0, 4])
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=20 exceeds num_experts=16"):
+        Qwen3MoeConfig.mini(num_experts_per_tok=20)
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=0 must be a positive int"):
+        Qwen3MoeConfig.mini(decoder_sparse_step=0)
+    with pytest.raises(ValueError, match=r"attention_bias=True; zoo supports False"):
+        Qwen3MoeConfig.from_hf_config({"attention_bias": True})
