@@ -6,7 +6,7 @@ To add a family, add one `FamilySpec` to `FAMILIES` (see tests/conformance.py fo
 import pytest
 from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loads_exactly,
                          check_packed_documents, check_param_count, check_recipe,
-                         check_round_trip, check_strategy, reference)
+                         check_round_trip, check_strategy, load, reference)
 
 from zoo.models import deepseek3, mixtral, qwen3_moe
 
@@ -92,7 +92,8 @@ def ref(spec, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zoo_model(spec, ref):
-    return spec.from_hf(ref.path)
+    """Unsharded, with the swapped attention (see conformance.STRATEGIES)."""
+    return load(spec, ref, "unsharded")
 
 
 def test_loads_exactly(spec, ref, zoo_model):
@@ -100,8 +101,9 @@ def test_loads_exactly(spec, ref, zoo_model):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_logits_and_gradients(spec, ref, strategy, devices):
-    check_strategy(spec, ref, strategy)
+def test_logits_and_gradients(spec, ref, zoo_model, strategy, devices):
+    model = zoo_model if strategy == "unsharded" else load(spec, ref, strategy)
+    check_strategy(spec, ref, strategy, model)
 
 
 def test_packed_documents(spec, ref, zoo_model):
@@ -112,8 +114,8 @@ def test_round_trip_tied(spec, ref, tmp_path):
     check_round_trip(spec, ref, tmp_path)
 
 
-def test_attention_swap(spec, ref, tmp_path):
-    check_attention_swap(spec, ref, tmp_path)
+def test_attention_swap(spec, ref, zoo_model, tmp_path):
+    check_attention_swap(spec, ref, zoo_model, tmp_path)
 
 
 @pytest.mark.parametrize("family,preset", PRESETS, ids=[f"{f.name}-{p}" for f, p in PRESETS])
