@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
+from conformance import fresh_compile
 from flax import nnx
 
 import zoo
@@ -80,7 +81,8 @@ def torch_value_and_grads(module, x, ct, **kw):
 
 
 def zoo_value_and_grads(module, x, ct, **kw):
-    """y, dx and d(params) (a pure dict) of sum(module(x) * ct), jitted."""
+    """y, dx and d(params) (a pure dict) of sum(module(x) * ct), jitted (sharded programs
+    compiled fresh: see `conformance.fresh_compile`)."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
     def loss(params, x):
@@ -88,8 +90,9 @@ def zoo_value_and_grads(module, x, ct, **kw):
         y = y[0] if isinstance(y, tuple) else y
         return jnp.sum(y * ct), y
 
-    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, jnp.asarray(x))
+    with fresh_compile(module.partitioner.mesh is not None):
+        (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+            params, jnp.asarray(x))
     return np.asarray(y), np.asarray(gx), nnx.to_pure_dict(gp)
 
 
