@@ -6,9 +6,9 @@ To add a family, add one `FamilySpec` to `FAMILIES` (see tests/conformance.py fo
 import pytest
 from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loads_exactly,
                          check_packed_documents, check_param_count, check_recipe,
-                         check_round_trip, check_strategy, reference)
+                         check_round_trip, check_strategy, load, reference)
 
-from zoo.models import deepseek3, mixtral
+from zoo.models import deepseek3, mixtral, qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -22,6 +22,9 @@ DEEPSEEK_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
                  "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
                  "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
                  "--set", "v_head_dim=8")
+QWEN3_MOE_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                  "--set", "intermediate_size=32", "--set", "moe_intermediate_size=16",
+                  "--set", "num_attention_heads=4", "--set", "head_dim=8")
 
 FAMILIES = [
     FamilySpec(
@@ -54,10 +57,25 @@ FAMILIES = [
         presets={"deepseek_v3": deepseek3.DeepSeek3Config.deepseek_v3,
                  "mini": deepseek3.DeepSeek3Config.mini},
         recipe="mini_deepseek3", recipe_flags=DEEPSEEK_TINY, bias_scale=0.05),
+    FamilySpec(
+        name="qwen3_moe", config_cls=qwen3_moe.Qwen3MoeConfig, model_cls=qwen3_moe.Qwen3Moe,
+        from_hf=qwen3_moe.from_hf, to_hf=qwen3_moe.to_hf,
+        # q/k norms, top-k weights left unnormalised, a dense last layer (mlp_only_layers):
+        # two scanned runs of different kinds
+        hf_config=lambda: transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        presets={"qwen3_30b_a3b": qwen3_moe.Qwen3MoeConfig.qwen3_30b_a3b,
+                 "mini": qwen3_moe.Qwen3MoeConfig.mini},
+        recipe="mini_qwen3_moe", recipe_flags=QWEN3_MOE_TINY),
 ]
 # the published totals, as a cross-check of the transformers count itself
 PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
-             "deepseek_v3": 671_026_404_352}  # DeepSeek-V3 without its MTP layer
+             "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP layer
+             "qwen3_30b_a3b": 30_532_122_624}
 
 PRESETS = [(f, name) for f in FAMILIES for name in f.presets]
 
@@ -74,7 +92,8 @@ def ref(spec, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zoo_model(spec, ref):
-    return spec.from_hf(ref.path)
+    """Unsharded, with the swapped attention (see conformance.STRATEGIES)."""
+    return load(spec, ref, "unsharded")
 
 
 def test_loads_exactly(spec, ref, zoo_model):
@@ -82,8 +101,9 @@ def test_loads_exactly(spec, ref, zoo_model):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_logits_and_gradients(spec, ref, strategy, devices):
-    check_strategy(spec, ref, strategy)
+def test_logits_and_gradients(spec, ref, zoo_model, strategy, devices):
+    model = zoo_model if strategy == "unsharded" else load(spec, ref, strategy)
+    check_strategy(spec, ref, strategy, model)
 
 
 def test_packed_documents(spec, ref, zoo_model):
@@ -94,8 +114,8 @@ def test_round_trip_tied(spec, ref, tmp_path):
     check_round_trip(spec, ref, tmp_path)
 
 
-def test_attention_swap(spec, ref, tmp_path):
-    check_attention_swap(spec, ref, tmp_path)
+def test_attention_swap(spec, ref, zoo_model, tmp_path):
+    check_attention_swap(spec, ref, zoo_model, tmp_path)
 
 
 @pytest.mark.parametrize("family,preset", PRESETS, ids=[f"{f.name}-{p}" for f, p in PRESETS])

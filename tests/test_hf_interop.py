@@ -1,4 +1,5 @@
-"""`zoo.models.hf`: config.json handling, rope spellings, the safetensors reader/writer, errors.
+"""`zoo.models.hf`: config.json handling, rope spellings, the safetensors reader/writer (FP8
+blocks included), errors.
 
 The rotary conversion is checked against transformers' own YaRN implementation
 (`ROPE_INIT_FUNCTIONS["yarn"]`) for both spellings and the defaults it fills in.
@@ -245,3 +246,45 @@ def test_from_hf_exact_and_bfloat16(tiny_ckpt):
         np.asarray(low.lm_head.kernel[...]),
         np.asarray(model.lm_head.kernel[...]).astype(jnp.bfloat16))
     assert os.path.exists(path / "config.json")
+
+
+def test_fp8_block_quantised_checkpoint(tmp_path):
+    """DeepSeek's FP8 release: e4m3 weights with a per-block ``weight_scale_inv``; from_hf
+    dequantises each block (checked against an independent torch dequantisation)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+    cfg = deepseek3.DeepSeek3Config.mini(num_hidden_layers=2, vocab_size=64, hidden_size=32,
+                                         intermediate_size=64, moe_intermediate_size=16,
+                                         kv_lora_rank=16, q_lora_rank=16, n_routed_experts=8,
+                                         num_experts_per_tok=2, n_group=4, topk_group=2)
+    deepseek3.to_hf(deepseek3.DeepSeek3(cfg, rngs=nnx.Rngs(0)), tmp_path / "f32")
+    fp8, block = tmp_path / "fp8", 8
+    fp8.mkdir()
+    tensors = load_file(str(tmp_path / "f32" / "model.safetensors"))
+    expected = {}
+    for key in list(tensors):
+        w = tensors[key]
+        if not ("self_attn" in key or "experts" in key) or "norm" in key:
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        scale = torch.rand(rows, cols) * 0.01 + 0.005
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0],
+                                                                             :w.shape[1]]
+        q = (w / full).to(torch.float8_e4m3fn)
+        tensors[key], tensors[key + "_scale_inv"] = q, scale
+        expected[key] = (q.float() * full).numpy()
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "f32" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "weight_block_size": [block, block]}
+    (fp8 / "config.json").write_text(json.dumps(raw))
+    model = deepseek3.from_hf(fp8)
+    got = np.asarray(model.layer(1).self_attn.kv_b_proj.kernel[...]).reshape(16, -1)
+    np.testing.assert_allclose(got, expected["model.layers.1.self_attn.kv_b_proj.weight"].T,
+                               rtol=1e-6)
+    got = np.asarray(model.layer(1).mlp.wi_up[...])[5]
+    np.testing.assert_allclose(got, expected["model.layers.1.mlp.experts.5.up_proj.weight"].T,
+                               rtol=1e-6)
+    np.testing.assert_array_equal(  # tensors without a scale are read as they are
+        np.asarray(model.embed_tokens.embedding[...]),
+        tensors["model.embed_tokens.weight"].numpy())

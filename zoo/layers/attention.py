@@ -12,6 +12,9 @@
   `__call__` composes; override one (e.g. ``class MyAttention(Attention): def attend(...)``).
   The mask is a value (`zoo.ops.masks`): ``mask=`` in the constructor, or one line in a
   subclass, ``class Local(Attention): mask = Chunked(512) & Causal() & Document()``.
+* ``qk_norm=True`` (Qwen3): an `RMSNorm` over ``head_dim`` on every q and k head after the
+  projection, before RoPE (parameters ``q_norm``/``k_norm``, [H] each, replicated: a head's
+  normalisation never crosses a shard).
 * Score modifiers: ``logits_soft_cap`` (Gemma-2) and ``sinks=True`` (gpt-oss: a learned
   [num_heads] logit in every row's softmax, parameter ``sinks``; off by default, so checkpoints
   without sinks load unchanged).
@@ -29,6 +32,7 @@ from flax import nnx
 
 from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
+from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
 from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
 from zoo.ops.attention import attention as attention_op
@@ -127,6 +131,20 @@ def check_call(module, x: jax.Array, positions: jax.Array, segment_ids: jax.Arra
                            num_kv_heads=module.num_kv_heads, what=what)
 
 
+def qk_norms(qk_norm, eps, head_dim: int, p: Partitioner, param_dtype, rngs: nnx.Rngs):
+    """``(q_norm, k_norm)``: two `RMSNorm` over ``head_dim`` when `qk_norm`, else None twice."""
+    if not isinstance(qk_norm, bool):
+        raise ValueError(f"Attention: qk_norm={qk_norm!r} must be True (Qwen3's per-head RMSNorm "
+                         f"on q and k) or False")
+    if not qk_norm:
+        return None, None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"Attention: qk_norm_eps={eps!r} must be a positive number (Qwen3 uses "
+                         f"its rms_norm_eps, 1e-6)")
+    return tuple(RMSNorm(head_dim, eps=float(eps), partitioner=p, param_dtype=param_dtype,
+                         rngs=rngs) for _ in range(2))
+
+
 # -- the layer -------------------------------------------------------------------------------
 
 
@@ -199,10 +217,11 @@ class Attention(AttentionBlock):
       sinks: learn one sink logit per head (parameter ``sinks``, zeros at init).
       kernel: the block kernel (``"auto"``, ``"flash"``, ``"tokamax"``, registered, instance).
       use_bias: biases on the q/k/v/o projections.
+      qk_norm: RMSNorm (eps ``qk_norm_eps``) over head_dim on each q and k head before RoPE.
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
 
-    hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # norms: if set
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
@@ -210,7 +229,8 @@ class Attention(AttentionBlock):
                  implementation: str = "auto", use_bias: bool = False, dtype=None,
                  param_dtype=jnp.float32, mask: Mask | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
-                 kernel="auto", rngs: nnx.Rngs):
+                 kernel="auto", qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_kv_heads, what="Attention")
@@ -250,6 +270,7 @@ class Attention(AttentionBlock):
                              out_axes=(kv_axis, "head_dim"), **kw)
         self.o_proj = Linear((num_heads, head_dim), embed, in_axes=("heads", "head_dim"),
                              out_axes=("embed",), **kw)
+        self.q_norm, self.k_norm = qk_norms(qk_norm, qk_norm_eps, head_dim, p, param_dtype, rngs)
 
     # -- steps a subclass may override --------------------------------------------------------
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -259,6 +280,8 @@ class Attention(AttentionBlock):
         kv_axes = ("batch", "length", self.kv_act_axis, "act_head_dim")
         k = c(self.k_proj(x), kv_axes, SCOPE)
         v = c(self.v_proj(x), kv_axes, SCOPE)
+        if self.q_norm is not None:  # per head, over H: the heads' sharding is unchanged
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def apply_rope(self, q: jax.Array, k: jax.Array,

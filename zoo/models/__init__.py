@@ -2,6 +2,7 @@
 
 * `zoo.models.mixtral` -- `MixtralConfig`, `Mixtral`, `from_hf`, `to_hf`.
 * `zoo.models.deepseek3` -- `DeepSeek3Config`, `DeepSeek3`, `from_hf`, `to_hf`.
+* `zoo.models.qwen3_moe` -- `Qwen3MoeConfig`, `Qwen3Moe`, `from_hf`, `to_hf`.
 * `zoo.models.config` -- `DecoderConfig`, the base of every family's config.
 * `zoo.models.decoder` -- the shared `DecoderLayer` / `CausalLM` (subclass to swap a layer).
 * `zoo.models.hf` -- config.json / safetensors helpers shared by the families.
@@ -11,7 +12,8 @@ from zoo.models.config import DecoderConfig
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, DeepSeek3DecoderLayer
 from zoo.models.mixtral import Mixtral, MixtralConfig, MixtralDecoderLayer
+from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, Qwen3MoeDecoderLayer
 
 __all__ = ["CausalLM", "DecoderConfig", "DecoderLayer", "count_params", "DeepSeek3",
            "DeepSeek3Config", "DeepSeek3DecoderLayer", "Mixtral", "MixtralConfig",
-           "MixtralDecoderLayer"]
+           "MixtralDecoderLayer", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer"]
