@@ -401,14 +401,18 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
 def _presets() -> dict[str, tuple[type, Callable[..., Any]]]:
     from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
     from zoo.models.mixtral import Mixtral, MixtralConfig
+    from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
     return {"deepseek_v3": (DeepSeek3, DeepSeek3Config.deepseek_v3),
+            "qwen3_30b_a3b": (Qwen3Moe, Qwen3MoeConfig.qwen3_30b_a3b),
+            "qwen3_moe_mini": (Qwen3Moe, Qwen3MoeConfig.mini),
             "deepseek3_mini": (DeepSeek3, DeepSeek3Config.mini),
             "mixtral_8x7b": (Mixtral, MixtralConfig.mixtral_8x7b),
             "mixtral_8x22b": (Mixtral, MixtralConfig.mixtral_8x22b),
             "mixtral_mini": (Mixtral, MixtralConfig.mini)}
 
 
-PRESETS = ("deepseek_v3", "deepseek3_mini", "mixtral_8x7b", "mixtral_8x22b", "mixtral_mini")
+PRESETS = ("deepseek_v3", "deepseek3_mini", "mixtral_8x7b", "mixtral_8x22b", "mixtral_mini",
+           "qwen3_30b_a3b", "qwen3_moe_mini")
 _KEEP = object()
 
 
@@ -420,7 +424,8 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
     """Rehearse a preset (one of `PRESETS`) or a model config at scale; see the module docstring.
 
     Args:
-      model: a preset name or a `DeepSeek3Config` / `MixtralConfig`.
+      model: a preset name or a family config (`DeepSeek3Config`, `MixtralConfig`,
+        `Qwen3MoeConfig`).
       mesh: ``"fsdp=4,expert=64"`` or a dict of axis sizes (default: fsdp over every device);
         the product must equal the device count (`set_virtual_devices` first).
       strategy: ``"fsdp"``, ``"cp"`` or ``"ep_as_cp"``.
@@ -435,8 +440,7 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
     import jax.numpy as jnp
     from flax import nnx
 
-    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
-    from zoo.models.mixtral import Mixtral
+    from zoo.models.deepseek3 import DeepSeek3Config
     from zoo.partitioning import MeshShape, Partitioner
     from zoo.train import step as step_lib
 
@@ -449,7 +453,11 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
         config = make_config()
     else:
         config, label = model, type(model).__name__
-        model_cls = DeepSeek3 if isinstance(config, DeepSeek3Config) else Mixtral
+        by_config = {type(make()): cls for cls, make in _presets().values()}
+        if type(config) not in by_config:
+            raise ValueError(f"rehearse: no model family takes a {label}; pass one of "
+                             f"{', '.join(sorted(c.__name__ for c in by_config))} or a preset")
+        model_cls = by_config[type(config)]
     changes = dict(overrides or {})
     changes.update(dtype=jnp.dtype(dtype).type, param_dtype=jnp.dtype(param_dtype).type)
     if remat is not _KEEP:
