@@ -59,6 +59,24 @@ def tile_size(n: int, target: int) -> int:
     return t
 
 
+def loop(trips: int, body, init):
+    """``lax.fori_loop(0, trips, body, init)`` as a `lax.while_loop` with a static bound.
+
+    A fori_loop with a static trip count is a `lax.scan`, and inside `jax.checkpoint` JAX
+    partially evaluates a scan's body: whatever depends only on non-differentiated inputs
+    (the positions, segments, hence every tile's mask and the compacted tile list) is split
+    off into the forward pass and *stacked* per iteration as a residual (2 GiB of masks per
+    MLA layer at DeepSeek-V3 shapes). The kernels are forward-only code inside a
+    `custom_vjp`, so they never need scan's reverse-mode rule; a while loop is recomputed
+    whole by the backward instead. XLA still sees a constant trip count.
+    """
+    def step(carry):
+        t, state = carry
+        return t + 1, body(t, state)
+
+    return lax.while_loop(lambda c: c[0] < trips, step, (jnp.int32(0), init))[1]
+
+
 def _slice(x, i, size, axis=1):
     return lax.dynamic_slice_in_dim(x, i * size, size, axis)
 
@@ -166,7 +184,7 @@ class FlashKernel(BlockKernel):
 
         init = (jnp.full((B, K, G, L), -jnp.inf, F32), jnp.zeros((B, K, G, L), F32),
                 jnp.zeros((B, L, K, G, V), F32))
-        m, den, acc = lax.fori_loop(0, trips, body, init)
+        m, den, acc = loop(trips, body, init)
         seen = den > 0
         den = jnp.where(seen, den, 1.0)
         lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
@@ -211,7 +229,7 @@ class FlashKernel(BlockKernel):
 
         init = (jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
                 jnp.zeros((B, S, K, V), F32))
-        return lax.fori_loop(0, trips, body, init)
+        return loop(trips, body, init)
 
 
 register_kernel("flash", FlashKernel())

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zoo.ops.flash import _put, _slice
+from zoo.ops.flash import _put, _slice, loop
 from zoo.ops.kernels import BlockKernel, Scores
 from zoo.ops.masks import PARTIAL, block_kind, bounds
 
@@ -169,7 +169,7 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
         oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, l)
         return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
 
-    return lax.fori_loop(0, nq * nk, pair, state)
+    return loop(nq * nk, pair, state)
 
 
 def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1):
@@ -201,7 +201,7 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
 
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-    return lax.fori_loop(0, nq * nk, pair, init)
+    return loop(nq * nk, pair, init)
 
 
 def _zeros_after(x, shape):
@@ -252,7 +252,7 @@ def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
                 *pl, kpb, ksb = _gathered(cfg, t, c, (*payload, kpos, kseg))
             return attend(tuple(pl), kpb, ksb, state, _cp(cfg))
 
-        out, lse = lax.fori_loop(0, m, gather_step, state)
+        out, lse = loop(m, gather_step, state)
     else:
         def ring_step(carry, _):
             pl, kpb, ksb, state = carry
@@ -322,7 +322,7 @@ def _attend_bwd(cfg, res, dout):
             dpayload = tuple(_put(d, x, t, c) for d, x in zip(dpayload, dpl))
             return dq, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
 
-        dq, dparams, dpayload = lax.fori_loop(0, m, gather_step, (dq, dparams, zeros(payload)))
+        dq, dparams, dpayload = loop(m, gather_step, (dq, dparams, zeros(payload)))
     else:
         def ring_step(carry, _):
             pl, kpb, ksb, acc, dq, dparams = carry
