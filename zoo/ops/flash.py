@@ -1,10 +1,11 @@
 """The zoo flash kernel: tiled (flash-style) attention of one query block over one key block.
 
 A `zoo.ops.kernels.BlockKernel` in pure JAX that runs on any platform. Both passes walk a list
-of (``q_tile`` x ``kv_tile``) tile pairs with one `lax.fori_loop` over a *static* trip count
-and dynamic slices: no per-tile `lax.cond` (on GPU each would send its predicate to the host)
-and no loop whose length is known only at run time, so one [B, N, q_tile, kv_tile] logit tile
-is the largest temporary and the compiled kernel holds no conditional at all.
+of (``q_tile`` x ``kv_tile``) tile pairs with one loop over a *static* trip count (`loop`: a
+while loop, so nothing is stacked per tile under `jax.checkpoint`) and dynamic slices: no
+per-tile `lax.cond` (on GPU each would send its predicate to the host) and no loop whose
+length is known only at run time, so one [B, N, q_tile, kv_tile] logit tile is the largest
+temporary and the compiled kernel holds no conditional at all.
 
 Skipping is shared with the strategy (`zoo.ops.ring`), which classifies each sub-block: empty
 ones never reach the kernel, fully visible ones come with ``masked=False`` (every tile, the
@@ -59,6 +60,24 @@ def tile_size(n: int, target: int) -> int:
     return t
 
 
+def loop(trips: int, body, init):
+    """``lax.fori_loop(0, trips, body, init)`` as a `lax.while_loop` with a static bound.
+
+    A fori_loop with a static trip count is a `lax.scan`, and inside `jax.checkpoint` JAX
+    partially evaluates a scan's body: whatever depends only on non-differentiated inputs
+    (the positions, segments, hence every tile's mask and the compacted tile list) is split
+    off into the forward pass and *stacked* per iteration as a residual (2 GiB of masks per
+    MLA layer at DeepSeek-V3 shapes). The kernels are forward-only code inside a
+    `custom_vjp`, so they never need scan's reverse-mode rule; a while loop is recomputed
+    whole by the backward instead. XLA still sees a constant trip count.
+    """
+    def step(carry):
+        t, state = carry
+        return t + 1, body(t, state)
+
+    return lax.while_loop(lambda c: c[0] < trips, step, (jnp.int32(0), init))[1]
+
+
 def _slice(x, i, size, axis=1):
     return lax.dynamic_slice_in_dim(x, i * size, size, axis)
 
@@ -86,6 +105,27 @@ def _tile_logits(scores: Scores, masked, q, k, qp, kp, qs, ks, head, ok=None):
     return s, mod_vjp
 
 
+def _window(window, q, k, q_pos, kv_pos, q_seg, kv_seg):
+    """The kernel's view of a block: (positions and segments of the window, L, S, q tile
+    reader, k tile reader). ``window=(q_start, L, kv_start, S)`` (starts traced, lengths
+    static): the big arrays stay whole and tiles are read at the offset, so the strategy
+    never materialises a sub-block copy of q, out, dout, k or v; None: the whole arrays."""
+    if window is None:
+        q0, L, k0, S = 0, q.shape[1], 0, k.shape[1]
+    else:
+        q0, L, k0, S = window
+        q_pos, q_seg = (lax.dynamic_slice_in_dim(x, q0, L, 1) for x in (q_pos, q_seg))
+        kv_pos, kv_seg = (lax.dynamic_slice_in_dim(x, k0, S, 1) for x in (kv_pos, kv_seg))
+
+    def qt(x, i, size, axis=1):
+        return lax.dynamic_slice_in_dim(x, q0 + i * size, size, axis)
+
+    def kt(x, j, size):
+        return lax.dynamic_slice_in_dim(x, k0 + j * size, size, 1)
+
+    return q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt
+
+
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
     """How the kernel walks a partially masked block: at most ``budget`` tiles that may be
@@ -98,11 +138,11 @@ class FlashKernel(BlockKernel):
     """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
     `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
     offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
-    fewer per sub-block switch, which compiles faster and needed less memory in the
-    DeepSeek-V3 rehearsal; see the README's attention section)."""
+    fewer per sub-block switch, which compiles faster; see the README's attention section)."""
     q_tile: int | None = None
     kv_tile: int | None = None
     tile_budget: bool = True
+    windowed = True  # takes ``window=`` (see `BlockKernel`)
 
     def tiles(self, L: int, S: int) -> tuple[int, int]:
         dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
@@ -138,20 +178,23 @@ class FlashKernel(BlockKernel):
         count = jnp.sum(may)
         return masked.budget, lambda t: (pairs[t] // nk, pairs[t] % nk, t < count)
 
-    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
-        B, L, N, H = q.shape
-        _, S, K, V = v.shape
+    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked, window=None):
+        q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
+                                                             q_seg, kv_seg)
+        B, _, N, H = q.shape
+        K, V = v.shape[2:]
         G = N // K
         tq, tk = self.tiles(L, S)
         trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
-        q = q.reshape(B, L, K, G, H)
+        q = q.reshape(*q.shape[:2], K, G, H)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
 
         def body(t, state):
             m, den, acc = state  # running max [B,K,G,L], denominator [B,K,G,L], [B,L,K,G,V]
             i, j, ok = pair(t)
-            qi, qpi, qsi = _slice(q, i, tq), _slice(q_pos, i, tq), _slice(q_seg, i, tq)
-            kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
+            qi, qpi, qsi = qt(q, i, tq), _slice(q_pos, i, tq), _slice(q_seg, i, tq)
+            kj, vj = kt(k, j, tk), kt(v, j, tk)
+            kpj, ksj = _slice(kv_pos, j, tk), _slice(kv_seg, j, tk)
             s, _ = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
             mi, di = _slice(m, i, tq, axis=3), _slice(den, i, tq, axis=3)
             m_new = jnp.maximum(mi, jnp.max(s, axis=-1))
@@ -166,32 +209,39 @@ class FlashKernel(BlockKernel):
 
         init = (jnp.full((B, K, G, L), -jnp.inf, F32), jnp.zeros((B, K, G, L), F32),
                 jnp.zeros((B, L, K, G, V), F32))
-        m, den, acc = lax.fori_loop(0, trips, body, init)
+        m, den, acc = loop(trips, body, init)
         seen = den > 0
         den = jnp.where(seen, den, 1.0)
         lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
         return (acc / _bqkg(den)).reshape(B, L, N, V), lse.reshape(B, N, L)
 
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
-                 masked):
-        B, L, N, H = q.shape
-        _, S, K, V = v.shape
+                 masked, window=None):
+        q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
+                                                             q_seg, kv_seg)
+        B, _, N, H = q.shape
+        K, V = v.shape[2:]
         G = N // K
         tq, tk = self.tiles(L, S)
         trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
-        # delta_i = sum_v dout * out over the *global* out: the softmax-Jacobian term
-        delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
+        # delta_i = sum_v dout * out over the *global* out: the softmax-Jacobian term (the
+        # window's slices fuse into the reduction)
+        delta = jnp.einsum("blnv,blnv->bnl", qt(dout, 0, L).astype(F32),
+                           qt(out, 0, L).astype(F32))
+        lse = qt(lse, 0, L, axis=2)
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p = 0 anyway
-        q, dout = q.reshape(B, L, K, G, H), dout.astype(q.dtype).reshape(B, L, K, G, V)
+        q, dout = (x.reshape(*x.shape[:2], K, G, x.shape[-1]) for x in (q, dout))
 
         def body(t, carry):
             dq, dk, dv = carry
             i, j, ok = pair(t)
-            qi, doi, qpi, qsi = (_slice(x, i, tq) for x in (q, dout, q_pos, q_seg))
+            qi, doi = qt(q, i, tq), qt(dout, i, tq).astype(q.dtype)
+            qpi, qsi = _slice(q_pos, i, tq), _slice(q_seg, i, tq)
             lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
                               for x in (lse, delta))
-            kj, vj, kpj, ksj = (_slice(x, j, tk) for x in (k, v, kv_pos, kv_seg))
+            kj, vj = kt(k, j, tk), kt(v, j, tk)
+            kpj, ksj = _slice(kv_pos, j, tk), _slice(kv_seg, j, tk)
             s, mod_vjp = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
             p = jnp.exp(s - lse_i)  # exp(-inf) = 0 on masked entries
             dvj = jnp.einsum("bkgqc,bqkgv->bckv", p.astype(doi.dtype), doi,
@@ -211,7 +261,7 @@ class FlashKernel(BlockKernel):
 
         init = (jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
                 jnp.zeros((B, S, K, V), F32))
-        return lax.fori_loop(0, trips, body, init)
+        return loop(trips, body, init)
 
 
 register_kernel("flash", FlashKernel())

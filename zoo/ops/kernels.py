@@ -75,7 +75,15 @@ class BlockKernel:
     last must take any block) and ``pick_plan(plans, scores, q_pos, kv_pos, q_seg, kv_seg)
     -> int32`` (which one fits this block, from the data); the strategy makes each plan one
     branch of its per-sub-block switch. The default is one plan, ``masked=True``.
+
+    Optional too: ``windowed = True`` says that ``forward``/``backward`` take
+    ``window=(q_start, L, kv_start, S)`` (starts int32, possibly traced; lengths static): q,
+    k, v, out, lse, dout and the positions/segments are then the strategy's whole arrays and
+    the kernel works on queries [q_start, q_start + L) and keys [kv_start, kv_start + S), so
+    no sub-block copy is materialised (memory).
     """
+
+    windowed = False
 
     def partial_plans(self, L: int, S: int) -> tuple:
         return (True,)

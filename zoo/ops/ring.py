@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zoo.ops.flash import _put, _slice
+from zoo.ops.flash import _put, _slice, loop
 from zoo.ops.kernels import BlockKernel, Scores
 from zoo.ops.masks import PARTIAL, block_kind, bounds
 
@@ -121,11 +121,11 @@ def _pieces(cfg, L, S, kv_groups):
     return lq, L // lq, lk, S // lk
 
 
-def _merge(out, lse, o, l):
-    """Online-softmax merge of (o, l) into the running (out [B,L,N,V], lse [B,N,L])."""
-    new = jnp.logaddexp(lse, l)
+def _merge(out, lse, o, o_lse):
+    """Online-softmax merge of (o, o_lse) into the running (out [B,L,N,V], lse [B,N,L])."""
+    new = jnp.logaddexp(lse, o_lse)
     safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    w1, w2 = (jnp.moveaxis(jnp.exp(x - safe), 1, 2)[..., None] for x in (lse, l))
+    w1, w2 = (jnp.moveaxis(jnp.exp(x - safe), 1, 2)[..., None] for x in (lse, o_lse))
     return out * w1 + o * w2, new
 
 
@@ -149,27 +149,34 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
     S, V = k.shape[1], v.shape[-1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
     plans = _plans(cfg.kernel, lq, lk)
+    windowed = getattr(cfg.kernel, "windowed", False)
 
     def pair(idx, state):
         a, b = idx // nk, idx % nk
-        qa, qpa, qsa = _slice(q, a, lq), _slice(qp, a, lq), _slice(qs, a, lq)
-        kb, vb, kpb, ksb = (_slice(x, b, lk) for x in (k, v, kp, ks))
+        qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
+        kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
 
+        def kv():
+            return _slice(k, b, lk), _slice(v, b, lk)
+
         def run(masked):
-            return lambda: cfg.kernel.forward(qa, kb, vb, qpa, kpb, qsa, ksb,
+            if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
+                return lambda: cfg.kernel.forward(q, k, v, qp, kp, qs, ks, scores=cfg.scores,
+                                                  masked=masked, window=(a * lq, lq, b * lk, lk))
+            return lambda: cfg.kernel.forward(_slice(q, a, lq), *kv(), qpa, kpb, qsa, ksb,
                                               scores=cfg.scores, masked=masked)
 
         def skip():
             return jnp.zeros((B, lq, N, V), F32), jnp.full((B, N, lq), -jnp.inf, F32)
 
         branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
-        o, l = lax.switch(branch, (skip, run(False), *map(run, plans)))
+        o, o_lse = lax.switch(branch, (skip, run(False), *map(run, plans)))
         out, lse = state
-        oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, l)
+        oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, o_lse)
         return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
 
-    return lax.fori_loop(0, nq * nk, pair, state)
+    return loop(nq * nk, pair, state)
 
 
 def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1):
@@ -177,21 +184,28 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
     L, S = q.shape[1], k.shape[1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
     plans = _plans(cfg.kernel, lq, lk)
+    windowed = getattr(cfg.kernel, "windowed", False)
 
     def pair(idx, acc):
         a, b = idx // nk, idx % nk
-        qa, qpa, qsa, oa, da = (_slice(x, a, lq) for x in (q, qp, qs, out, dout))
-        la = _slice(lse, a, lq, axis=2)
-        kb, vb, kpb, ksb = (_slice(x, b, lk) for x in (k, v, kp, ks))
+        qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
+        kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
 
         def run(masked):
-            return lambda: cfg.kernel.backward(qa, kb, vb, qpa, kpb, qsa, ksb, oa, la, da,
-                                               scores=cfg.scores, masked=masked)
+            if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
+                return lambda: cfg.kernel.backward(
+                    q, k, v, qp, kp, qs, ks, out, lse, dout, scores=cfg.scores, masked=masked,
+                    window=(a * lq, lq, b * lk, lk))
+            return lambda: cfg.kernel.backward(
+                _slice(q, a, lq), _slice(k, b, lk), _slice(v, b, lk), qpa, kpb,
+                qsa, ksb, _slice(out, a, lq), _slice(lse, a, lq, axis=2), _slice(dout, a, lq),
+                scores=cfg.scores, masked=masked)
 
         def skip():
-            return (jnp.zeros(qa.shape, F32), jnp.zeros(kb.shape, F32),
-                    jnp.zeros(vb.shape, F32))
+            return (jnp.zeros((*q.shape[:1], lq, *q.shape[2:]), F32),
+                    jnp.zeros((*k.shape[:1], lk, *k.shape[2:]), F32),
+                    jnp.zeros((*v.shape[:1], lk, *v.shape[2:]), F32))
 
         branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
         gq, gk, gv = lax.switch(branch, (skip, run(False), *map(run, plans)))
@@ -201,7 +215,7 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
 
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-    return lax.fori_loop(0, nq * nk, pair, init)
+    return loop(nq * nk, pair, init)
 
 
 def _zeros_after(x, shape):
@@ -237,7 +251,7 @@ def _slices(cfg, q, params, payload):
 def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
     """(out in q's dtype, lse [B,N,L] fp32), sinks included."""
     B, L, N, _ = q.shape
-    k0, v0 = jax.eval_shape(lambda: _expand(cfg, params, payload))
+    _, v0 = jax.eval_shape(lambda: _expand(cfg, params, payload))
     state = (jnp.zeros((B, L, N, v0.shape[-1]), F32), jnp.full((B, N, L), -jnp.inf, F32))
 
     def attend(pl, kpb, ksb, state, groups):
@@ -252,7 +266,7 @@ def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
                 *pl, kpb, ksb = _gathered(cfg, t, c, (*payload, kpos, kseg))
             return attend(tuple(pl), kpb, ksb, state, _cp(cfg))
 
-        out, lse = lax.fori_loop(0, m, gather_step, state)
+        out, lse = loop(m, gather_step, state)
     else:
         def ring_step(carry, _):
             pl, kpb, ksb, state = carry
@@ -322,7 +336,7 @@ def _attend_bwd(cfg, res, dout):
             dpayload = tuple(_put(d, x, t, c) for d, x in zip(dpayload, dpl))
             return dq, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
 
-        dq, dparams, dpayload = lax.fori_loop(0, m, gather_step, (dq, dparams, zeros(payload)))
+        dq, dparams, dpayload = loop(m, gather_step, (dq, dparams, zeros(payload)))
     else:
         def ring_step(carry, _):
             pl, kpb, ksb, acc, dq, dparams = carry
