@@ -169,6 +169,18 @@ class DecoderConfig:
         """The weight of ``aux["load_balance_loss"]`` in the loss (``aux_loss_field``)."""
         return float(getattr(self, self.aux_loss_field)) if self.aux_loss_field else 0.0
 
+    # -- the zoo fields as layer arguments (a new zoo field reaches every family here) ---------
+    def attention_options(self) -> dict[str, Any]:
+        """Keyword arguments of `zoo.layers.Attention` / `MLA` taken from the zoo fields."""
+        return dict(implementation=self.attention_implementation, dtype=self.dtype,
+                    param_dtype=self.param_dtype)
+
+    def moe_options(self) -> dict[str, Any]:
+        """Keyword arguments of `zoo.layers.MoE` taken from the zoo fields."""
+        return dict(capacity_factor=self.capacity_factor, dispatch=self.moe_dispatch,
+                    grouped_matmul=self.moe_grouped_matmul, buffer_factor=self.moe_buffer_factor,
+                    dtype=self.dtype, param_dtype=self.param_dtype)
+
     # -- Hugging Face config.json ---------------------------------------------------------------
     @classmethod
     def hf_fields(cls) -> list[dataclasses.Field]:

@@ -473,6 +473,44 @@ class CausalLM(nnx.Module):
                            self.config.to_hf_config(), max_shard_bytes=max_shard_bytes)
 
 
+def family_io(model_cls: type[CausalLM], name: str, layout: str):
+    """A family's module-level ``from_hf(path, *, partitioner=None, inputs_shape=None, ...)``
+    and ``to_hf(model, path)`` over `CausalLM.from_hf` / `CausalLM.to_hf`; ``name`` and
+    ``layout`` (what the folder may hold) go into their docstrings."""
+
+    def from_hf(path, *, partitioner: Partitioner | None = None,
+                inputs_shape: Sequence[int] | None = None, dtype=jnp.float32, param_dtype=None,
+                config_overrides: dict[str, Any] | None = None,
+                model_cls: type[CausalLM] = model_cls,
+                decoder_layer_cls: type[DecoderLayer] | None = None):
+        return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
+                                 dtype=dtype, param_dtype=param_dtype,
+                                 config_overrides=config_overrides,
+                                 decoder_layer_cls=decoder_layer_cls)
+
+    def to_hf(model: CausalLM, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+        model.to_hf(path, max_shard_bytes=max_shard_bytes)
+
+    from_hf.__doc__ = f"""Load a local {name} checkpoint folder (config.json + *.safetensors).
+
+    Args:
+      path: the folder ({layout}).
+      partitioner: shards the parameters as they are read (None: one device).
+      inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
+      dtype: computation dtype; param_dtype: storage dtype (None: float32).
+      config_overrides: config fields to replace, e.g. ``{{"remat_policy": "full"}}`` or
+        ``{{"scan_layers": False}}`` (the unrolled layout).
+      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
+        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
+    """
+    to_hf.__doc__ = (f"Write a {name} model as a Hugging Face checkpoint folder (safetensors + "
+                     f"config.json).")
+    module = model_cls.__module__
+    for fn in (from_hf, to_hf):
+        fn.__module__, fn.__qualname__ = module, fn.__name__
+    return from_hf, to_hf
+
+
 def initial_values(make, paths: Sequence[tuple[Any, ...]]) -> dict[tuple[Any, ...], jax.Array]:
     """The constructor's values of the variables at `paths` (zoo-only parameters that a
     checkpoint does not hold): one jitted build returning only them, so XLA drops the rest

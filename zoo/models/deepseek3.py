@@ -32,12 +32,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import jax.numpy as jnp
 
 from zoo.layers.mla import MLA
 from zoo.layers.rope import RoPE, YaRN
 from zoo.models.config import DecoderConfig, check_positive, nullable
-from zoo.models.decoder import CausalLM, DecoderLayer, count_params
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "from_hf", "to_hf"]
 
@@ -197,8 +196,7 @@ class DeepSeek3DecoderLayer(DecoderLayer):
             kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
             inputs_shape=inputs_shape, partitioner=partitioner, rope=config.rope(),
-            rms_norm_eps=config.rms_norm_eps, implementation=config.attention_implementation,
-            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+            rms_norm_eps=config.rms_norm_eps, **config.attention_options(), rngs=rngs)
 
     def make_moe(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
         return self.moe_cls(
@@ -207,10 +205,7 @@ class DeepSeek3DecoderLayer(DecoderLayer):
             partitioner=partitioner, scoring="sigmoid", n_group=config.n_group,
             topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
             norm_topk_prob=config.norm_topk_prob, num_shared_experts=config.n_shared_experts,
-            capacity_factor=config.capacity_factor, dispatch=config.moe_dispatch,
-            grouped_matmul=config.moe_grouped_matmul, buffer_factor=config.moe_buffer_factor,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs)
+            **config.moe_options(), rngs=rngs)
 
 
 class DeepSeek3(CausalLM):
@@ -225,28 +220,5 @@ class DeepSeek3(CausalLM):
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
 
 
-def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
-            config_overrides: dict[str, Any] | None = None,
-            model_cls: type[DeepSeek3] = DeepSeek3,
-            decoder_layer_cls: type[DecoderLayer] | None = None) -> DeepSeek3:
-    """Load a local DeepSeek-V3 checkpoint folder (``config.json`` + ``*.safetensors``).
-
-    Args:
-      path: the folder (Hub layout, bf16/fp32 or block-FP8; either rope spelling).
-      partitioner: shards the parameters as they are read (None: one device).
-      inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
-      dtype: computation dtype; param_dtype: storage dtype (None: float32).
-      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
-        ``{"scan_layers": False}`` (the unrolled layout).
-      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
-        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
-    """
-    return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
-                             dtype=dtype, param_dtype=param_dtype,
-                             config_overrides=config_overrides,
-                             decoder_layer_cls=decoder_layer_cls)
-
-
-def to_hf(model: DeepSeek3, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Hugging Face checkpoint folder (safetensors + config.json)."""
-    model.to_hf(path, max_shard_bytes=max_shard_bytes)
+from_hf, to_hf = family_io(DeepSeek3, "DeepSeek-V3",
+                           "Hub layout, bf16/fp32 or block-FP8; either rope spelling")

@@ -26,13 +26,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import jax.numpy as jnp
 
 from zoo.layers.attention import Attention
 from zoo.layers.moe import MoE
 from zoo.layers.rope import RoPE
 from zoo.models.config import DecoderConfig, check_positive, nullable
-from zoo.models.decoder import CausalLM, DecoderLayer, count_params
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["MixtralConfig", "MixtralDecoderLayer", "MixtralMoE", "Mixtral", "from_hf", "to_hf"]
 
@@ -152,18 +151,13 @@ class MixtralDecoderLayer(DecoderLayer):
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, inputs_shape=inputs_shape, partitioner=partitioner,
             rope=RoPE(theta=config.rope_theta), sliding_window=config.sliding_window,
-            implementation=config.attention_implementation, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs)
+            **config.attention_options(), rngs=rngs)
 
     def make_moe(self, config: MixtralConfig, *, inputs_shape, partitioner, rngs):
         return self.moe_cls(
             num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
             mlp_dim=config.intermediate_size, inputs_shape=inputs_shape, partitioner=partitioner,
-            scoring="softmax", capacity_factor=config.capacity_factor,
-            dispatch=config.moe_dispatch, grouped_matmul=config.moe_grouped_matmul,
-            buffer_factor=config.moe_buffer_factor,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs)
+            scoring="softmax", **config.moe_options(), rngs=rngs)
 
 
 class Mixtral(CausalLM):
@@ -178,27 +172,4 @@ class Mixtral(CausalLM):
     hf_model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
 
 
-def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
-            config_overrides: dict[str, Any] | None = None, model_cls: type[Mixtral] = Mixtral,
-            decoder_layer_cls: type[DecoderLayer] | None = None) -> Mixtral:
-    """Load a local Mixtral checkpoint folder (``config.json`` + ``*.safetensors``).
-
-    Args:
-      path: the folder (Hub layout; either rope spelling in config.json).
-      partitioner: shards the parameters as they are read (None: one device).
-      inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
-      dtype: computation dtype; param_dtype: storage dtype (None: float32).
-      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
-        ``{"scan_layers": False}`` (the unrolled layout).
-      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
-        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
-    """
-    return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
-                             dtype=dtype, param_dtype=param_dtype,
-                             config_overrides=config_overrides,
-                             decoder_layer_cls=decoder_layer_cls)
-
-
-def to_hf(model: Mixtral, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Hugging Face checkpoint folder (safetensors + config.json)."""
-    model.to_hf(path, max_shard_bytes=max_shard_bytes)
+from_hf, to_hf = family_io(Mixtral, "Mixtral", "Hub layout; either rope spelling in config.json")

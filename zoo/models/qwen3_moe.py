@@ -28,12 +28,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import jax.numpy as jnp
 
 from zoo.layers.attention import Attention
 from zoo.layers.rope import RoPE
 from zoo.models.config import DecoderConfig, check_positive, nullable
-from zoo.models.decoder import CausalLM, DecoderLayer, count_params
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3Moe", "from_hf", "to_hf"]
 
@@ -177,18 +176,15 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, inputs_shape=inputs_shape, partitioner=partitioner,
             rope=RoPE(theta=config.rope_theta), sliding_window=config.window,
-            implementation=config.attention_implementation, qk_norm=True,
-            qk_norm_eps=config.rms_norm_eps, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs)
+            qk_norm=True, qk_norm_eps=config.rms_norm_eps, **config.attention_options(),
+            rngs=rngs)
 
     def make_moe(self, config: Qwen3MoeConfig, *, inputs_shape, partitioner, rngs):
         return self.moe_cls(
             num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
             mlp_dim=config.moe_intermediate_size, inputs_shape=inputs_shape,
             partitioner=partitioner, scoring="softmax", norm_topk_prob=config.norm_topk_prob,
-            capacity_factor=config.capacity_factor, dispatch=config.moe_dispatch,
-            grouped_matmul=config.moe_grouped_matmul, buffer_factor=config.moe_buffer_factor,
-            dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+            **config.moe_options(), rngs=rngs)
 
 
 class Qwen3Moe(CausalLM):
@@ -204,27 +200,4 @@ class Qwen3Moe(CausalLM):
     hf_model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
 
 
-def from_hf(path, *, partitioner=None, inputs_shape=None, dtype=jnp.float32, param_dtype=None,
-            config_overrides: dict[str, Any] | None = None, model_cls: type[Qwen3Moe] = Qwen3Moe,
-            decoder_layer_cls: type[DecoderLayer] | None = None) -> Qwen3Moe:
-    """Load a local Qwen3-MoE checkpoint folder (``config.json`` + ``*.safetensors``).
-
-    Args:
-      path: the folder (Hub layout; either rope spelling in config.json).
-      partitioner: shards the parameters as they are read (None: one device).
-      inputs_shape: ``(batch, length)``, or None for any shape the partitioner divides.
-      dtype: computation dtype; param_dtype: storage dtype (None: float32).
-      config_overrides: config fields to replace, e.g. ``{"remat_policy": "full"}`` or
-        ``{"scan_layers": False}`` (the unrolled layout).
-      model_cls, decoder_layer_cls: load into a subclass (a module that adds a parameter
-        names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
-    """
-    return model_cls.from_hf(path, partitioner=partitioner, inputs_shape=inputs_shape,
-                             dtype=dtype, param_dtype=param_dtype,
-                             config_overrides=config_overrides,
-                             decoder_layer_cls=decoder_layer_cls)
-
-
-def to_hf(model: Qwen3Moe, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Hugging Face checkpoint folder (safetensors + config.json)."""
-    model.to_hf(path, max_shard_bytes=max_shard_bytes)
+from_hf, to_hf = family_io(Qwen3Moe, "Qwen3-MoE", "Hub layout; either rope spelling in config.json")
