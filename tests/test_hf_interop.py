@@ -257,7 +257,8 @@ def test_fp8_block_quantised_checkpoint(tmp_path):
                                          intermediate_size=64, moe_intermediate_size=16,
                                          kv_lora_rank=16, q_lora_rank=16, n_routed_experts=8,
                                          num_experts_per_tok=2, n_group=4, topk_group=2)
-    deepseek3.to_hf(deepseek3.DeepSeek3(cfg, rngs=nnx.Rngs(0)), tmp_path / "f32")
+    deepseek3.to_hf(nnx.jit(lambda: deepseek3.DeepSeek3(cfg, rngs=nnx.Rngs(0)))(),
+                    tmp_path / "f32")
     fp8, block = tmp_path / "fp8", 8
     fp8.mkdir()
     tensors = load_file(str(tmp_path / "f32" / "model.safetensors"))
