@@ -340,7 +340,7 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--mesh", "fsdp=3"], "multiply to 3, but there are 8 devices"),
     (["--mesh", "fsdp=2,pipeline=4"], "bad mesh entry 'pipeline=4'"),
     (["--seq-len", "36"], "not divisible by 2*context = 8"),
-    (["--batch-size", "3"], "batch 3 is not divisible"),
+    (["--batch-size", "3"], "batch=3 is not divisible"),
     (["--devices", "4"], "already started with 8 CPU devices"),
     (["--steps", "0"], "--steps 0 must be >= 1"),
     (["--dtype", "float33"], "argument --dtype: 'float33' is not valid for TrainConfig.dtype: "
