@@ -8,6 +8,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+from zoo.train.launch import relax_cpu_collective_timeouts
+
+# A virtual device late to a collective by 60 s (2 cores, 8 devices, a loaded machine) makes
+# XLA:CPU abort the whole session; wait longer (before the backend reads XLA_FLAGS).
+relax_cpu_collective_timeouts()
+
 # Overrides any count in XLA_FLAGS/JAX_NUM_CPU_DEVICES; importing jax started no backend yet.
 jax.config.update("jax_num_cpu_devices", 8)
 # Many tests (and xdist workers) compile the same small programs: share them on disk.

@@ -509,3 +509,43 @@ def test_cpu_device_count_through_jax_config(env, arg, count):
     assert lines[1] == (f"--devices {count + 1}: jax already started with {count} CPU devices "
                         f"(something touched a device first); run the recipe as a script, or "
                         f"set JAX_NUM_CPU_DEVICES={count + 1} before starting Python")
+
+
+LATE_PEER = """
+import sys, time
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from zoo.train.launch import relax_cpu_collective_timeouts, set_cpu_devices
+if sys.argv[1] == "short":
+    relax_cpu_collective_timeouts(warn_s=1, terminate_s=1)
+set_cpu_devices(4)  # adds the default limits where none are set yet
+mesh = jax.make_mesh((4,), ("x",))
+
+def late(i, x):
+    if i == 0:
+        time.sleep(4)
+    return x
+
+def body(x):  # the sum needs device 0's late value
+    x = jax.pure_callback(late, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          jax.lax.axis_index("x"), x)
+    return jax.lax.psum(x, "x")
+
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
+x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("x")))
+print(float(f(x)[0]))
+"""
+
+
+def test_a_late_virtual_device_does_not_abort_the_process():
+    """XLA:CPU aborts when a peer reaches a collective 20 + 40 s late (shared cores make that
+    happen); `set_cpu_devices` raises the limits through XLA_FLAGS. Shown with a peer 4 s late:
+    under 1 s limits the process aborts naming the rendezvous, under the defaults it finishes."""
+    base = {k: v for k, v in sub_env().items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    runs = {mode: subprocess.run([sys.executable, "-c", LATE_PEER, mode], env=base,
+                                 capture_output=True, text=True, timeout=120, cwd=ROOT)
+            for mode in ("short", "default")}
+    assert runs["short"].returncode != 0
+    assert "Termination timeout for `all reduce" in runs["short"].stderr
+    assert runs["default"].returncode == 0, runs["default"].stderr[-2000:]
+    assert runs["default"].stdout.split()[-1] == "6.0"

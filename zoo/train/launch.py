@@ -8,6 +8,12 @@ public sign that the backend is up, and the count it started with is then
 ``jax.local_device_count("cpu")`` -- so `set_cpu_devices` needs no private jax module.
 Child processes inherit a count through the environment variable ``JAX_NUM_CPU_DEVICES``
 (jax reads it at import) or ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
+
+Virtual devices share the host's cores, so one device can reach a collective long after its
+peers (8 devices on 2 cores, with other work on the machine). XLA:CPU aborts the whole process
+when a peer is 20 + 40 s late ("Termination timeout for `all reduce ...` exceeded"), which
+kills a test session or a run without a checkpoint. `relax_cpu_collective_timeouts` raises
+those limits through ``XLA_FLAGS`` (they have no jax option); `set_cpu_devices` calls it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import re
 
 __all__ = ["DEFAULT_CPU_DEVICES", "set_cpu_devices", "env_names_cpu_devices",
+           "relax_cpu_collective_timeouts",
            "init_distributed", "default_mesh", "enable_compile_cache"]
 
 DEFAULT_CPU_DEVICES = 8
@@ -28,6 +35,27 @@ def env_names_cpu_devices() -> bool:
                 or _XLA_COUNT.search(os.environ.get("XLA_FLAGS", "")))
 
 
+# XLA:CPU's defaults are 20 s (warning) and 40 s more (abort); a late peer on shared cores is
+# not a hang, so wait minutes. A real deadlock still ends the process, only later.
+CPU_COLLECTIVE_WARN_S = 120
+CPU_COLLECTIVE_TERMINATE_S = 900
+
+
+def relax_cpu_collective_timeouts(warn_s: int = CPU_COLLECTIVE_WARN_S,
+                                  terminate_s: int = CPU_COLLECTIVE_TERMINATE_S) -> None:
+    """Append XLA:CPU's collective rendezvous timeouts to ``XLA_FLAGS`` unless it sets them.
+
+    XLA reads ``XLA_FLAGS`` once, when jax starts its backend, so this must run before that
+    (importing jax is fine); child processes inherit the setting."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = [f"--{name}={value}" for name, value in (
+        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", warn_s),
+        ("xla_cpu_collective_call_terminate_timeout_seconds", terminate_s))
+        if f"--{name}=" not in flags]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+
 def set_cpu_devices(n: int | None, *, what: str = "--devices {}", fix: str | None = None
                     ) -> None:
     """Give the CPU backend `n` devices; ``None``: `DEFAULT_CPU_DEVICES` unless the environment
@@ -35,6 +63,7 @@ def set_cpu_devices(n: int | None, *, what: str = "--devices {}", fix: str | Non
     only the count it started with is accepted (a `ValueError` naming `what`, ``{}`` the
     count, and `fix` otherwise)."""
     import jax
+    relax_cpu_collective_timeouts()
     if n is None and env_names_cpu_devices():
         return
     count = DEFAULT_CPU_DEVICES if n is None else n
