@@ -17,7 +17,6 @@ JSON line per row (for scripts). Several ``--set`` groups: run the script once p
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 
@@ -42,13 +41,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _value(text: str):
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 COLUMNS = ("model", "devices", "mesh", "strategy", "batch x seq", "dtype", "remat", "params GiB",
            "opt GiB", "temp GiB", "peak GiB", "compile s", "HLO ops", "HLO/model FLOPs",
            "all-gather GB", "reduce-scatter GB", "all-reduce GB", "all-to-all GB",
@@ -70,19 +62,17 @@ def main(argv=None) -> int:
     from zoo.train.rehearse import rehearse, set_virtual_devices
     set_virtual_devices(args.devices)  # before anything starts jax's backend
 
-    overrides = {}
-    for item in args.overrides:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: write FIELD=VALUE")
-        overrides[name.strip()] = _value(text.strip())
+    overrides = args.overrides  # parsed from the config's field types, as the recipes do
     remat = None if args.remat in ("none", "None") else args.remat
-    r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy, batch_size=args.batch_size,
-                 seq_len=args.seq_len, dtype=args.dtype, param_dtype=args.param_dtype,
-                 remat=remat, overrides=overrides)
+    try:
+        r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy,
+                     batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                     param_dtype=args.param_dtype, remat=remat, overrides=overrides)
+    except ValueError as e:  # a bad --set names the field and the fix
+        raise SystemExit(str(e)) from None
     row = r.row()
     if overrides:
-        row["model"] += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
+        row["model"] += " (" + ", ".join(o.replace(" ", "") for o in overrides) + ")"
     print(r, file=sys.stderr)
     print(markdown([row]))
     if args.json:

@@ -3,8 +3,7 @@ before anything runs (exit 2, one line naming the flag, the value and the fix, n
 the run dir's checkpoints and metrics untouched), and divergence as a fault (exit 3, the good
 checkpoint kept across a second diverging resume).
 
-One tiny 6-step Mixtral run (the same compiled program as tests/test_recipes.py, so the
-persistent cache serves it) is the existing run every refusal is tried against, and the start
+One tiny 6-step Mixtral run is the existing run every refusal is tried against, and the start
 of the divergence scenario.
 """
 

@@ -4,6 +4,7 @@ token) unsharded and under the four strategy meshes; capacity drops; bias balanc
 
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -577,6 +578,20 @@ def test_bias_update_walks_a_model():
 
 
 # -- construction errors -----------------------------------------------------------------------
+def test_buffer_factor_ignored_by_auto_warns():
+    """"auto" resolving to all_gather (expert shards 2 <= k) keeps no receive buffers, so a
+    buffer_factor does nothing: a warning names it and the fix; all_to_all takes it quietly."""
+    args = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, inputs_shape=(B, L, D),
+                buffer_factor=2.0, rngs=nnx.Rngs(0))
+    part = Partitioner(make_mesh(fsdp=4, expert=2), "fsdp")
+    with pytest.warns(UserWarning, match=r"buffer_factor=2.0 has no effect, dispatch='auto' "
+                                         r"resolved to 'all_gather'.*dispatch='all_to_all'"):
+        assert MoE(partitioner=part, **args).dispatch == "all_gather"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MoE(partitioner=part, dispatch="all_to_all", **args).dispatch == "all_to_all"
+
+
 @pytest.mark.parametrize("kw, mesh, match", [
     (dict(num_experts=6), ("fsdp", dict(fsdp=2, expert=4)), r"num_experts=6 .* divisible by its 4 shards"),
     (dict(num_experts_per_tok=9), None, r"num_experts_per_tok=9 must be between 1 and"),

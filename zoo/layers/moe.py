@@ -55,6 +55,7 @@ Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -177,6 +178,14 @@ class MoE(nnx.Module):
         self.grouped_matmul = grouped_matmul
         self.dispatch_requested = dispatch
         self.dispatch = self._resolve_dispatch(dispatch, batch * length)
+        if buffer_factor is not None and self.dispatch == "all_gather":
+            # "auto" chose the scheme without receive buffers: say so rather than ignore it
+            warnings.warn(
+                f"MoE: buffer_factor={buffer_factor} has no effect, dispatch={dispatch!r} "
+                f"resolved to 'all_gather' (expert shards {p.size('experts', 'moe')}, "
+                f"num_experts_per_tok={k}), which keeps no receive buffers; pass "
+                f"dispatch='all_to_all' to bound them, or leave buffer_factor=None",
+                UserWarning, stacklevel=2)
         self.dtype, self.param_dtype = dtype, param_dtype
 
         kernel_init = nnx.initializers.lecun_normal()

@@ -22,7 +22,7 @@ import os
 import re
 
 __all__ = ["DEFAULT_CPU_DEVICES", "set_cpu_devices", "env_names_cpu_devices",
-           "relax_cpu_collective_timeouts",
+           "relax_cpu_collective_timeouts", "cache_is_safe",
            "init_distributed", "default_mesh", "enable_compile_cache"]
 
 DEFAULT_CPU_DEVICES = 8
@@ -37,8 +37,8 @@ def env_names_cpu_devices() -> bool:
 
 # XLA:CPU's defaults are 20 s (warning) and 40 s more (abort); a late peer on shared cores is
 # not a hang, so wait minutes. A real deadlock still ends the process, only later.
-CPU_COLLECTIVE_WARN_S = 120
-CPU_COLLECTIVE_TERMINATE_S = 900
+CPU_COLLECTIVE_WARN_S = 60
+CPU_COLLECTIVE_TERMINATE_S = 240
 
 
 def relax_cpu_collective_timeouts(warn_s: int = CPU_COLLECTIVE_WARN_S,
@@ -120,11 +120,25 @@ def default_mesh(n: int, backend: str) -> str:
     return f"fsdp={n // (expert * context)},expert={expert},context={context}"
 
 
+def cache_is_safe() -> bool:
+    """Whether programs loaded from jax's persistent compile cache run safely here: not on a
+    CPU backend with several devices. There, executables read back from the cache deadlock in
+    their collectives now and then (a ring's collective-permute on some devices, an all-gather
+    on another, every XLA:CPU worker thread waiting; jax 0.10.2, 3 of 7 runs of the sharded
+    DeepSeek-V3 test step, none in 5 freshly compiled runs), so they are compiled every time."""
+    import jax
+    return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
+
+
 def enable_compile_cache() -> None:
     """Cache compiled programs on disk (``JAX_COMPILATION_CACHE_DIR``, else
     ``ZOO_COMPILATION_CACHE``, else ``~/.cache/zoo/jax``): a rerun or resume skips most of the
-    first compile."""
+    first compile. Not where `cache_is_safe` says no (several CPU devices): there every run
+    compiles, even when ``JAX_COMPILATION_CACHE_DIR`` names a cache."""
     import jax
+    if not cache_is_safe():
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     if not jax.config.jax_compilation_cache_dir:
         path = os.environ.get("ZOO_COMPILATION_CACHE",
                               os.path.join(os.path.expanduser("~"), ".cache", "zoo", "jax"))

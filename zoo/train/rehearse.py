@@ -31,7 +31,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
@@ -419,7 +419,8 @@ _KEEP = object()
 def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
              strategy: str = "fsdp", batch_size: int, seq_len: int, dtype: Any = "bfloat16",
              param_dtype: Any = "float32", remat: Any = _KEEP,
-             overrides: Mapping[str, Any] | None = None, aux_loss_weight: float | None = None,
+             overrides: Mapping[str, Any] | Sequence[str] | None = None,
+             aux_loss_weight: float | None = None,
              expert_bias_rate: float = 1e-3) -> Rehearsal:
     """Rehearse a preset (one of `PRESETS`) or a model config at scale; see the module docstring.
 
@@ -432,7 +433,9 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
       batch_size, seq_len: the global batch.
       dtype, param_dtype: compute and parameter dtypes.
       remat: a `remat_policy` name or None (default: the config's).
-      overrides: other config fields, e.g. ``{"num_hidden_layers": 4}``.
+      overrides: other config fields, e.g. ``{"num_hidden_layers": 4}``, or ``--set`` texts
+        (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them
+        (`zoo.train.config.apply_overrides`).
       aux_loss_weight: default the config's (``aux_loss_alpha`` / ``router_aux_loss_coef``).
       expert_bias_rate: DeepSeek-V3's bias update (ignored by models without one).
     """
@@ -458,7 +461,11 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
             raise ValueError(f"rehearse: no model family takes a {label}; pass one of "
                              f"{', '.join(sorted(c.__name__ for c in by_config))} or a preset")
         model_cls = by_config[type(config)]
-    changes = dict(overrides or {})
+    if overrides is not None and not isinstance(overrides, Mapping):
+        from zoo.train.config import apply_overrides
+        config, changes = apply_overrides(config, list(overrides)), {}
+    else:
+        changes = dict(overrides or {})
     changes.update(dtype=jnp.dtype(dtype).type, param_dtype=jnp.dtype(param_dtype).type)
     if remat is not _KEEP:
         changes["remat_policy"] = remat
