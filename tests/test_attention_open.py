@@ -511,6 +511,8 @@ def test_sliding_window_ring_moves_only_visible_hops(name):
     for a, planned in zip(args, (True, False)):
         assert bool(ring.sequence_order_ok(layout, cp, a[3], a[3], a[4], a[4])) == planned
         _close(prog(*a), ref(*a))
+    _check_plan_overlap(jax.make_jaxpr(lambda *a: _grads(fn, *a, None))(*args[0]).jaxpr,
+                        len(hops))
     text = prog.as_text()
     permutes = lambda comp: hlo.collective_bytes(text, True, root=comp).get(
         "collective-permute", 0)
@@ -519,3 +521,46 @@ def test_sliding_window_ring_moves_only_visible_hops(name):
     for full, plan in fallbacks:
         assert permutes(plan) * cp == permutes(full) * len(hops), (permutes(plan),
                                                                    permutes(full))
+
+
+def _sends(jaxpr):
+    return any(e.primitive.name == "ppermute" or any(map(_sends, jex.core.jaxprs_in_params(
+        e.params))) for e in jaxpr.eqns)
+
+
+def _planned_branches(jaxpr):
+    """The planned branch of every fallback `cond` (both branches send) in a jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            branches = [b.jaxpr for b in eqn.params["branches"]]
+            if all(map(_sends, branches)):
+                yield branches[1]
+                continue
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _planned_branches(sub)
+
+
+def _check_plan_overlap(jaxpr, hops):
+    """The hop plan's overlap, by jaxpr dependencies: every K/V send depends on no block
+    compute, and the dK/dV sent home (which does) is never read by a later block compute."""
+    branches, counts = list(_planned_branches(jaxpr)), []
+    assert len(branches) == 2  # forward and backward
+    for body in branches:
+        computed, sent_home, kv_sends, home_sends = set(), set(), 0, 0
+        for eqn in body.eqns:
+            ins = [x for x in eqn.invars if isinstance(x, jex.core.Var)]
+            compute = eqn.primitive.name in COMPUTE
+            assert not (compute and any(x in sent_home for x in ins)), "compute reads dK/dV"
+            after = any(x in computed for x in ins)
+            if eqn.primitive.name == "ppermute":
+                kv_sends += not after
+                home_sends += after
+            for o in eqn.outvars:
+                if after or compute:
+                    computed.add(o)
+                if (eqn.primitive.name == "ppermute" and after) or any(
+                        x in sent_home for x in ins):
+                    sent_home.add(o)
+        counts.append((kv_sends, home_sends))
+    # per hop: k, v, positions, segments fetched (forward and backward), dK and dV sent home
+    assert sorted(counts) == [(4 * hops, 0), (4 * hops, 2 * hops)], counts
