@@ -39,6 +39,11 @@ and keys are the same tokens) on the global positions and segment ids -- a few i
 per token and one scalar all-reduce -- and a `lax.cond` falls back to the full ring when it
 fails, so the result is exact for every input.
 
+Memory: the backward computes ``delta = sum(dout * out)`` once; a kernel that takes it
+(`BlockKernel.takes_delta`, the flash kernel) never sees ``out``, so the q-sized output is not
+held through the backward's loop, and the ring's dq accumulator is zero-filled from delta
+(`_zeros_from`), so it does not exist during the forward.
+
 Sinks (``[N]`` logits with no value) join each row's softmax after the merge; their gradient is
 ``-sum(exp(sink - lse) * delta)``.
 
