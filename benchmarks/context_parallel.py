@@ -20,6 +20,12 @@ expanded per-head K/V, counted from the compiled HLO (loop bodies times trip cou
 `zoo.ops.hlo.collective_bytes`; all-reduce excluded: it is kv_up's weight gradient, the same in
 both), at DeepSeek-V3's attention dims by default.
 
+Ring hops: per-device collective-permute bytes of ring forward+backward under a causal mask
+(the full ring: every hop) against a sliding window with the sequence layout stated
+(``layout=``, the static hop plan `zoo.ops.ring.hop_plan`: only the shards some query can
+see). The window's program holds both rings behind its per-batch check; the bytes counted are
+those of the branch that runs when the check passes (the plan), from the compiled HLO.
+
     python benchmarks/context_parallel.py      # 8 virtual CPU devices unless JAX_NUM_CPU_DEVICES
                                                # or XLA_FLAGS sets a count
 """
@@ -37,7 +43,8 @@ import zoo
 from zoo.ops import attention, hlo, mla_attention
 from zoo.ops.flash import FlashKernel
 from zoo.ops.kernels import Scores
-from zoo.ops.masks import FULL, PARTIAL, Causal, Document, block_kind, bounds
+from zoo.ops.masks import FULL, PARTIAL, Causal, Document, SlidingWindow, block_kind, bounds
+from zoo.ops.ring import hop_plan
 from zoo.train.launch import set_cpu_devices
 
 
@@ -127,6 +134,30 @@ def mla_bytes(length, cp, strategy, *, heads, kv_lora_rank, nope, rope, v_dim, d
     return tuple(out)
 
 
+def ring_permute_bytes(length, cp, mask, layout, *, heads, kv_heads, head_dim, dtype):
+    """Collective-permute bytes per device of ring forward+backward, as executed when the
+    hop plan's check passes (a fallback conditional's full-ring branch is not counted)."""
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.devices()[:cp]), "cp")
+    act = p.sharding(("batch", "length", "act_heads", "act_head_dim"), "attention")
+    sds = jax.ShapeDtypeStruct
+    pos = sds((1, length), jnp.int32, sharding=p.sharding(("batch", "length"), "attention"))
+    q = sds((1, length, heads, head_dim), dtype, sharding=act)
+    kv = sds((1, length, kv_heads, head_dim), dtype, sharding=act)
+
+    def loss(q, k, v, pos, seg):
+        out = attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
+                        kv_segment_ids=seg, mask=mask, partitioner=p, implementation="ring",
+                        layout=layout)
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, pos, pos).compile()
+    text = text.as_text()
+    permuted = lambda comp=None: hlo.collective_bytes(text, root=comp).get(
+        "collective-permute", 0)
+    fallbacks = [b for b in hlo.branches(text) if all(map(permuted, b))]
+    return permuted() - sum(permuted(full) for full, _ in fallbacks)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,4096,8192,16384")
@@ -139,6 +170,9 @@ def main():
                     help="lengths of the MLA bytes table (cp = the largest --cps)")
     ap.add_argument("--mla", default="128,512,128,64,128",
                     help="heads,kv_lora_rank,qk_nope,qk_rope,v_head_dim (DeepSeek-V3)")
+    ap.add_argument("--windows", default="1024,4096",
+                    help="sliding windows of the ring hops table (length = the largest "
+                         "--lengths, cp = the largest --cps; empty: no table)")
     args = ap.parse_args()
     set_cpu_devices(None)  # importing jax started no backend: still in time
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -188,6 +222,27 @@ def main():
                                  nope=nope, rope=rope, v_dim=v_dim, dtype=dtype)
             print(f"| {length} | {strategy} | {lat / 2**20:.1f} MiB | {exp / 2**20:.1f} MiB | "
                   f"{lat / exp:.4f} |", flush=True)
+    windows = [int(x) for x in args.windows.split(",") if x]
+    length = lengths[-1]
+    if windows and cp > 1:
+        dims = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                    dtype=dtype)
+        print(f"\n## Ring hops: collective-permute bytes per device, forward+backward, "
+              f"length {length}, cp={cp} ({args.heads} heads, {args.kv_heads} kv heads, head "
+              f"dim {args.head_dim}, {dtype.name}; batch 1)\n")
+        print("| mask | layout | blocks moved per pass | bytes | / causal |")
+        print("|---|---|---|---|---|")
+        causal = Causal() & Document()
+        full = ring_permute_bytes(length, cp, causal, None, **dims)
+        print(f"| causal | any | {cp} (the full ring) | {full / 2**20:.1f} MiB | 1.000 |")
+        for w in windows:
+            mask = Causal() & SlidingWindow(w) & Document()
+            for layout in ("contiguous", "balanced"):
+                hops = hop_plan(mask.reach(), layout, cp, length)
+                b = ring_permute_bytes(length, cp, mask, layout, **dims)
+                moved = f"{cp} (the full ring)" if hops is None else f"{len(hops)}: offsets {hops}"
+                print(f"| window {w} | {layout} | {moved} | {b / 2**20:.1f} MiB | "
+                      f"{b / full:.3f} |", flush=True)
     print(f"\n({time.time() - start:.0f} s)")
 
 

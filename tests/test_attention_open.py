@@ -8,6 +8,8 @@
 * the compiled program's executed `conditional` count does not grow with the sequence, and the
   flash kernel alone has none;
 * MLA's collective bytes under ring and all-gather fall by the latent/expanded ratio;
+* under a sliding window with a known layout, the ring moves only the hops some query can see
+  (`zoo.ops.ring.hop_plan`), exactly, and falls back to the full ring when the check fails;
 * a user mask of a few lines trains a step of mini DeepSeek-V3 under ring CP.
 """
 
@@ -28,7 +30,7 @@ import zoo
 from zoo.layers.mla import MLA
 from zoo.ops import (Causal, Chunked, Document, FlashKernel, MaskFn, PrefixLM, ScoreMod,
                      SlidingWindow, attention, dot_product_attention, mla_attention)
-from zoo.ops import hlo, kernels
+from zoo.ops import hlo, kernels, ring
 from zoo.ops.masks import EMPTY, FULL, block_kind, bounds, evaluate, prefix_segment_ids
 
 KERNEL = FlashKernel(q_tile=8, kv_tile=8)
@@ -448,3 +450,117 @@ def test_ring_transfers_are_independent_of_the_block_compute():
                      if isinstance(o, jex.core.Var) and o in acc_outs}
         assert not (acc_carry & reads["compute"]), "the block compute reads the arriving dK/dV"
     assert any(after for e, after in sends)  # the backward does send an accumulator
+
+
+# -- the ring's static hop plan under a sliding window -----------------------------------------
+
+PLANS = {  # name: (layout, cp, window, the shard offsets the ring still moves)
+    "contiguous-cp8": ("contiguous", 8, 7, (1,)),  # 8 tokens a shard: the window needs r-1
+    "contiguous-cp4": ("contiguous", 4, 20, (1, 2)),  # 16 a shard, 19 back: r-1 and r-2
+    "balanced-cp8": ("balanced", 8, 3, (1, 7)),  # chunks of 4: neighbours r-1 and r+1
+}
+
+
+def _window_data(L=64):
+    """Two rows: documents of 13/30/9 tokens then padding, and one document of L tokens."""
+    rng = np.random.default_rng(3)
+    q, k, v, w = (jnp.asarray(rng.normal(size=(2, L, n, 8)), jnp.float32) for n in (4, 2, 2, 4))
+    seg = np.array([[1] * 13 + [2] * 30 + [3] * 9 + [0] * (L - 52), [1] * L])
+    pos = np.array([[*range(13), *range(30), *range(9), *[0] * (L - 52)], list(range(L))])
+    return q, k, v, jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32), w
+
+
+def test_reach_and_hop_plan():
+    window = Causal() & SlidingWindow(7) & Document()
+    assert window.reach().sequence() == (6, 0)
+    assert (Chunked(4) & Document()).reach().sequence() == (3, 3)
+    assert (window | (Chunked(4) & Document())).reach().sequence() == (6, 3)
+    for unbounded in (Causal() & SlidingWindow(7), Causal() & Document(), PrefixLM() & Document(),
+                      MaskFn(_sentence) & Document(), window | Document()):
+        assert ring.hop_plan(unbounded.reach(), "contiguous", 8, 64) is None, unbounded
+    assert ring.hop_plan(window.reach(), None, 8, 64) is None  # layout unknown: full ring
+    assert ring.hop_plan(window.reach(), "contiguous", 8, 16) == (1, 2, 3)  # 2 a shard
+    assert ring.hop_plan(window.reach(), "contiguous", 8, 8) == (1, 2, 3, 4, 5, 6)
+    wide = Causal() & SlidingWindow(8) & Document()
+    assert ring.hop_plan(wide.reach(), "contiguous", 8, 8) is None  # every hop: the full ring
+    assert ring.hop_plan((Chunked(4) & Document()).reach(), "contiguous", 8, 64) == (1, 7)
+    with pytest.raises(ValueError, match="layout='zigzag'"):
+        ring.hop_plan(window.reach(), "zigzag", 8, 64)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_sliding_window_ring_moves_only_visible_hops(name):
+    """With a layout and a sliding window the ring fetches only the blocks in the plan: forward
+    and dq/dk/dv equal the dense reference, and each fallback `conditional`'s planned branch
+    moves len(hops)/cp of the full ring's float bytes (forward K/V; backward K/V and dK/dV).
+    Tokens in another order fail the plan's check and run the full ring, exactly."""
+    layout, cp, window, hops = PLANS[name]
+    mask = Causal() & SlidingWindow(window) & Document()
+    assert ring.hop_plan(mask.reach(), layout, cp, 64) == hops
+    p = zoo.Partitioner(zoo.make_mesh(context=cp, data=8 // cp), "cp")
+    fn = functools.partial(attention, mask=mask, partitioner=p, implementation="ring",
+                           kernel=KERNEL, layout=layout)
+    ref = jax.jit(lambda *a: _grads(functools.partial(dot_product_attention, mask=mask), *a,
+                                    None)[:4])
+    balanced = np.concatenate([np.concatenate([c[r], c[2 * cp - 1 - r]]) for c in
+                               [np.arange(64).reshape(2 * cp, -1)] for r in range(cp)])
+    orders = (np.arange(64), balanced)[::1 if layout == "contiguous" else -1]
+    data = _window_data()
+    args = [tuple(x[:, o] for x in data) for o in orders]  # the layout's order, then the other
+    prog = jax.jit(lambda *a: _grads(fn, *a, None)[:4]).lower(*args[0]).compile()
+    for a, planned in zip(args, (True, False)):
+        assert bool(ring.sequence_order_ok(layout, cp, a[3], a[3], a[4], a[4])) == planned
+        _close(prog(*a), ref(*a))
+    _check_plan_overlap(jax.make_jaxpr(lambda *a: _grads(fn, *a, None))(*args[0]).jaxpr,
+                        len(hops))
+    text = prog.as_text()
+    permutes = lambda comp: hlo.collective_bytes(text, True, root=comp).get(
+        "collective-permute", 0)
+    fallbacks = [b for b in hlo.branches(text) if all(map(permutes, b))]
+    assert len(fallbacks) == 2  # forward and backward
+    for full, plan in fallbacks:
+        assert permutes(plan) * cp == permutes(full) * len(hops), (permutes(plan),
+                                                                   permutes(full))
+
+
+def _sends(jaxpr):
+    return any(e.primitive.name == "ppermute" or any(map(_sends, jex.core.jaxprs_in_params(
+        e.params))) for e in jaxpr.eqns)
+
+
+def _planned_branches(jaxpr):
+    """The planned branch of every fallback `cond` (both branches send) in a jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            branches = [b.jaxpr for b in eqn.params["branches"]]
+            if all(map(_sends, branches)):
+                yield branches[1]
+                continue
+        for sub in jex.core.jaxprs_in_params(eqn.params):
+            yield from _planned_branches(sub)
+
+
+def _check_plan_overlap(jaxpr, hops):
+    """The hop plan's overlap, by jaxpr dependencies: every K/V send depends on no block
+    compute, and the dK/dV sent home (which does) is never read by a later block compute."""
+    branches, counts = list(_planned_branches(jaxpr)), []
+    assert len(branches) == 2  # forward and backward
+    for body in branches:
+        computed, sent_home, kv_sends, home_sends = set(), set(), 0, 0
+        for eqn in body.eqns:
+            ins = [x for x in eqn.invars if isinstance(x, jex.core.Var)]
+            compute = eqn.primitive.name in COMPUTE
+            assert not (compute and any(x in sent_home for x in ins)), "compute reads dK/dV"
+            after = any(x in computed for x in ins)
+            if eqn.primitive.name == "ppermute":
+                kv_sends += not after
+                home_sends += after
+            for o in eqn.outvars:
+                if after or compute:
+                    computed.add(o)
+                if (eqn.primitive.name == "ppermute" and after) or any(
+                        x in sent_home for x in ins):
+                    sent_home.add(o)
+        counts.append((kv_sends, home_sends))
+    # per hop: k, v, positions, segments fetched (forward and backward), dK and dV sent home
+    assert sorted(counts) == [(4 * hops, 0), (4 * hops, 2 * hops)], counts

@@ -369,6 +369,11 @@ def test_errors_are_clear():
         attention(q, k, v, logits_soft_cap=0, **kw)
     with pytest.raises(TypeError, match="MaskFn"):
         Causal() & (lambda *a: True)
+    with pytest.raises(ValueError, match="layout='zigzag'; valid values"):
+        attention(q, k, v, layout="zigzag", **kw)
+    with pytest.raises(ValueError, match="length=56 is not divisible by 2.context = 16"):
+        attention(q[:, :56], k[:, :56], v[:, :56], partitioner=partitioner("cp8"),
+                  layout="balanced", q_positions=pos[:, :56], kv_positions=pos[:, :56])
 
 
 def test_auto_rule():

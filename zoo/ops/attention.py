@@ -30,6 +30,7 @@ key dims.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -165,7 +166,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
               scale: float | None = None, logits_soft_cap: float | None = None,
               sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
               partitioner: Partitioner | None = None, implementation: str = "auto",
-              kernel: str | BlockKernel = "auto", split: int = 2) -> jax.Array:
+              kernel: str | BlockKernel = "auto", split: int = 2,
+              layout: str | None = None) -> jax.Array:
     """Attention of q [B,L,N,H] over k [B,S,K,H], v [B,S,K,Hv] -> [B,L,N,Hv] in q's dtype.
 
     Same semantics as `dot_product_attention` (masks from positions/segment ids, segment 0 =
@@ -173,6 +175,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     and kernels. ``split``: sub-blocks per side that the strategies classify (empty / full /
     partial) per block. Any order of the sequence is correct; the load-balanced order (shard r
     holds chunks r and 2*cp-1-r of 2*cp) makes the causal work even across shards.
+
+    ``layout`` (opt-in) states how the sequence lies on the context shards: ``"contiguous"``
+    (shard r holds tokens [r*n, (r+1)*n)), ``"balanced"`` (the load-balanced order above) or
+    None (unknown, the default). With a layout and a mask whose `zoo.ops.masks.Reach` bounds
+    the sequence distance (e.g. ``SlidingWindow(w) & Causal() & Document()``), the ring moves
+    only the blocks some query can see (`zoo.ops.ring.hop_plan`). That needs positions that
+    strictly increase along the sequence within each document (packed rows, in that layout);
+    the op checks it per batch and runs the full ring where it fails, so any input is exact.
     """
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   sliding_window, logits_soft_cap, sinks, score_mod)
@@ -185,8 +195,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     _, S, K, Hv = v.shape
     return _run(reference, q, (k, v), (), None, q_positions, kv_positions, q_segment_ids,
                 kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod, partitioner,
-                implementation, kernel, split, num_kv_heads=K, head_dim=H, v_head_dim=Hv,
-                wire_width=K * (H + Hv))
+                implementation, kernel, split, layout, num_kv_heads=K, head_dim=H,
+                v_head_dim=Hv, wire_width=K * (H + Hv))
 
 
 def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.Array, *,
@@ -197,7 +207,8 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
                   scale: float | None = None, logits_soft_cap: float | None = None,
                   sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
                   partitioner: Partitioner | None = None, implementation: str = "auto",
-                  kernel: str | BlockKernel = "auto", split: int = 2) -> jax.Array:
+                  kernel: str | BlockKernel = "auto", split: int = 2,
+                  layout: str | None = None) -> jax.Array:
     """Multi-head latent attention with the latent on the wire.
 
     q [B,L,N,Hn+Hr] (rotated), latent [B,S,R] (normalised), k_pe [B,S,Hr] (rotated, shared by
@@ -205,6 +216,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     ``k = concat(latent @ kv_up[..., :Hn], k_pe)`` and ``v = latent @ kv_up[..., Hn:]``; under
     context parallelism only (latent, k_pe) -- R + Hr values per token instead of
     N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
+    ``layout``: as in `attention` (the ring's static hop plan).
     """
     B, L, N, Hqk = q.shape
     R = latent.shape[-1]
@@ -229,7 +241,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
 
     return _run(reference, q, (latent, k_pe), (kv_up,), expand, q_positions, kv_positions,
                 q_segment_ids, kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod,
-                partitioner, implementation, kernel, split, num_kv_heads=N, head_dim=Hqk,
+                partitioner, implementation, kernel, split, layout, num_kv_heads=N, head_dim=Hqk,
                 v_head_dim=v.shape[-1], wire_width=R + Hr)
 
 
@@ -243,7 +255,7 @@ def _mla_expand(qk_nope_head_dim, params, payload):
 
 
 def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, scale, soft_cap,
-         sinks, score_mod, partitioner, implementation, kernel, split, *, num_kv_heads,
+         sinks, score_mod, partitioner, implementation, kernel, split, layout, *, num_kv_heads,
          head_dim, v_head_dim, wire_width):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; valid values are "
@@ -251,6 +263,9 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
                          f"chosen with kernel=...)")
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"split={split!r} must be a positive int (sub-blocks per side)")
+    if layout not in _ring.LAYOUTS:
+        raise ValueError(f"layout={layout!r}; valid values are {_ring.LAYOUTS}: how the "
+                         f"sequence lies on the context shards (None: not known)")
     kern = get_kernel(kernel)
     if implementation == "reference":
         return reference()
@@ -258,7 +273,7 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     S = kpos.shape[1]
     p = resolve(partitioner)
     for name, n in (("query length", L), ("kv length", S)):  # any order of the tokens is exact
-        p.check_sequence(n, name=name, balanced=False)
+        p.check_sequence(n, name=name, balanced=layout == "balanced")
     p.check_heads(N, num_kv_heads)
     if implementation == "auto":
         implementation = choose_implementation(
@@ -271,7 +286,14 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     cfg = _ring.Config(implementation, (), scores, kern, expand, split, sinks is not None)
     sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks
     tokens = tuple(x.astype(jnp.int32) for x in (qpos, kpos, qseg, kseg))
-    return _sharded(cfg, p, q, payload, params, sinks, *tokens, plain=expand is None)
+    cp = p.context_size("attention")
+    hops = (_ring.hop_plan(mask.reach(), layout, cp, L)
+            if implementation == "ring" and L == S and p.mesh is not None else None)
+    # the plan's assumption, checked on the whole batch (one scalar all devices agree on)
+    ok = (_ring.sequence_order_ok(layout, cp, *tokens) if hops is not None
+          else jnp.ones((), bool))
+    cfg = dataclasses.replace(cfg, hops=hops)
+    return _sharded(cfg, p, q, payload, params, sinks, ok, *tokens, plain=expand is None)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -289,15 +311,16 @@ def _layout(p: Partitioner, B: int, K: int):
     return batch_axes, p.sequence_axes("attention"), head_axes, repeat
 
 
-def _sharded(cfg, p: Partitioner, q, payload, params, sinks, qpos, kpos, qseg, kseg, *, plain):
+def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, *,
+             plain):
     batch_axes, seq_axes, head_axes, repeat = _layout(p, q.shape[0], q.shape[2] if not plain
                                                       else payload[0].shape[2])
     if plain and repeat > 1:  # fewer kv heads than tensor shards: each shard gets its copy
         payload = tuple(jnp.repeat(x, repeat, axis=2) for x in payload)
     if p.mesh is None:
-        return _ring.attend_shard(q, payload, params, sinks, qpos, kpos, qseg, kseg, cfg=cfg)
-    cfg = _ring.Config(cfg.strategy, tuple(seq_axes), cfg.scores, cfg.kernel, cfg.expand,
-                       cfg.split, cfg.sinks)
+        return _ring.attend_shard(q, payload, params, sinks, ok, qpos, kpos, qseg, kseg,
+                                  cfg=cfg)
+    cfg = dataclasses.replace(cfg, axes=tuple(seq_axes))
     b, s, h = _entry(batch_axes), _entry(seq_axes), _entry(head_axes)
     act, tok = P(b, s, h, None), P(b, s)
     # MLA: the latent and rotary key are not split by head; kv_up is [R, N, Hn+Hv]
@@ -306,6 +329,7 @@ def _sharded(cfg, p: Partitioner, q, payload, params, sinks, qpos, kpos, qseg, k
     local = functools.partial(_ring.attend_shard, cfg=cfg)
     with jax.named_scope(f"attention_{cfg.strategy}"):
         return jax.shard_map(local, mesh=p.mesh,
-                             in_specs=(act, pay_specs, par_specs, P(h), tok, tok, tok, tok),
+                             in_specs=(act, pay_specs, par_specs, P(h), P(), tok, tok, tok,
+                                       tok),
                              out_specs=act, check_vma=False)(
-            q, payload, params, sinks, qpos, kpos, qseg, kseg)
+            q, payload, params, sinks, ok, qpos, kpos, qseg, kseg)

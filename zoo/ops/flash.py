@@ -143,6 +143,7 @@ class FlashKernel(BlockKernel):
     kv_tile: int | None = None
     tile_budget: bool = True
     windowed = True  # takes ``window=`` (see `BlockKernel`)
+    takes_delta = True  # takes ``delta=`` instead of the global out (see `BlockKernel`)
 
     def tiles(self, L: int, S: int) -> tuple[int, int]:
         dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
@@ -216,7 +217,7 @@ class FlashKernel(BlockKernel):
         return (acc / _bqkg(den)).reshape(B, L, N, V), lse.reshape(B, N, L)
 
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
-                 masked, window=None):
+                 masked, window=None, delta=None):
         q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
                                                              q_seg, kv_seg)
         B, _, N, H = q.shape
@@ -226,9 +227,10 @@ class FlashKernel(BlockKernel):
         trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
         # delta_i = sum_v dout * out over the *global* out: the softmax-Jacobian term (the
-        # window's slices fuse into the reduction)
-        delta = jnp.einsum("blnv,blnv->bnl", qt(dout, 0, L).astype(F32),
-                           qt(out, 0, L).astype(F32))
+        # window's slices fuse into the reduction), or the strategy's, computed once
+        delta = (jnp.einsum("blnv,blnv->bnl", qt(dout, 0, L).astype(F32),
+                            qt(out, 0, L).astype(F32)) if delta is None
+                 else qt(delta, 0, L, axis=2))
         lse = qt(lse, 0, L, axis=2)
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p = 0 anyway
         q, dout = (x.reshape(*x.shape[:2], K, G, x.shape[-1]) for x in (q, dout))

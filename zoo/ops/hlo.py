@@ -40,9 +40,11 @@ def _parse(text: str):
     return comps, entry
 
 
-def executions(text: str) -> dict[str, int]:
-    """How many times each computation runs per execution of the entry computation."""
+def executions(text: str, root: str | None = None) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry computation (or of
+    computation `root`, e.g. one branch of a conditional)."""
     comps, entry = _parse(text)
+    entry = root or entry
     calls = collections.defaultdict(list)  # caller -> [(callee, factor)]
     for name, instrs in comps.items():
         for _, op, line in instrs:
@@ -77,10 +79,19 @@ def count_executed(text: str, opcode: str) -> int:
                if op == opcode)
 
 
-def collective_bytes(text: str, floats_only: bool = False) -> dict[str, int]:
-    """Executed bytes of each collective kind's results (per device), {kind: bytes}."""
+def branches(text: str) -> list[list[str]]:
+    """Branch computations of every ``conditional``, in branch-index order (for a two-way
+    `lax.cond`: [false, true])."""
+    return [re.findall(r"%?([\w.\-]+)", m) for m in
+            re.findall(r"\sconditional\(.*branch_computations=\{([^}]*)\}", text)]
+
+
+def collective_bytes(text: str, floats_only: bool = False,
+                     root: str | None = None) -> dict[str, int]:
+    """Executed bytes of each collective kind's results (per device), {kind: bytes}, of the
+    whole program or of one computation `root` (e.g. a conditional's branch)."""
     comps, _ = _parse(text)
-    runs = executions(text)
+    runs = executions(text, root)
     out = collections.Counter()
     for n, instrs in comps.items():
         for typ, op, line in instrs:

@@ -81,9 +81,15 @@ class BlockKernel:
     k, v, out, lse, dout and the positions/segments are then the strategy's whole arrays and
     the kernel works on queries [q_start, q_start + L) and keys [kv_start, kv_start + S), so
     no sub-block copy is materialised (memory).
+
+    And ``takes_delta = True`` says that ``backward`` takes ``delta=`` ([B, N, L] fp32,
+    ``sum(dout * out)`` over the value dim of the *global* out, computed once by the strategy;
+    windowed like lse) and gets ``out=None``: the strategy then holds no q-sized out during the
+    backward's loop (memory).
     """
 
     windowed = False
+    takes_delta = False
 
     def partial_plans(self, L: int, S: int) -> tuple:
         return (True,)

@@ -25,6 +25,11 @@ positions and segment ids, prefix flags, padding), ``mask.classify(q, kv)`` retu
 only when every pair is visible (skip evaluating the mask). `MaskFn` says (True, False):
 "partial", which is always safe. `block_kind` reduces it to 0 empty / 1 full / 2 partial.
 
+Static reach: ``mask.reach()`` is a `Reach` -- how far back and ahead *in position* a visible key
+can be, and whether visible pairs are always in the same document. ``&`` takes the tighter
+bound, ``|`` the looser; `MaskFn`, `PrefixLM` and `Document` alone bound nothing. It is what the
+ring's static hop plan (`zoo.ops.ring.hop_plan`) reads.
+
 Legend: B batch, L query length, S key length.
 """
 
@@ -69,11 +74,45 @@ def bounds(positions: jax.Array, segment_ids: jax.Array) -> Bounds:
         some=jnp.any(valid, axis=-1), no_pad=jnp.all(valid, axis=-1))
 
 
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """A static bound on visible pairs: ``q_pos - kv_pos <= back`` and ``kv_pos - q_pos <=
+    ahead`` (None: unbounded), and ``same_document``: visible pairs share a segment id.
+
+    Positions are runtime data; `sequence` turns the bound into one on *sequence* distance,
+    valid when positions strictly increase along the sequence within each document (packing
+    gives that: 0, 1, 2, ... per document) -- then a key ``d`` tokens back in the same document
+    is at least ``d`` positions back. Without ``same_document`` positions of other documents
+    say nothing about their distance, so there is no sequence bound.
+    """
+    back: int | None = None
+    ahead: int | None = None
+    same_document: bool = False
+
+    def __and__(self, other: Reach) -> Reach:
+        tight = lambda a, b: b if a is None else a if b is None else min(a, b)
+        return Reach(tight(self.back, other.back), tight(self.ahead, other.ahead),
+                     self.same_document or other.same_document)
+
+    def __or__(self, other: Reach) -> Reach:
+        loose = lambda a, b: None if a is None or b is None else max(a, b)
+        return Reach(loose(self.back, other.back), loose(self.ahead, other.ahead),
+                     self.same_document and other.same_document)
+
+    def sequence(self) -> tuple[int | None, int | None]:
+        """(back, ahead) in tokens of sequence order, under the assumption above."""
+        return (self.back, self.ahead) if self.same_document else (None, None)
+
+
 class Mask:
     """Base of all masks: elementwise rule, block classification and the ``&``/``|`` algebra."""
 
     def __call__(self, q_pos, kv_pos, q_seg, kv_seg):
         raise NotImplementedError
+
+    def reach(self) -> Reach:
+        """Static bound on visible pairs (`Reach`); the default bounds nothing, always safe."""
+        return Reach()
 
     def classify(self, q: Bounds, kv: Bounds):
         """Per-row (may, full) bools [B]; the default "partial" is always safe."""
@@ -101,6 +140,9 @@ class And(Mask):
     def __call__(self, *args):
         return self.a(*args) & self.b(*args)
 
+    def reach(self):
+        return self.a.reach() & self.b.reach()
+
     def classify(self, q, kv):
         (ma, fa), (mb, fb) = self.a.classify(q, kv), self.b.classify(q, kv)
         return ma & mb, fa & fb
@@ -114,6 +156,9 @@ class Or(Mask):
     def __call__(self, *args):
         return self.a(*args) | self.b(*args)
 
+    def reach(self):
+        return self.a.reach() | self.b.reach()
+
     def classify(self, q, kv):
         (ma, fa), (mb, fb) = self.a.classify(q, kv), self.b.classify(q, kv)
         return ma | mb, fa | fb
@@ -126,6 +171,9 @@ class Causal(Mask):
 
     def classify(self, q, kv):
         return kv.pos_lo <= q.pos_hi, kv.pos_hi <= q.pos_lo
+
+    def reach(self):
+        return Reach(ahead=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +191,9 @@ class SlidingWindow(Mask):
 
     def classify(self, q, kv):
         return q.pos_lo - kv.pos_hi < self.window, q.pos_hi - kv.pos_lo < self.window
+
+    def reach(self):
+        return Reach(back=self.window - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +213,9 @@ class Chunked(Mask):
         qlo, qhi, klo, khi = q.pos_lo // c, q.pos_hi // c, kv.pos_lo // c, kv.pos_hi // c
         return (qlo <= khi) & (klo <= qhi), (qlo == qhi) & (klo == khi) & (qlo == klo)
 
+    def reach(self):
+        return Reach(back=self.size - 1, ahead=self.size - 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class Document(Mask):
@@ -171,6 +225,9 @@ class Document(Mask):
     def classify(self, q, kv):
         may = (q.doc_lo <= kv.doc_hi) & (kv.doc_lo <= q.doc_hi)
         return may, (q.doc_lo == q.doc_hi) & (kv.doc_lo == kv.doc_hi) & (q.doc_lo == kv.doc_lo)
+
+    def reach(self):
+        return Reach(same_document=True)
 
 
 @dataclasses.dataclass(frozen=True)

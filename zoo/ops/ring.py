@@ -27,6 +27,23 @@ tile budgets, `zoo.ops.flash.TilePlan`), the one the kernel picks from the data.
 sequence length. ``split=2`` matches the load-balanced layout (each shard holds
 two chunks), so causal blocks are classified exactly at chunk granularity.
 
+Hop plan (``Config.hops``): when the mask bounds how far back/ahead in the sequence a query
+sees (`zoo.ops.masks.Reach`) and the caller states how tokens lie across the shards
+(``layout``), `hop_plan` lists the only shard offsets d (keys of shard r - d) that can hold a
+visible key. The ring then fetches exactly those blocks, each straight from its home shard
+(one `ppermute` by d, sent before the previous block's compute), and sends each block's dK/dV
+straight home (one `ppermute` by -d, overlapping the next block's compute): nothing is moved
+for the other hops, forward or backward. The plan is valid only if positions strictly increase
+along the sequence within every document; `sequence_order_ok` checks that (and that queries
+and keys are the same tokens) on the global positions and segment ids -- a few int compares
+per token and one scalar all-reduce -- and a `lax.cond` falls back to the full ring when it
+fails, so the result is exact for every input.
+
+Memory: the backward computes ``delta = sum(dout * out)`` once; a kernel that takes it
+(`BlockKernel.takes_delta`, the flash kernel) never sees ``out``, so the q-sized output is not
+held through the backward's loop, and the ring's dq accumulator is zero-filled from delta
+(`_zeros_from`), so it does not exist during the forward.
+
 Sinks (``[N]`` logits with no value) join each row's softmax after the merge; their gradient is
 ``-sum(exp(sink - lse) * delta)``.
 
@@ -60,13 +77,80 @@ class Config:
     expand: Callable | None = None  # (params, payload) -> (k, v); None: payload is (k, v)
     split: int = 2
     sinks: bool = False
+    hops: tuple[int, ...] | None = None  # `hop_plan`'s shard offsets; None: the full ring
 
 
-def attend_shard(q, payload, params, sinks, qpos, kpos, qseg, kseg, *, cfg: Config):
-    """One shard's attention output [B, L, N, V] in q's dtype (see module docstring)."""
+LAYOUTS = (None, "contiguous", "balanced")
+
+
+def _chunks(layout: str, cp: int) -> list[int]:
+    """Shard of each equal chunk of the sequence, in sequence order."""
+    if layout == "contiguous":
+        return list(range(cp))
+    return list(range(cp)) + list(range(cp - 1, -1, -1))  # shard r: chunks r and 2cp-1-r
+
+
+def hop_plan(reach, layout: str | None, cp: int, length: int) -> tuple[int, ...] | None:
+    """Shard offsets d in 1..cp-1 whose keys (shard r - d) some query of shard r may see, or
+    None when that is every offset (the full ring) or nothing is known statically.
+
+    ``reach`` is the mask's `zoo.ops.masks.Reach`, ``layout`` how the sequence lies on the
+    shards: ``"contiguous"`` (shard r holds tokens [r*n, (r+1)*n)), ``"balanced"`` (2*cp
+    chunks, shard r holds chunks r and 2*cp-1-r) or None (unknown: no plan). A query in chunk x
+    of c tokens sees chunks x - ceil(back/c) .. x + ceil(ahead/c).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; valid values are {LAYOUTS} (how the sequence "
+                         f"lies on the context shards; None: not known statically)")
+    back, ahead = reach.sequence()
+    if layout is None or cp == 1 or (back is None and ahead is None):
+        return None
+    shards = _chunks(layout, cp)
+    c = length // len(shards)
+    lo = len(shards) if back is None else -(-back // c)
+    hi = len(shards) if ahead is None else -(-ahead // c)
+    hops = {(shards[x] - shards[y]) % cp for x in range(len(shards))
+            for y in range(max(0, x - lo), min(len(shards), x + hi + 1))}
+    hops.discard(0)
+    return None if len(hops) == cp - 1 else tuple(sorted(hops))
+
+
+def _sequence_order(layout: str, cp: int, x):
+    """[B, L] in the layout's order -> sequence order (static slices, a few int copies)."""
+    if layout == "contiguous":
+        return x
+    B, L = x.shape
+    halves = x.reshape(B, cp, 2, L // (2 * cp))
+    return jnp.concatenate([halves[:, :, 0].reshape(B, -1),
+                            halves[:, ::-1, 1].reshape(B, -1)], axis=1)
+
+
+def sequence_order_ok(layout: str, cp: int, qpos, kpos, qseg, kseg) -> jax.Array:
+    """Scalar bool: the hop plan's assumption holds for this batch (global [B, L] arrays).
+
+    Sufficient, cheap: queries and keys are the same tokens; in sequence order no token
+    follows padding; and each token after the first has a larger |segment id| than the one
+    before, or the same one and a larger position. Then every document's positions strictly
+    increase along the sequence, so sequence distance within a document is at most position
+    distance. The data pipeline's packed rows (`zoo.data`, no reordering or the ``"row"``
+    reordering) pass; anything else runs the full ring.
+    """
+    if qpos.shape != kpos.shape:
+        return jnp.asarray(False)
+    pos, seg = (_sequence_order(layout, cp, x) for x in (qpos, qseg))
+    doc, valid = jnp.abs(seg), seg != 0
+    prev, cur = (slice(None), slice(None, -1)), (slice(None), slice(1, None))
+    step = (doc[cur] > doc[prev]) | ((doc[cur] == doc[prev]) & (pos[cur] > pos[prev]))
+    return (jnp.all(qpos == kpos) & jnp.all(qseg == kseg)
+            & jnp.all(~valid[cur] | (valid[prev] & step)))
+
+
+def attend_shard(q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, *, cfg: Config):
+    """One shard's attention output [B, L, N, V] in q's dtype (see module docstring). ``ok``:
+    scalar bool, `sequence_order_ok` of the whole batch (read only with ``cfg.hops``)."""
     if cfg.strategy not in ("ring", "all_gather"):
         raise ValueError(f"strategy {cfg.strategy!r} must be 'ring' or 'all_gather'")
-    return _attend(cfg, q, tuple(payload), tuple(params), sinks, qpos, kpos, qseg, kseg)
+    return _attend(cfg, q, tuple(payload), tuple(params), sinks, ok, qpos, kpos, qseg, kseg)
 
 
 def _cp(cfg: Config) -> int:
@@ -77,12 +161,12 @@ def _expand(cfg, params, payload):
     return tuple(payload) if cfg.expand is None else tuple(cfg.expand(params, payload))
 
 
-def _shift(xs, cfg):
-    """Send every array in xs to the next shard of the ring (r -> r + 1)."""
+def _shift(xs, cfg, offset=1):
+    """Send every array in xs `offset` shards on (r -> r + offset): shard r gets shard r - d's."""
     if not cfg.axes:
         return xs
     n = _cp(cfg)
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    perm = [(i, (i + offset) % n) for i in range(n)]
     return jax.tree.map(lambda x: lax.ppermute(x, cfg.axes, perm), xs)
 
 
@@ -179,8 +263,11 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
     return loop(nq * nk, pair, state)
 
 
-def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1):
-    """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse)."""
+def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1,
+                    delta=None):
+    """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse), or
+    (out=None) from (delta, lse) for kernels that take delta (`BlockKernel.takes_delta`)."""
+    rows = {} if delta is None else dict(delta=delta)
     L, S = q.shape[1], k.shape[1]
     lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
     plans = _plans(cfg.kernel, lq, lk)
@@ -196,11 +283,12 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
             if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
                 return lambda: cfg.kernel.backward(
                     q, k, v, qp, kp, qs, ks, out, lse, dout, scores=cfg.scores, masked=masked,
-                    window=(a * lq, lq, b * lk, lk))
+                    window=(a * lq, lq, b * lk, lk), **rows)
+            sub = {n: _slice(x, a, lq, axis=2) for n, x in rows.items()}
             return lambda: cfg.kernel.backward(
-                _slice(q, a, lq), _slice(k, b, lk), _slice(v, b, lk), qpa, kpb,
-                qsa, ksb, _slice(out, a, lq), _slice(lse, a, lq, axis=2), _slice(dout, a, lq),
-                scores=cfg.scores, masked=masked)
+                _slice(q, a, lq), _slice(k, b, lk), _slice(v, b, lk), qpa, kpb, qsa, ksb,
+                None if out is None else _slice(out, a, lq), _slice(lse, a, lq, axis=2),
+                _slice(dout, a, lq), scores=cfg.scores, masked=masked, **sub)
 
         def skip():
             return (jnp.zeros((*q.shape[:1], lq, *q.shape[2:]), F32),
@@ -230,12 +318,45 @@ def _zeros_after(x, shape):
     return zeros
 
 
+def _zeros_from(x, shape):
+    """fp32 zeros of `shape` computed from `x`, so they cannot exist before `x` does.
+
+    XLA:CPU expands optimization barriers before it schedules, so `_zeros_after`'s zeros can
+    still be filled at the program's start; for the ring's q-sized dq accumulator that kept
+    4 MiB alive through the whole forward at the benchmark's 16k/cp=8 shape. A broadcast of
+    ``0 * x[0]`` (0 where that is not finite) is exactly zero (or -0.0, which adds exactly) for
+    every input. (For all-gather the heap packed 1 MiB worse with it, so it keeps the barrier.)
+    """
+    first = x.reshape(-1)[0].astype(F32)
+    return jnp.broadcast_to(jnp.where(jnp.isfinite(first), first * 0.0, 0.0), shape)
+
+
 # -- the custom_vjp ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
-    out, _ = _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg)
+def _attend(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):
+    out, _ = _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg)
     return out
+
+
+def _planned(cfg, ok, planned, full, *operands):
+    """`planned` when there is a hop plan and the batch satisfies it, else `full`."""
+    if cfg.hops is None:
+        return full(*operands)
+    return lax.cond(ok, planned, full, *operands)
+
+
+def _blocks(cfg, home):
+    """Yield (offset, block): the local block (offset 0), then the plan's hops, each fetched
+    from its home shard one step ahead -- the send for the next block is issued before the
+    caller computes on the current one, and depends on no compute."""
+    nxt = _shift(home, cfg, cfg.hops[0])
+    yield 0, home
+    for i, d in enumerate(cfg.hops):
+        cur = nxt
+        if i + 1 < len(cfg.hops):
+            nxt = _shift(home, cfg, cfg.hops[i + 1])
+        yield d, cur
 
 
 def _gathered(cfg, t, c, xs):
@@ -248,7 +369,7 @@ def _slices(cfg, q, params, payload):
     return gather_slices(_cp(cfg), q.shape, k.shape, v.shape)
 
 
-def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
+def _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):
     """(out in q's dtype, lse [B,N,L] fp32), sinks included."""
     B, L, N, _ = q.shape
     _, v0 = jax.eval_shape(lambda: _expand(cfg, params, payload))
@@ -275,8 +396,18 @@ def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
                 state = attend(pl, kpb, ksb, state, 1)
             return (*nxt, state), None
 
-        (*_, (out, lse)), _ = lax.scan(ring_step, (payload, kpos, kseg, state), None,
-                                       length=_cp(cfg))
+        def full(state):
+            (*_, state), _ = lax.scan(ring_step, (payload, kpos, kseg, state), None,
+                                      length=_cp(cfg))
+            return state
+
+        def planned(state):
+            for _, (pl, kpb, ksb) in _blocks(cfg, (payload, kpos, kseg)):
+                with jax.named_scope("ring_hop"):
+                    state = attend(pl, kpb, ksb, state, 1)
+            return state
+
+        out, lse = _planned(cfg, ok, planned, full, state)
     if cfg.sinks:  # a sink is one more logit per head in every row's softmax, with no value
         total = jnp.logaddexp(lse, sinks.astype(F32)[None, :, None])
         out = out * jnp.moveaxis(jnp.exp(lse - total), 1, 2)[..., None]
@@ -284,9 +415,9 @@ def _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
     return out.astype(q.dtype), lse
 
 
-def _attend_fwd(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg):
-    out, lse = _forward(cfg, q, payload, params, sinks, qpos, kpos, qseg, kseg)
-    return out, (q, payload, params, sinks, qpos, kpos, qseg, kseg, out, lse)
+def _attend_fwd(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):
+    out, lse = _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg)
+    return out, (q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, out, lse)
 
 
 def _payload_vjp(cfg, params, pl):
@@ -309,19 +440,27 @@ def _payload_vjp(cfg, params, pl):
 
 
 def _attend_bwd(cfg, res, dout):
-    q, payload, params, sinks, qpos, kpos, qseg, kseg, out, lse = res
+    q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, out, lse = res
+
+    # delta = sum(dout * out), once: with a kernel that takes it, `out` is dead from here on
+    delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
+    takes = getattr(cfg.kernel, "takes_delta", False)
+    out_k, delta_k = (None, delta) if takes else (out, None)
 
     def grads(pl, kpb, ksb, dq, groups):
         (k, v), back = _payload_vjp(cfg, params, pl)
-        dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out, lse, dout, dq, k, v, kpb, ksb,
-                                     groups)
+        dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out_k, lse, dout, dq, k, v, kpb, ksb,
+                                     groups, delta_k)
         dparams, dpl = back((dk, dv))
         return dq, dparams, dpl
 
     # accumulators zero-filled only once the backward starts (see `_zeros_after`)
     zeros = functools.partial(jax.tree.map, lambda x: _zeros_after(dout, x.shape))
-    dq, dparams = _zeros_after(dout, q.shape), zeros(params)
-    if cfg.strategy == "all_gather" or _cp(cfg) == 1:
+    gather = cfg.strategy == "all_gather" or _cp(cfg) == 1
+    # delta exists only once the forward is done (dout may be a constant of the program)
+    dq = _zeros_after(dout, q.shape) if gather else _zeros_from(delta, q.shape)
+    dparams = zeros(params)
+    if gather:
         m, c = _slices(cfg, q, params, payload)
 
         def gather_step(t, carry):
@@ -348,11 +487,28 @@ def _attend_bwd(cfg, res, dout):
             acc = _shift(tuple(a + d for a, d in zip(acc, dpl)), cfg)
             return (*nxt, acc, dq, jax.tree.map(jnp.add, dparams, dparams_b)), None
 
-        init = (payload, kpos, kseg, zeros(payload), dq, dparams)
-        (*_, dpayload, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
+        def full(dq, dparams):
+            init = (payload, kpos, kseg, zeros(payload), dq, dparams)
+            (*_, dpayload, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
+            return dq, dparams, dpayload
+
+        def planned(dq, dparams):
+            dpayload = home = None
+            for d, (pl, kpb, ksb) in _blocks(cfg, (payload, kpos, kseg)):
+                with jax.named_scope("ring_hop_grad"):
+                    dq, dparams_b, dpl = grads(pl, kpb, ksb, dq, 1)
+                dparams = jax.tree.map(jnp.add, dparams, dparams_b)
+                if d == 0:  # the local block's dK/dV stay home
+                    dpayload = dpl
+                    continue
+                if home is not None:  # the previous hop's dK/dV, sent during this compute
+                    dpayload = tuple(map(jnp.add, dpayload, home))
+                home = _shift(dpl, cfg, -d)  # straight back to shard r - d, whose keys they are
+            return dq, dparams, tuple(map(jnp.add, dpayload, home))
+
+        dq, dparams, dpayload = _planned(cfg, ok, planned, full, dq, dparams)
     dsinks = None
     if cfg.sinks:  # d lse_total / d sink = p_sink; d loss / d lse_total = -delta
-        delta = jnp.einsum("blnv,blnv->bnl", dout.astype(F32), out.astype(F32))
         p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - jnp.where(jnp.isfinite(lse), lse,
                                                                       jnp.inf))
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
@@ -361,7 +517,7 @@ def _attend_bwd(cfg, res, dout):
     cast = lambda ds, xs: tuple(d.astype(x.dtype) for d, x in zip(ds, xs))
     return (dq.astype(q.dtype), cast(dpayload, payload),
             jax.tree.map(lambda d, p: d.astype(p.dtype), dparams, params), dsinks,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
