@@ -363,6 +363,8 @@ ERRORS = [  # (what, thunk, message pattern)
     ("odd head_dim", lambda: _attn(head_dim=7), r"head_dim=7 must be even"),
     ("odd rope dim", lambda: _mla(qk_rope_head_dim=5), r"qk_rope_head_dim=5 must be even"),
     ("bad q_lora_rank", lambda: _mla(q_lora_rank=0), r"q_lora_rank=0 must be a positive int"),
+    ("bad layout", lambda: _attn(layout="striped"), r"Attention: layout='striped'; valid values"),
+    ("bad mla layout", lambda: _mla(layout="rows"), r"MLA: layout='rows'; valid values"),
 ]
 
 

@@ -100,6 +100,7 @@ def test_zoo_only_fields_are_declared_once():
     """The zoo-only fields come from DecoderConfig (a redeclared default stays zoo-only);
     config.json carries every other field."""
     shared = {"dtype", "param_dtype", "remat_policy", "scan_layers", "attention_implementation",
+              "attention_layout",
               "capacity_factor", "moe_dispatch", "moe_grouped_matmul", "moe_buffer_factor"}
     assert zoo_only_fields(DecoderConfig) == shared
     for cls in (MixtralConfig, DeepSeek3Config):

@@ -251,7 +251,8 @@ def test_other_model_shape_is_refused_naming_the_fields(tmp_path, straight, caps
     ("cp", "all_gather", "mini_mixtral", ["--data", "TEXT"]),
     ("cp", "ring", "mini_deepseek3", ["--no-load-balance"]),
     ("ep_as_cp", "all_gather", "mini_deepseek3", []),
-    ("ep_as_cp", "ring", "mini_mixtral", [])])
+    # row-balanced data: the layers know the layout, so a window's unseen hops stay home
+    ("ep_as_cp", "ring", "mini_mixtral", ["--load-balance", "row", "--set", "sliding_window=4"])])
 def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attention, name,
                                              extra):
     text = tmp_path / "text"
@@ -275,7 +276,11 @@ def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attent
         assert info["model"]["dtype"] == "bfloat16" and info["model"]["param_dtype"] == "float32"
     if "--data" in extra:
         assert info["train"]["data"] == [str(text)]
-    assert info["train"]["load_balance"] == ("none" if "--no-load-balance" in extra else "auto")
+    balance = ("none" if "--no-load-balance" in extra else
+               "row" if "row" in extra else "auto")
+    assert info["train"]["load_balance"] == balance
+    assert info["model"]["attention_layout"] == {"none": "contiguous", "row": "balanced",
+                                                 "auto": None}[balance]
 
 
 def test_from_hf_starts_from_the_checkpoint(tmp_path, learned):

@@ -35,6 +35,7 @@ from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
 from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
+from zoo.ops.ring import LAYOUTS
 from zoo.ops.attention import attention as attention_op
 from zoo.ops.kernels import get_kernel
 from zoo.ops.masks import Mask
@@ -78,12 +79,24 @@ def resolve_implementation(implementation: str, p: Partitioner, *, length: int, 
 
 
 def resolve_scores(module, what: str, *, mask, sliding_window, logits_soft_cap, sinks, kernel,
-                   num_heads: int, p: Partitioner, param_dtype, rngs: nnx.Rngs) -> None:
-    """Check and store the mask, soft cap, sinks parameter and kernel of an attention layer.
+                   num_heads: int, p: Partitioner, param_dtype, rngs: nnx.Rngs,
+                   layout: str | None = None, length: int | None = None) -> None:
+    """Check and store the mask, soft cap, sinks parameter, kernel and token layout of an
+    attention layer.
 
     A ``mask`` given here replaces the class attribute ``mask`` (None: causal, with
     ``sliding_window``, within documents); ``mask`` and ``sliding_window`` do not combine.
+    ``layout`` (`zoo.ops.attention`'s: ``"contiguous"``, ``"balanced"`` or None) lets the ring
+    move only the hops a bounded mask can see.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"{what}: layout={layout!r}; valid values are {LAYOUTS} (how the "
+                         f"sequence lies on the context shards; None: unknown)")
+    cp = p.context_size(SCOPE)
+    if layout == "balanced" and length is not None and length % (2 * cp):
+        raise ValueError(f"{what}: layout='balanced' needs the length {length} divisible by "
+                         f"2 * context shards = {2 * cp}; use layout='contiguous' or None")
+    module.layout = layout
     if mask is not None:
         if not isinstance(mask, Mask):
             raise ValueError(f"{what}: mask={mask!r} must be a zoo.ops.masks.Mask, e.g. "
@@ -109,7 +122,8 @@ def resolve_scores(module, what: str, *, mask, sliding_window, logits_soft_cap, 
 def score_kwargs(module) -> dict:
     """The mask / modifier / kernel keyword arguments of `zoo.ops.attention` for a layer."""
     kw = dict(logits_soft_cap=module.logits_soft_cap, kernel=module.kernel,
-              sinks=None if module.sinks is None else module.sinks[...])
+              sinks=None if module.sinks is None else module.sinks[...],
+              layout=getattr(module, "layout", None))
     if module.mask is None:
         kw["sliding_window"] = getattr(module, "sliding_window", None)
     else:
@@ -230,7 +244,7 @@ class Attention(AttentionBlock):
                  param_dtype=jnp.float32, mask: Mask | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
                  kernel="auto", qk_norm: bool = False, qk_norm_eps: float = 1e-6,
-                 rngs: nnx.Rngs):
+                 layout: str | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_kv_heads, what="Attention")
@@ -254,7 +268,8 @@ class Attention(AttentionBlock):
             head_dim=head_dim, v_head_dim=head_dim, what="Attention")
         resolve_scores(self, "Attention", mask=mask, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
-                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs)
+                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
+                       layout=layout, length=length)
         # Fewer kv heads than tensor shards: kv heads stay whole (replicated), the op repeats them.
         split_kv = num_kv_heads % p.size("act_heads", SCOPE) == 0
         kv_axis = "kv_heads" if split_kv else None

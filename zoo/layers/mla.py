@@ -84,7 +84,8 @@ class MLA(AttentionBlock):
                  rope: RoPE | None = None, rms_norm_eps: float = 1e-6,
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
                  mask: Mask | None = None, logits_soft_cap: float | None = None,
-                 sinks: bool = False, kernel="auto", rngs: nnx.Rngs):
+                 sinks: bool = False, kernel="auto", layout: str | None = None,
+                 rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -116,7 +117,8 @@ class MLA(AttentionBlock):
             wire_width=kv_lora_rank + qk_rope_head_dim, what="MLA")
         resolve_scores(self, "MLA", mask=mask, sliding_window=None,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
-                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs)
+                       num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
+                       layout=layout, length=length)
 
         kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         heads = ("heads", "head_dim")

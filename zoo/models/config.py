@@ -112,6 +112,9 @@ class DecoderConfig:
     tie_word_embeddings: bool = False  # True: no lm_head, logits through the embedding table
     # -- zoo-only fields (not in config.json) --------------------------------------------------
     attention_implementation: str = zoo_field("auto")  # zoo.ops.attention IMPLEMENTATIONS
+    # how the data lays tokens on the context shards ("contiguous", "balanced", None: unknown);
+    # the recipes set it from --load-balance, so the ring skips hops a sliding window can't see
+    attention_layout: str | None = zoo_field(None)
     capacity_factor: float | None = zoo_field(None)  # None: dropless MoE
     moe_dispatch: str = zoo_field("auto")  # MoE(dispatch=): "all_to_all", "all_gather", "auto"
     moe_grouped_matmul: str = zoo_field("auto")  # MoE(grouped_matmul=): blocked on CPU, tokamax
@@ -172,8 +175,8 @@ class DecoderConfig:
     # -- the zoo fields as layer arguments (a new zoo field reaches every family here) ---------
     def attention_options(self) -> dict[str, Any]:
         """Keyword arguments of `zoo.layers.Attention` / `MLA` taken from the zoo fields."""
-        return dict(implementation=self.attention_implementation, dtype=self.dtype,
-                    param_dtype=self.param_dtype)
+        return dict(implementation=self.attention_implementation,
+                    layout=self.attention_layout, dtype=self.dtype, param_dtype=self.param_dtype)
 
     def moe_options(self) -> dict[str, Any]:
         """Keyword arguments of `zoo.layers.MoE` taken from the zoo fields."""

@@ -186,6 +186,12 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         raise
 
 
+# --load-balance -> the token layout on the context shards (`zoo.ops.attention(layout=)`): "row"
+# deals each row's 2*cp chunks as r, 2cp-1-r; "auto"/"document" permute per row, so no static
+# layout holds.
+LOAD_BALANCE_LAYOUT = {"none": "contiguous", "row": "balanced", "auto": None, "document": None}
+
+
 def _model_config(recipe, train: TrainConfig, config, set_fields, tokenizer, backend: str):
     """The model config after --attention/--dtype/--param-dtype/--remat, the tokenizer's
     vocabulary and --from-hf (whose config.json gives the fields not --set)."""
@@ -193,6 +199,8 @@ def _model_config(recipe, train: TrainConfig, config, set_fields, tokenizer, bac
     changes: dict[str, Any] = {}
     if train.attention:
         changes["attention_implementation"] = train.attention
+    if "attention_layout" not in set_fields:  # the order the data pipeline gives the shards
+        changes["attention_layout"] = LOAD_BALANCE_LAYOUT[train.load_balance]
     # accelerators (and their rehearsal) compute in bf16 over fp32 parameters by default
     dtype = train.dtype or ("bfloat16" if backend != "cpu" or train.rehearse else None)
     for field, name in (("dtype", dtype), ("param_dtype", train.param_dtype)):
