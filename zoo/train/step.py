@@ -132,10 +132,10 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
     The optimizer comes from `make_tx` (``lr``, a float32 scalar, is this update's rate: see
     `lr_schedule`). Use the returned model and optimizer: with donation the ones passed in are
     consumed (their buffers hold the new state). ``donate=None`` donates except on the CPU
-    backend: there, an executable with donated inputs that is loaded from the persistent
-    compilation cache intermittently deadlocks in its collectives (XLA:CPU rendezvous timeout,
-    jax 0.10.2, 8 virtual devices), and CPU memory is rarely what limits a CPU run.
-
+    backend: there, an executable loaded from the persistent compilation cache intermittently
+    deadlocks in its collectives (jax 0.10.2, 8 virtual devices; donated or not, which is why
+    the cache is now off on several CPU devices, `zoo.train.launch.cache_is_safe`), and CPU
+    memory is rarely what limits a CPU run.
 
     ``metrics`` holds scalars ``loss`` (the weighted cross-entropy), ``aux_loss`` (the
     load-balance loss, before its weight), ``objective``, ``grad_norm`` (before clipping),
