@@ -396,12 +396,13 @@ def test_auto_rule():
 
 
 def test_gather_slices():
-    """One gather when K/V fit in the local query size, else slices that divide the block."""
+    """One gather when K/V fit in the local query size, else slices of at most half of it that
+    divide the block."""
     from zoo.ops.ring import gather_slices
     # 8 heads over 2 kv heads, cp=2: K/V (2*64*2*128) == local q (64*8*64) -> one gather
     assert gather_slices(2, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (1, 64)
-    # cp=8: four times too big -> 4 slices of 16 keys per shard
-    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (4, 16)
-    # MHA, cp=8, local length 24: 16 slices needed, 24 is the next divisor of 24 -> 1 key each
+    # cp=8: four times too big -> slices of half the query size: 8 slices of 8 keys per shard
+    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (8, 8)
+    # MHA, cp=8, local length 24: 32 slices wanted, at most 24 -> 1 key each
     assert gather_slices(8, (1, 24, 4, 64), (1, 24, 4, 64), (1, 24, 4, 64)) == (24, 1)
     assert gather_slices(1, (1, 64, 4, 64), (1, 64, 4, 64), (1, 64, 4, 64)) == (1, 64)
