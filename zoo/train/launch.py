@@ -125,7 +125,7 @@ def cache_is_safe() -> bool:
     CPU backend with several devices. There, executables read back from the cache deadlock in
     their collectives now and then (a ring's collective-permute on some devices, an all-gather
     on another, every XLA:CPU worker thread waiting; jax 0.10.2, 3 of 7 runs of the sharded
-    DeepSeek-V3 test step, none in 5 freshly compiled runs), so they are compiled every time."""
+    DeepSeek-V3 test step, none in 6 freshly compiled runs), so they are compiled every time."""
     import jax
     return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
 
