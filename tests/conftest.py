@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
-from zoo.train.launch import relax_cpu_collective_timeouts
+from zoo.train.launch import add_xla_flags, relax_cpu_collective_timeouts
 
 # A virtual device late to a collective by 60 s (2 cores, 8 devices, a loaded machine) makes
 # XLA:CPU abort the whole session; wait longer (before the backend reads XLA_FLAGS). Children
@@ -17,9 +17,7 @@ relax_cpu_collective_timeouts()
 # The suite is compile-bound (hundreds of small programs): LLVM at -O0 compiles them ~30%
 # faster and runs them no slower at these sizes. Test processes only (children inherit it);
 # the recipes and benchmarks keep XLA's default.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+add_xla_flags(xla_backend_optimization_level=0)
 
 # Overrides any count in XLA_FLAGS/JAX_NUM_CPU_DEVICES; importing jax started no backend yet.
 jax.config.update("jax_num_cpu_devices", 8)

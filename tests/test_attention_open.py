@@ -150,7 +150,7 @@ def test_soft_cap_sinks_and_score_mod_under_ring_and_all_gather():
                                   seg, w, sinks))()
     p = zoo.Partitioner(zoo.make_mesh(context=4, data=2), "cp")
     for impl in ("ring", "all_gather"):
-        got = jax.jit(lambda: _grads(functools.partial(
+        got = jax.jit(lambda impl=impl: _grads(functools.partial(
             attention, partitioner=p, implementation=impl, kernel=KERNEL, **kw), q, k, v, pos,
             seg, w, sinks))()
         _close(got, want)
@@ -186,7 +186,7 @@ def _hf_inputs(N=4, K=2, L=10, H=8):
 
 def test_soft_cap_matches_gemma2():
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-    torch, (q, k, v), tq, mask, pos = _hf_inputs()
+    _torch, (q, k, v), tq, mask, pos = _hf_inputs()
     module = types.SimpleNamespace(num_key_value_groups=2, training=False, head_dim=8)
     want, _ = eager_attention_forward(module, *tq, mask, scaling=8 ** -0.5, softcap=1.5)
     got = attention(*(jnp.asarray(x) for x in (q, k, v)), q_positions=pos, kv_positions=pos,

@@ -355,7 +355,7 @@ def test_resume_with_other_arguments_is_refused(small_corpus, tmp_path):
         fresh = text_dataset(d, **kw | change)
         with pytest.raises(PipelineStateMismatch, match=re.escape(message)):
             fresh.set_state(state)
-    with pytest.raises(PipelineStateMismatch, match="paths: saved .*; files: saved"):
+    with pytest.raises(PipelineStateMismatch, match=r"paths: saved .*; files: saved"):
         text_dataset(other, **kw).set_state(state)
     for saved in (state, {k: v for k, v in state.items() if k != "zoo_data_arguments"}):
         fresh = text_dataset(d, **kw | dict(batch_size=2))

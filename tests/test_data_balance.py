@@ -104,7 +104,7 @@ def test_without_segments_every_strategy_is_row():
 
 def test_balance_errors():
     pos, seg = packed([[5, 3]], 16)
-    with pytest.raises(ValueError, match="'rows'.*not one of"):
+    with pytest.raises(ValueError, match=r"'rows'.*not one of"):
         balance_permutation(pos, seg, cp=4, strategy="rows")
     with pytest.raises(ValueError, match="not divisible by 2\\*context_parallel = 8"):
         balance_permutation(pos[:, :12], seg[:, :12], cp=4, strategy="document")

@@ -593,7 +593,8 @@ def test_buffer_factor_ignored_by_auto_warns():
 
 
 @pytest.mark.parametrize("kw, mesh, match", [
-    (dict(num_experts=6), ("fsdp", dict(fsdp=2, expert=4)), r"num_experts=6 .* divisible by its 4 shards"),
+    (dict(num_experts=6), ("fsdp", dict(fsdp=2, expert=4)),
+     r"num_experts=6 .* divisible by its 4 shards"),
     (dict(num_experts_per_tok=9), None, r"num_experts_per_tok=9 must be between 1 and"),
     (dict(scoring="sigmoid", n_group=3), None, r"num_experts=8 is not divisible by n_group=3"),
     (dict(scoring="sigmoid", n_group=4, topk_group=5), None, r"topk_group=5 must be"),
@@ -608,9 +609,12 @@ def test_buffer_factor_ignored_by_auto_warns():
     (dict(capacity_factor=1.0, dispatch="all_to_all"), None, r"bound the buffers with buffer_f"),
     (dict(inputs_shape=(8, 6, 16)), ("cp", dict(context=4, expert=2)),
      r"length=6 is not divisible by its 4 shards"),
-    (dict(inputs_shape=(4, 8, 16)), ("fsdp", dict(fsdp=8)), r"batch=4 is not divisible by its 8 shards"),
-    (dict(inputs_shape=(8, 8, 12)), ("fsdp", dict(fsdp=8)), r"embed=12 is not divisible by its 8 shards"),
-    (dict(mlp_dim=3), ("fsdp", dict(fsdp=4, tensor=2)), r"mlp_dim=3 is not divisible by its 2 shards"),
+    (dict(inputs_shape=(4, 8, 16)), ("fsdp", dict(fsdp=8)),
+     r"batch=4 is not divisible by its 8 shards"),
+    (dict(inputs_shape=(8, 8, 12)), ("fsdp", dict(fsdp=8)),
+     r"embed=12 is not divisible by its 8 shards"),
+    (dict(mlp_dim=3), ("fsdp", dict(fsdp=4, tensor=2)),
+     r"mlp_dim=3 is not divisible by its 2 shards"),
 ])
 def test_construction_errors(kw, mesh, match):
     args = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, inputs_shape=(B, L, D))

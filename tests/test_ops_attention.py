@@ -371,7 +371,7 @@ def test_errors_are_clear():
         Causal() & (lambda *a: True)
     with pytest.raises(ValueError, match="layout='zigzag'; valid values"):
         attention(q, k, v, layout="zigzag", **kw)
-    with pytest.raises(ValueError, match="length=56 is not divisible by 2.context = 16"):
+    with pytest.raises(ValueError, match=r"length=56 is not divisible by 2.context = 16"):
         attention(q[:, :56], k[:, :56], v[:, :56], partitioner=partitioner("cp8"),
                   layout="balanced", q_positions=pos[:, :56], kv_positions=pos[:, :56])
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
-from conformance import fresh_compile
 from flax import nnx
 
 import zoo
@@ -81,8 +80,7 @@ def torch_value_and_grads(module, x, ct, **kw):
 
 
 def zoo_value_and_grads(module, x, ct, **kw):
-    """y, dx and d(params) (a pure dict) of sum(module(x) * ct), jitted (sharded programs
-    compiled fresh: see `conformance.fresh_compile`)."""
+    """y, dx and d(params) (a pure dict) of sum(module(x) * ct), jitted."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
     def loss(params, x):
@@ -90,9 +88,8 @@ def zoo_value_and_grads(module, x, ct, **kw):
         y = y[0] if isinstance(y, tuple) else y
         return jnp.sum(y * ct), y
 
-    with fresh_compile(module.partitioner.mesh is not None):
-        (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-            params, jnp.asarray(x))
+    (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, jnp.asarray(x))
     return np.asarray(y), np.asarray(gx), nnx.to_pure_dict(gp)
 
 

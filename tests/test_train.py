@@ -2,7 +2,6 @@
 unsharded, sharded creation, the DeepSeek bias update and checkpoints (roundtrip, corrupt
 fallback). Recipe-level behaviour (resume, signals, processes) is in test_recipes.py."""
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -58,19 +57,6 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent():
 
 # -- the step against an independent reference -------------------------------------------------
 
-@contextlib.contextmanager
-def no_persistent_cache():
-    # Donated executables loaded from the persistent cache can deadlock on XLA:CPU (see
-    # make_train_step); compile this one fresh.
-    old = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", old)
-
-
-@no_persistent_cache()
 def test_train_step_matches_plain_optax_adamw():
     """Two updates of the jitted step (donating model and optimizer) == hand-written weighted
     CE + jax.grad + optax.adamw."""

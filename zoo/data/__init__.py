@@ -18,5 +18,6 @@ from zoo.data.tokenizer import ByteTokenizer, HFTokenizer
 from zoo.data.work import TILE, shard_pairs, shard_tiles
 
 __all__ = ["STRATEGIES", "TILE", "ByteTokenizer", "HFTokenizer", "PipelineStateMismatch",
-           "balance_candidates", "balance_permutation", "best_candidate", "load_balance", "restore_order",
+           "balance_candidates", "balance_permutation", "best_candidate", "load_balance",
+           "restore_order",
            "shard_pairs", "shard_tiles", "text_dataset"]

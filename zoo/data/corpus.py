@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import itertools
 import json
 import os
 import re
@@ -146,7 +147,7 @@ def split_short(text: str) -> list[str]:
     """
     lines = text.split("\n")
     cuts = sorted({0, len(lines)} | _definition_lines(text, lines))
-    pieces = ("\n".join(lines[a:b]) for a, b in zip(cuts, cuts[1:]))
+    pieces = ("\n".join(lines[a:b]) for a, b in itertools.pairwise(cuts))
     return [p for p in pieces if p.strip()]
 
 

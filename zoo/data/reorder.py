@@ -296,7 +296,7 @@ def _auto_device(positions, segment_ids, cp: int, tile: int | None) -> list[np.n
     for i in rows:
         current = cost(choice)
         for c in range(len(names)):
-            trial = choice[:i] + [c] + choice[i + 1:]
+            trial = [*choice[:i], c, *choice[i + 1:]]
             if cost(trial) < current:
                 choice, current = trial, cost(trial)
     return [_padding_in_order(perms[i][c], segment_ids[i]) for i, c in zip(rows, choice)]

@@ -80,7 +80,7 @@ def resolve_implementation(implementation: str, p: Partitioner, *, length: int, 
 
 def resolve_scores(module, what: str, *, mask, sliding_window, logits_soft_cap, sinks, kernel,
                    num_heads: int, p: Partitioner, param_dtype, rngs: nnx.Rngs,
-                   layout: str | None = None, length: int | None = None) -> None:
+                   layout: str | None = None) -> None:
     """Check and store the mask, soft cap, sinks parameter, kernel and token layout of an
     attention layer.
 
@@ -92,10 +92,6 @@ def resolve_scores(module, what: str, *, mask, sliding_window, logits_soft_cap, 
     if layout not in LAYOUTS:
         raise ValueError(f"{what}: layout={layout!r}; valid values are {LAYOUTS} (how the "
                          f"sequence lies on the context shards; None: unknown)")
-    cp = p.context_size(SCOPE)
-    if layout == "balanced" and length is not None and length % (2 * cp):
-        raise ValueError(f"{what}: layout='balanced' needs the length {length} divisible by "
-                         f"2 * context shards = {2 * cp}; use layout='contiguous' or None")
     module.layout = layout
     if mask is not None:
         if not isinstance(mask, Mask):
@@ -269,7 +265,7 @@ class Attention(AttentionBlock):
         resolve_scores(self, "Attention", mask=mask, sliding_window=sliding_window,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
                        num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
-                       layout=layout, length=length)
+                       layout=layout)
         # Fewer kv heads than tensor shards: kv heads stay whole (replicated), the op repeats them.
         split_kv = num_kv_heads % p.size("act_heads", SCOPE) == 0
         kv_axis = "kv_heads" if split_kv else None

@@ -118,7 +118,7 @@ class MLA(AttentionBlock):
         resolve_scores(self, "MLA", mask=mask, sliding_window=None,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
                        num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
-                       layout=layout, length=length)
+                       layout=layout)
 
         kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         heads = ("heads", "head_dim")

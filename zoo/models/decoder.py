@@ -350,7 +350,7 @@ class CausalLM(nnx.Module):
             if layer.stack_size is None:
                 return layer
             graphdef, state = nnx.split(layer)
-            state = jax.tree.map(lambda v: v[i - where.start], state)
+            state = jax.tree.map(lambda v, start=where.start: v[i - start], state)
             one = nnx.merge(graphdef, spmd.remove_axis(state, 0, STACK_METADATA))
             one.layer_idx, one.stack_size = i, None
             return one

@@ -191,8 +191,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         dot_product_attention, q, k, v, q_positions=q_positions, kv_positions=kv_positions,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask=m, scale=scale,
         logits_soft_cap=logits_soft_cap, sinks=sinks, score_mod=score_mod)
-    B, L, N, H = q.shape
-    _, S, K, Hv = v.shape
+    H = q.shape[-1]
+    K, Hv = v.shape[2:]
     return _run(reference, q, (k, v), (), None, q_positions, kv_positions, q_segment_ids,
                 kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod, partitioner,
                 implementation, kernel, split, layout, num_kv_heads=K, head_dim=H,
@@ -218,7 +218,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
     ``layout``: as in `attention` (the ring's static hop plan).
     """
-    B, L, N, Hqk = q.shape
+    _, _, N, Hqk = q.shape
     R = latent.shape[-1]
     Hn, Hr = qk_nope_head_dim, k_pe.shape[-1]
     if (latent.ndim != 3 or k_pe.ndim != 3 or latent.shape[:2] != k_pe.shape[:2]

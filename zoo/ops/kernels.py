@@ -230,7 +230,7 @@ class TokamaxKernel(BlockKernel):
 
     def _xla_backward(self, op, q, k, v, mask, out, lse, dout, scores, tokens):
         B, L, N, H = q.shape
-        _, S, K, V = v.shape
+        _, S, K, _ = v.shape
         G = N // K
         o_b, lse_b = self.forward(q, k, v, *tokens, scores=scores, masked=mask is not None)
         w = jnp.exp(lse_b - lse)  # this block's share of each row's softmax mass, [B, N, L]

@@ -22,7 +22,7 @@ import os
 import re
 
 __all__ = ["DEFAULT_CPU_DEVICES", "set_cpu_devices", "env_names_cpu_devices",
-           "relax_cpu_collective_timeouts", "cache_is_safe",
+           "add_xla_flags", "relax_cpu_collective_timeouts", "cache_is_safe",
            "init_distributed", "default_mesh", "enable_compile_cache"]
 
 DEFAULT_CPU_DEVICES = 8
@@ -41,19 +41,21 @@ CPU_COLLECTIVE_WARN_S = 60
 CPU_COLLECTIVE_TERMINATE_S = 240
 
 
+def add_xla_flags(**flags) -> None:
+    """Append ``--name=value`` to ``XLA_FLAGS`` for each flag it does not set yet (the
+    environment's choice wins). XLA reads ``XLA_FLAGS`` once, when jax starts its backend, so
+    this must run before that (importing jax is fine); child processes inherit it."""
+    current = os.environ.get("XLA_FLAGS", "")
+    extra = [f"--{name}={value}" for name, value in flags.items() if f"--{name}=" not in current]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
 def relax_cpu_collective_timeouts(warn_s: int = CPU_COLLECTIVE_WARN_S,
                                   terminate_s: int = CPU_COLLECTIVE_TERMINATE_S) -> None:
-    """Append XLA:CPU's collective rendezvous timeouts to ``XLA_FLAGS`` unless it sets them.
-
-    XLA reads ``XLA_FLAGS`` once, when jax starts its backend, so this must run before that
-    (importing jax is fine); child processes inherit the setting."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f"--{name}={value}" for name, value in (
-        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", warn_s),
-        ("xla_cpu_collective_call_terminate_timeout_seconds", terminate_s))
-        if f"--{name}=" not in flags]
-    if extra:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+    """XLA:CPU's collective rendezvous timeouts in ``XLA_FLAGS`` (`add_xla_flags`)."""
+    add_xla_flags(xla_cpu_collective_call_warn_stuck_timeout_seconds=warn_s,
+                  xla_cpu_collective_call_terminate_timeout_seconds=terminate_s)
 
 
 def set_cpu_devices(n: int | None, *, what: str = "--devices {}", fix: str | None = None
