@@ -1,8 +1,10 @@
 """Context-parallel attention: per-device memory and per-shard work, from compilation only.
 
 Memory: XLA's compiled memory analysis (temp + argument + output bytes of one device's share
-of the SPMD program) of forward + backward (gradient of the sum of the outputs w.r.t. q, k, v)
-for each sequence length, CP degree (``context`` mesh axis over the first cp devices) and
+of the SPMD program) of forward + backward -- (q, k, v, positions, segment ids, dout) ->
+(dq, dk, dv), the output's cotangent an argument as in a real backward (the gradient of a
+sum would make it a constant, which XLA folds away unsharded but materialises under the ring,
+billing the sharded program alone for it) -- for each sequence length, CP degree (``context`` mesh axis over the first cp devices) and
 strategy, and its ratio to the same strategy unsharded (cp=1) -- the tiled kernel, so the ratio
 measures sharding alone; the dense reference (O(L^2) logits) is shown for scale. Nothing is
 executed.
@@ -55,7 +57,7 @@ def balanced_order(length: int, cp: int) -> np.ndarray:
 
 
 def per_device_bytes(length, cp, strategy, *, heads, kv_heads, head_dim, dtype):
-    """temp + argument + output bytes per device of jit(grad(sum(attention)))."""
+    """temp + argument + output bytes per device of attention's forward + backward."""
     partitioner = zoo.Partitioner(zoo.make_mesh(context=cp, devices=jax.devices()[:cp]), "cp")
     sharding = partitioner.sharding(("batch", "length", "act_heads", "act_head_dim"),
                                     "attention")
@@ -65,13 +67,13 @@ def per_device_bytes(length, cp, strategy, *, heads, kv_heads, head_dim, dtype):
     kv = sds((1, length, kv_heads, head_dim), dtype, sharding=sharding)
     pos = sds((1, length), jnp.int32, sharding=tokens)
 
-    def loss(q, k, v, pos, seg):
-        out = attention(q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg,
-                        kv_segment_ids=seg, partitioner=partitioner, implementation=strategy)
-        return jnp.sum(out.astype(jnp.float32))
+    def forward_backward(q, k, v, pos, seg, dout):
+        _, vjp = jax.vjp(lambda q, k, v: attention(
+            q, k, v, q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg,
+            partitioner=partitioner, implementation=strategy), q, k, v)
+        return vjp(dout)
 
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    mem = fn.lower(q, kv, kv, pos, pos).compile().memory_analysis()
+    mem = jax.jit(forward_backward).lower(q, kv, kv, pos, pos, q).compile().memory_analysis()
     return mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
 
 

@@ -261,12 +261,17 @@ def _fwd_bwd_text(L, impl="ring", cp=4):
 
 
 def test_conditionals_do_not_grow_with_length():
-    """Block-level skipping runs split**2 conditionals per ring step and pass, whatever the
-    length; the tile loops run more often at the longer length, the conditionals do not."""
-    short, long = _fwd_bwd_text(64), _fwd_bwd_text(256)
-    counts = [hlo.count_executed(t, "conditional") for t in (short, long)]
-    assert counts[0] == counts[1] == 2 * 4 * 2 * 2  # fwd + bwd, 4 ring steps, 2x2 sub-blocks
-    assert hlo.count_executed(long, "while") > hlo.count_executed(short, "while")
+    """Block-level skipping decides once per sub-block, whatever the length: split**2
+    sub-blocks per ring step and pass, each one 0-or-1-trip loop per way to run it (full, and
+    the flash kernel's two tile plans: no `conditional`, which would copy the accumulators).
+    The tile loops run more often at the longer length, the decisions do not."""
+    short, long = _fwd_bwd_text(256), _fwd_bwd_text(1024)
+    counts = [hlo.decisions(t) for t in (short, long)]
+    ways = 1 + len(KERNEL.partial_plans(32, 32))  # full, then the budget and every tile
+    assert counts[0] == counts[1] == 2 * 4 * 2 * 2 * ways  # fwd + bwd, 4 ring steps, 2x2
+    assert hlo.count_executed(long, "conditional") == 0
+    # the tile loops' bodies (their fusions) run more often
+    assert hlo.count_executed(long, "fusion") > 2 * hlo.count_executed(short, "fusion")
     # the flash kernel alone, forward and backward: no conditional at all
     q, kv = jnp.ones((1, 128, 2, 8)), jnp.ones((1, 128, 1, 8))
     pos, seg = jnp.arange(128)[None], jnp.ones((1, 128), jnp.int32)

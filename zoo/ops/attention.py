@@ -167,7 +167,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
               sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
               partitioner: Partitioner | None = None, implementation: str = "auto",
               kernel: str | BlockKernel = "auto", split: int = 2,
-              layout: str | None = None) -> jax.Array:
+              layout: str | None = None, rounds: int | None = None) -> jax.Array:
     """Attention of q [B,L,N,H] over k [B,S,K,H], v [B,S,K,Hv] -> [B,L,N,Hv] in q's dtype.
 
     Same semantics as `dot_product_attention` (masks from positions/segment ids, segment 0 =
@@ -183,6 +183,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     only the blocks some query can see (`zoo.ops.ring.hop_plan`). That needs positions that
     strictly increase along the sequence within each document (packed rows, in that layout);
     the op checks it per batch and runs the full ring where it fails, so any input is exact.
+
+    ``rounds``: how many rounds the full ring makes, each streaming 1/rounds of every shard's
+    keys (less memory, the same bytes; key sub-blocks are then at most S/cp/rounds long); None
+    picks it from the shapes (`zoo.ops.ring.ring_rounds`). It must divide the local kv length.
     """
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   sliding_window, logits_soft_cap, sinks, score_mod)
@@ -195,7 +199,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     K, Hv = v.shape[2:]
     return _run(reference, q, (k, v), (), None, q_positions, kv_positions, q_segment_ids,
                 kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod, partitioner,
-                implementation, kernel, split, layout, num_kv_heads=K, head_dim=H,
+                implementation, kernel, split, layout, rounds, num_kv_heads=K, head_dim=H,
                 v_head_dim=Hv, wire_width=K * (H + Hv))
 
 
@@ -208,7 +212,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
                   sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
                   partitioner: Partitioner | None = None, implementation: str = "auto",
                   kernel: str | BlockKernel = "auto", split: int = 2,
-                  layout: str | None = None) -> jax.Array:
+                  layout: str | None = None, rounds: int | None = None) -> jax.Array:
     """Multi-head latent attention with the latent on the wire.
 
     q [B,L,N,Hn+Hr] (rotated), latent [B,S,R] (normalised), k_pe [B,S,Hr] (rotated, shared by
@@ -216,7 +220,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     ``k = concat(latent @ kv_up[..., :Hn], k_pe)`` and ``v = latent @ kv_up[..., Hn:]``; under
     context parallelism only (latent, k_pe) -- R + Hr values per token instead of
     N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
-    ``layout``: as in `attention` (the ring's static hop plan).
+    ``layout``, ``rounds``: as in `attention` (the ring's static hop plan, its rounds).
     """
     _, _, N, Hqk = q.shape
     R = latent.shape[-1]
@@ -241,8 +245,8 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
 
     return _run(reference, q, (latent, k_pe), (kv_up,), expand, q_positions, kv_positions,
                 q_segment_ids, kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod,
-                partitioner, implementation, kernel, split, layout, num_kv_heads=N, head_dim=Hqk,
-                v_head_dim=v.shape[-1], wire_width=R + Hr)
+                partitioner, implementation, kernel, split, layout, rounds, num_kv_heads=N,
+                head_dim=Hqk, v_head_dim=v.shape[-1], wire_width=R + Hr)
 
 
 def _mla_expand(qk_nope_head_dim, params, payload):
@@ -255,8 +259,8 @@ def _mla_expand(qk_nope_head_dim, params, payload):
 
 
 def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, scale, soft_cap,
-         sinks, score_mod, partitioner, implementation, kernel, split, layout, *, num_kv_heads,
-         head_dim, v_head_dim, wire_width):
+         sinks, score_mod, partitioner, implementation, kernel, split, layout, rounds, *,
+         num_kv_heads, head_dim, v_head_dim, wire_width):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; valid values are "
                          f"{', '.join(repr(i) for i in IMPLEMENTATIONS)} (block kernels are "
@@ -287,12 +291,17 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     sinks = jnp.zeros((N,), jnp.float32) if sinks is None else sinks
     tokens = tuple(x.astype(jnp.int32) for x in (qpos, kpos, qseg, kseg))
     cp = p.context_size("attention")
+    if rounds is not None and (not isinstance(rounds, int) or rounds < 1
+                               or (S // cp) % rounds):
+        raise ValueError(f"rounds={rounds!r} must be a positive int dividing the local kv "
+                         f"length {S // cp} (kv length {S} over {cp} context shards); None "
+                         f"picks it (zoo.ops.ring.ring_rounds)")
     hops = (_ring.hop_plan(mask.reach(), layout, cp, L)
             if implementation == "ring" and L == S and p.mesh is not None else None)
     # the plan's assumption, checked on the whole batch (one scalar all devices agree on)
     ok = (_ring.sequence_order_ok(layout, cp, *tokens) if hops is not None
           else jnp.ones((), bool))
-    cfg = dataclasses.replace(cfg, hops=hops)
+    cfg = dataclasses.replace(cfg, hops=hops, rounds=rounds)
     return _sharded(cfg, p, q, payload, params, sinks, ok, *tokens, plain=expand is None)
 
 
@@ -311,6 +320,19 @@ def _layout(p: Partitioner, B: int, K: int):
     return batch_axes, p.sequence_axes("attention"), head_axes, repeat
 
 
+def _with_unit_axes(mesh, entries):
+    """The spec entries (batch, sequence, heads) with every size-1 mesh axis they do not name
+    added to the batch entry (a no-op split). `shard_map`'s transpose psums each input's
+    cotangent over the axes its spec leaves out; over a size-1 axis that is an all-reduce
+    over one device, which XLA:CPU keeps -- and that copies dq, dk and dv into fresh buffers
+    (5 MiB at the 16k, cp=8 benchmark shape). Returns (batch, sequence, heads, unit axes)."""
+    named = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    unit = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in named)
+    b, s, h = entries
+    b = _entry(((b,) if isinstance(b, str) else tuple(b or ())) + unit)
+    return b, s, h, _entry(unit)
+
+
 def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, *,
              plain):
     batch_axes, seq_axes, head_axes, repeat = _layout(p, q.shape[0], q.shape[2] if not plain
@@ -321,15 +343,18 @@ def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qse
         return _ring.attend_shard(q, payload, params, sinks, ok, qpos, kpos, qseg, kseg,
                                   cfg=cfg)
     cfg = dataclasses.replace(cfg, axes=tuple(seq_axes))
-    b, s, h = _entry(batch_axes), _entry(seq_axes), _entry(head_axes)
+    b, s, h, unit = _with_unit_axes(p.mesh, (_entry(batch_axes), _entry(seq_axes),
+                                             _entry(head_axes)))
     act, tok = P(b, s, h, None), P(b, s)
     # MLA: the latent and rotary key are not split by head; kv_up is [R, N, Hn+Hv]
     pay_specs = (act, act) if plain else (P(b, s, None), P(b, s, None))
-    par_specs = tuple(P(None, h, None) for _ in params)
+    par_specs = tuple(P(unit, h, None) for _ in params)
+    sink_spec = P(h) if unit is None else P(_entry(tuple(
+        x for e in (h, unit) if e is not None for x in ((e,) if isinstance(e, str) else e))))
     local = functools.partial(_ring.attend_shard, cfg=cfg)
     with jax.named_scope(f"attention_{cfg.strategy}"):
         return jax.shard_map(local, mesh=p.mesh,
-                             in_specs=(act, pay_specs, par_specs, P(h), P(), tok, tok, tok,
-                                       tok),
+                             in_specs=(act, pay_specs, par_specs, sink_spec, P(), tok, tok,
+                                       tok, tok),
                              out_specs=act, check_vma=False)(
             q, payload, params, sinks, ok, qpos, kpos, qseg, kseg)

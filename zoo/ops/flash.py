@@ -10,7 +10,7 @@ temporary and the compiled kernel holds no conditional at all.
 Skipping is shared with the strategy (`zoo.ops.ring`), which classifies each sub-block: empty
 ones never reach the kernel, fully visible ones come with ``masked=False`` (every tile, the
 mask not evaluated), and a partially masked one with the `TilePlan` picked by `pick_plan` --
-one more branch of the strategy's one `lax.switch` per sub-block:
+one more way the strategy's per-sub-block decision can run:
 
 * ``TilePlan(budget)``: the tiles that may be visible (`zoo.ops.masks.tile_visible`, from
   per-tile position/segment bounds, so exact for any token order and packing) are compacted
@@ -20,11 +20,14 @@ one more branch of the strategy's one `lax.switch` per sub-block:
   because each plan is one more copy of the kernel in the program (compile time).
 * ``TilePlan(None)``: every tile, masked elementwise (any block).
 
-* `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32).
+* `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32);
+  with ``into=(out, lse)`` it merges tile by tile into the strategy's running (out, lse)
+  instead, the online softmax in normalised form (``BlockKernel.accumulates``): no
+  block-sized accumulator or result, at one rescale per row and tile.
 * `FlashKernel.backward` from the global (out, lse): p = exp(s - lse) are the true
   probabilities and delta = sum(dout * out) the true softmax-Jacobian term, so the block's
-  (dq, dk, dv) are exact on their own. Score modifiers (soft cap, `ScoreMod`) are
-  differentiated with their exact VJP per tile.
+  (dq, dk, dv) are exact on their own (``into=``: added into the strategy's accumulators).
+  Score modifiers (soft cap, `ScoreMod`) are differentiated with their exact VJP per tile.
 
 Matmuls take the operands' dtype (bf16 stays bf16) and accumulate in fp32
 (``preferred_element_type``); softmax statistics are fp32.
@@ -86,6 +89,12 @@ def _put(x, update, i, size, axis=1):
     return lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), i * size, axis)
 
 
+def _add_at(x, update, start, axis=1):
+    n = update.shape[axis]
+    return lax.dynamic_update_slice_in_dim(
+        x, lax.dynamic_slice_in_dim(x, start, n, axis) + update.astype(x.dtype), start, axis)
+
+
 def _bqkg(x):
     """[B,K,G,Q] -> [B,Q,K,G,1], to scale a [B,Q,K,G,V] tile per row."""
     return jnp.moveaxis(x, -1, 1)[..., None]
@@ -144,6 +153,7 @@ class FlashKernel(BlockKernel):
     tile_budget: bool = True
     windowed = True  # takes ``window=`` (see `BlockKernel`)
     takes_delta = True  # takes ``delta=`` instead of the global out (see `BlockKernel`)
+    accumulates = True  # forward and backward take ``into=`` (see `BlockKernel`)
 
     def tiles(self, L: int, S: int) -> tuple[int, int]:
         dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
@@ -179,7 +189,8 @@ class FlashKernel(BlockKernel):
         count = jnp.sum(may)
         return masked.budget, lambda t: (pairs[t] // nk, pairs[t] % nk, t < count)
 
-    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked, window=None):
+    def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked, window=None,
+                into=None):
         q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
                                                              q_seg, kv_seg)
         B, _, N, H = q.shape
@@ -189,6 +200,9 @@ class FlashKernel(BlockKernel):
         trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         q = q.reshape(*q.shape[:2], K, G, H)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
+        if into is not None:
+            return self._merge_into(into, window, trips, pair, scores, masked, q, k, v, head,
+                                    (q_pos, kv_pos, q_seg, kv_seg), qt, kt)
 
         def body(t, state):
             m, den, acc = state  # running max [B,K,G,L], denominator [B,K,G,L], [B,L,K,G,V]
@@ -216,8 +230,45 @@ class FlashKernel(BlockKernel):
         lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
         return (acc / _bqkg(den)).reshape(B, L, N, V), lse.reshape(B, N, L)
 
+    def _merge_into(self, into, window, trips, pair, scores, masked, q, k, v, head, tokens,
+                    qt, kt):
+        """`forward` merged tile by tile into the strategy's running (out [B,L',N,V],
+        lse [B,N,L']) fp32 at the window's query offset: the online softmax in normalised
+        form, so no block-sized accumulator or output exists (`BlockKernel.accumulates`)."""
+        q_pos, kv_pos, q_seg, kv_seg = tokens
+        B, _, K, G, _ = q.shape
+        V = v.shape[-1]
+        tq, tk = self.tiles(q_pos.shape[1], kv_pos.shape[1])
+        q0 = 0 if window is None else window[0]
+
+        def body(t, state):
+            out, lse = state
+            i, j, ok = pair(t)
+            r0 = q0 + i * tq
+            s, _ = _tile_logits(scores, masked, qt(q, i, tq), kt(k, j, tk),
+                                _slice(q_pos, i, tq), _slice(kv_pos, j, tk),
+                                _slice(q_seg, i, tq), _slice(kv_seg, j, tk), head, ok)
+            li = lax.dynamic_slice_in_dim(lse, r0, tq, 2).reshape(B, K, G, tq)
+            oi = lax.dynamic_slice_in_dim(out, r0, tq, 1).reshape(B, tq, K, G, V)
+            m = jnp.maximum(li, jnp.max(s, axis=-1))
+            m = jnp.where(jnp.isfinite(m), m, 0.0)  # nothing seen yet
+            alpha = jnp.exp(li - m)  # the mass so far, relative to m (0 when li is -inf)
+            p = jnp.exp(s - m[..., None])  # 0 on masked entries
+            vj = kt(v, j, tk)
+            pv = jnp.einsum("bkgqc,bckv->bqkgv", p.astype(vj.dtype), vj,
+                            preferred_element_type=F32)
+            den = alpha + jnp.sum(p, axis=-1)
+            seen = den > 0
+            den = jnp.where(seen, den, 1.0)
+            o = (oi * _bqkg(alpha) + pv) / _bqkg(den)
+            lse_i = jnp.where(seen, m + jnp.log(den), -jnp.inf)
+            return (lax.dynamic_update_slice_in_dim(out, o.reshape(B, tq, K * G, V), r0, 1),
+                    lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(B, K * G, tq), r0, 2))
+
+        return loop(trips, body, tuple(into))
+
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
-                 masked, window=None, delta=None):
+                 masked, window=None, delta=None, into=None):
         q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
                                                              q_seg, kv_seg)
         B, _, N, H = q.shape
@@ -257,12 +308,17 @@ class FlashKernel(BlockKernel):
             ds = (ds * scores.scale).astype(qi.dtype)
             dqi = jnp.einsum("bkgqc,bckh->bqkgh", ds, kj, preferred_element_type=F32)
             dkj = jnp.einsum("bkgqc,bqkgh->bckh", ds, qi, preferred_element_type=F32)
+            if into is not None:  # the strategy's accumulators, at the window's offsets
+                return (_add_at(dq, dqi.reshape(B, tq, N, H), q0 + i * tq),
+                        _add_at(dk, dkj, k0 + j * tk), _add_at(dv, dvj, k0 + j * tk))
             return (_put(dq, _slice(dq, i, tq) + dqi.reshape(B, tq, N, H), i, tq),
                     _put(dk, _slice(dk, j, tk) + dkj, j, tk),
                     _put(dv, _slice(dv, j, tk) + dvj, j, tk))
 
-        init = (jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
-                jnp.zeros((B, S, K, V), F32))
+        q0, _, k0, _ = window or (0, L, 0, S)
+        init = into if into is not None else (
+            jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
+            jnp.zeros((B, S, K, V), F32))
         return loop(trips, body, init)
 
 

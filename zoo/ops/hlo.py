@@ -79,6 +79,15 @@ def count_executed(text: str, opcode: str) -> int:
                if op == opcode)
 
 
+def decisions(text: str) -> int:
+    """Executions of data-dependent branch points: ``conditional``s and ``while`` loops with no
+    known trip count (such as `zoo.ops.ring`'s run-if loops of 0 or 1 trips)."""
+    comps, _ = _parse(text)
+    runs = executions(text)
+    return sum(runs.get(n, 0) for n, instrs in comps.items() for _, op, line in instrs
+               if op == "conditional" or (op == "while" and not _TRIP.search(line)))
+
+
 def branches(text: str) -> list[list[str]]:
     """Branch computations of every ``conditional``, in branch-index order (for a two-way
     `lax.cond`: [false, true])."""

@@ -86,10 +86,19 @@ class BlockKernel:
     ``sum(dout * out)`` over the value dim of the *global* out, computed once by the strategy;
     windowed like lse) and gets ``out=None``: the strategy then holds no q-sized out during the
     backward's loop (memory).
+
+    And ``accumulates = True`` (with ``windowed``) says that the kernel adds into the
+    strategy's accumulators in place: ``forward(..., into=(out, lse))`` merges the window's
+    queries into the running fp32 ``out`` [B, L', N, V] (normalised) and ``lse`` [B, N, L']
+    (whole arrays, at the window's query offset) and returns them; ``backward(..., into=(dq,
+    dk, dv))`` adds the window's gradients into whole fp32 accumulators at the window's
+    offsets and returns them. No sub-block result exists then (memory); the strategy runs each
+    way in a 0-or-1-trip loop instead of a `lax.switch` (see `zoo.ops.ring`).
     """
 
     windowed = False
     takes_delta = False
+    accumulates = False
 
     def partial_plans(self, L: int, S: int) -> tuple:
         return (True,)

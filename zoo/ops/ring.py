@@ -11,21 +11,30 @@ back the same way, and the parameters' gradients stay local; `shard_map` sums th
   one piece when the expanded K/V are no larger than the local queries, else in slices
   (`gather_slices`) -- and attend with the local queries. Backward re-gathers and
   reduce-scatters the payload's gradient.
-* ``"ring"``: ``cp`` steps; at step t device r holds the payload of shard r - t. Each step
-  first *sends* the block on (`ppermute`, independent of this step's compute, so XLA may
-  overlap them), then attends to it and merges into the fp32 online softmax. Backward walks the
-  same ring; the payload gradient accumulator of a block travels with it, and each step's
-  block gradients are computed before the accumulator that just arrived is touched, so its
-  transfer overlaps the compute.
+* ``"ring"``: ``rounds`` rounds of ``cp`` steps (`ring_rounds`). Round h streams key piece h
+  of ``rounds`` equal pieces of every shard's payload; at its step t device r holds that piece
+  of shard r - t. Each step first *sends* the piece on (`ppermute`, independent of this step's
+  compute, so XLA may overlap them), then attends to it and merges into the fp32 online
+  softmax. Backward walks the same rounds; the gradient accumulator of a piece travels with
+  it, and each step's piece gradients are computed before the accumulator that just arrived
+  is touched, so its transfer overlaps the compute. The ring's own buffers (the piece computed
+  on and the one arriving, the accumulator arriving and the one leaving, the step's fresh
+  gradients) are piece-sized, so more rounds hold less for the same bytes on the wire.
 
 Skipping: a block is split into ``split`` x ``split`` sub-blocks (per gathered shard for
-all-gather); each is classified from position/segment bounds (`zoo.ops.masks.block_kind`) and
-one `lax.switch` picks "skip" (empty), the kernel with ``masked=False`` (full) or with the mask
-(partial) -- for kernels with several static ways to walk a partial block (the flash kernel's
-tile budgets, `zoo.ops.flash.TilePlan`), the one the kernel picks from the data. That is
-``split**2`` conditionals per ring step, none per tile: the count does not grow with the
-sequence length. ``split=2`` matches the load-balanced layout (each shard holds
-two chunks), so causal blocks are classified exactly at chunk granularity.
+all-gather; on the key side of a ring piece into ``max(1, split // rounds)``); each is
+classified from position/segment bounds (`zoo.ops.masks.block_kind`) into "skip" (empty), the
+kernel with ``masked=False`` (full) or with the mask (partial) -- for kernels with several
+static ways to walk a partial block (the flash kernel's tile budgets,
+`zoo.ops.flash.TilePlan`), the one the kernel picks from the data. One decision per
+sub-block, none per tile: the count does not grow with the sequence length. For a kernel that
+adds into the strategy's accumulators in place (`BlockKernel.accumulates`, the flash kernel:
+forward into the running (out, lse), backward into (dq, dk, dv)) each way to run is a
+`lax.while_loop` of 0 or 1 trips over the accumulators (`_run_if`): XLA keeps them in place
+there, where a `conditional` copies its operands into every branch's loop. Other kernels
+return a sub-block's results and one `lax.switch` picks the way. ``split=2`` matches the
+load-balanced layout (each shard holds two chunks), so causal blocks are classified exactly
+at chunk granularity.
 
 Hop plan (``Config.hops``): when the mask bounds how far back/ahead in the sequence a query
 sees (`zoo.ops.masks.Reach`) and the caller states how tokens lie across the shards
@@ -41,8 +50,9 @@ fails, so the result is exact for every input.
 
 Memory: the backward computes ``delta = sum(dout * out)`` once; a kernel that takes it
 (`BlockKernel.takes_delta`, the flash kernel) never sees ``out``, so the q-sized output is not
-held through the backward's loop, and the ring's dq accumulator is zero-filled from delta
-(`_zeros_from`), so it does not exist during the forward.
+held through the backward's loop, and the dq accumulator is zero-filled from delta
+(`_zeros_from`), so it does not exist during the forward. With an accumulating kernel no
+sub-block result exists either (above), and the ring's buffers shrink with its rounds.
 
 Sinks (``[N]`` logits with no value) join each row's softmax after the merge; their gradient is
 ``-sum(exp(sink - lse) * delta)``.
@@ -78,6 +88,7 @@ class Config:
     split: int = 2
     sinks: bool = False
     hops: tuple[int, ...] | None = None  # `hop_plan`'s shard offsets; None: the full ring
+    rounds: int | None = None  # the full ring's rounds (`ring_rounds`); None: by memory
 
 
 LAYOUTS = (None, "contiguous", "balanced")
@@ -180,10 +191,10 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
 
     One gather (m=1, Llama-3 style) when the whole K/V is no larger than the local queries.
     Otherwise m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
-    divisor of the local kv length that keeps a gathered slice within half that size, so
-    per-device memory stays ~1/cp (half, not all of it: the gathered slice, its layout copies
-    and the backward's per-slice dK/dV are all that size; at 16k, cp=8 this took the program
-    from 30.3 to 28.3 MiB). Either way the bytes moved equal one gather (and one
+    divisor of the local kv length that keeps a gathered slice within a quarter of that size,
+    so per-device memory stays ~1/cp (a quarter, not all of it: the gathered slice, its layout
+    copies and the backward's per-slice dK/dV are all that size; at 16k, cp=8 a half took
+    23.2 MiB, a quarter 21.0). Either way the bytes moved equal one gather (and one
     reduce-scatter).
     """
     s_local = k_shape[1]
@@ -192,7 +203,7 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     need = cp * s_local * k_shape[2] * (k_shape[3] + v_shape[3])
     budget = q_shape[1] * q_shape[2] * q_shape[3]
     if need > budget:
-        budget //= 2
+        budget //= 4
     m = min(-(-need // budget), s_local)
     while s_local % m:
         m += 1
@@ -201,13 +212,54 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
 
 # -- visiting the sub-blocks of one block pair ------------------------------------------------
 
-def _pieces(cfg, L, S, kv_groups):
-    """(query piece length, number, key piece length, number): ``split`` pieces per side, and
-    per gathered shard (``kv_groups``) on the key side."""
+def _pieces(cfg, L, S, kv_groups, kv_split=None):
+    """(query piece length, number, key piece length, number): ``split`` pieces per side (on
+    the key side ``kv_split`` if given), and per gathered shard (``kv_groups``) on the key
+    side."""
     lq = L // cfg.split if L % cfg.split == 0 else L
-    per = S // kv_groups
-    lk = per // cfg.split if per % cfg.split == 0 else per
+    per, ks = S // kv_groups, cfg.split if kv_split is None else kv_split
+    lk = per // ks if per % ks == 0 else per
     return lq, L // lq, lk, S // lk
+
+
+MIN_RING_PIECE = 256  # keys: a smaller ring step costs more in latency than it saves
+
+
+def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=MIN_RING_PIECE) -> int:
+    """Rounds n of the full ring, from local shapes [B, L/cp, N, H], [B, S/cp, K, H],
+    [B, S/cp, K, V] of the *expanded* K/V: each round streams one of n equal key pieces of
+    every shard around the ring, so the ring's own buffers -- the piece computed on, the one
+    arriving, and their two dK/dV accumulators -- shrink with n (the bytes moved do not).
+
+    The smallest power of two n that brings one piece's K and V within 1/16 of the local
+    queries (the four buffers within a quarter), as long as n divides the local kv length and
+    a piece keeps at least ``min_piece`` keys; 1 at cp=1. At the benchmark's 16k, cp=8 shape
+    (2,048 local tokens, 8 heads, 2 kv heads) that is 8 rounds of 256 keys.
+    """
+    s_local = k_shape[1]
+    if cp == 1:
+        return 1
+    kv = s_local * k_shape[2] * (k_shape[3] + v_shape[3])
+    budget = q_shape[1] * q_shape[2] * q_shape[3] / 16
+    n = 1
+    while kv / n > budget and s_local % (2 * n) == 0 and s_local // (2 * n) >= min_piece:
+        n *= 2
+    return n
+
+
+def _rounds(cfg, q, params, payload) -> tuple[int, int]:
+    """(rounds of the full ring, key sub-blocks per piece): ``cfg.rounds`` or `ring_rounds`;
+    a piece is split so that key sub-blocks are never coarser than ``split`` per block."""
+    k, v = jax.eval_shape(lambda: _expand(cfg, params, payload))
+    n = cfg.rounds or ring_rounds(_cp(cfg), q.shape, k.shape, v.shape)
+    per = k.shape[1] // n
+    ks = max(1, cfg.split // n)
+    return n, ks if per % ks == 0 else 1
+
+
+def _piece(xs, h, n):
+    """Piece h (traced) of n equal pieces along axis 1 of every array in the tree xs."""
+    return jax.tree.map(lambda x: _slice(x, h, x.shape[1] // n), xs)
 
 
 def _merge(out, lse, o, o_lse):
@@ -232,19 +284,29 @@ def _branch(cfg, kind, plans, q_pos, kv_pos, q_seg, kv_seg):
     return jnp.where(kind == PARTIAL, PARTIAL + plan, kind)
 
 
-def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
+def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=None):
     """Merge attention of q over one (k, v) block into the running (out, lse)."""
     B, L, N, _ = q.shape
     S, V = k.shape[1], v.shape[-1]
-    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
+    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups, kv_split)
     plans = _plans(cfg.kernel, lq, lk)
     windowed = getattr(cfg.kernel, "windowed", False)
+    into = windowed and getattr(cfg.kernel, "accumulates", False)
 
     def pair(idx, state):
         a, b = idx // nk, idx % nk
         qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
         kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
+        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
+        if into:  # the kernel merges into the running (out, lse) in place
+            def run_into(masked):
+                return lambda st: cfg.kernel.forward(q, k, v, qp, kp, qs, ks, scores=cfg.scores,
+                                                     masked=masked, into=st,
+                                                     window=(a * lq, lq, b * lk, lk))
+            for i, fn in enumerate((run_into(False), *map(run_into, plans)), 1):
+                state = _run_if(branch == i, fn, state)
+            return state
 
         def kv():
             return _slice(k, b, lk), _slice(v, b, lk)
@@ -259,7 +321,6 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
         def skip():
             return jnp.zeros((B, lq, N, V), F32), jnp.full((B, N, lq), -jnp.inf, F32)
 
-        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
         o, o_lse = lax.switch(branch, (skip, run(False), *map(run, plans)))
         out, lse = state
         oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, o_lse)
@@ -269,20 +330,30 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1):
 
 
 def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1,
-                    delta=None):
+                    delta=None, kv_split=None):
     """(dq + this block's dq, dk, dv) fp32 of one block pair from the global (out, lse), or
     (out=None) from (delta, lse) for kernels that take delta (`BlockKernel.takes_delta`)."""
     rows = {} if delta is None else dict(delta=delta)
     L, S = q.shape[1], k.shape[1]
-    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups)
+    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups, kv_split)
     plans = _plans(cfg.kernel, lq, lk)
     windowed = getattr(cfg.kernel, "windowed", False)
+    into = windowed and getattr(cfg.kernel, "accumulates", False)
 
     def pair(idx, acc):
         a, b = idx // nk, idx % nk
         qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
         kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
+        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
+        if into:  # the kernel adds into the accumulators in place, one loop per way to run
+            def run_into(masked):
+                return lambda acc: cfg.kernel.backward(
+                    q, k, v, qp, kp, qs, ks, out, lse, dout, scores=cfg.scores, masked=masked,
+                    window=(a * lq, lq, b * lk, lk), into=acc, **rows)
+            for i, fn in enumerate((run_into(False), *map(run_into, plans)), 1):
+                acc = _run_if(branch == i, fn, acc)
+            return acc
 
         def run(masked):
             if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
@@ -300,7 +371,6 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
                     jnp.zeros((*k.shape[:1], lk, *k.shape[2:]), F32),
                     jnp.zeros((*v.shape[:1], lk, *v.shape[2:]), F32))
 
-        branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
         gq, gk, gv = lax.switch(branch, (skip, run(False), *map(run, plans)))
         dq, dk, dv = acc
         return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
@@ -309,6 +379,15 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
     return loop(nq * nk, pair, init)
+
+
+def _run_if(pred, fn, x):
+    """``fn(x) if pred else x`` as a while loop of 0 or 1 trips: XLA keeps the carried
+    accumulators in place through it, where a conditional copies them into every branch's
+    loop (16k, cp=8, before the ring's rounds: through a `lax.switch` 29.0 MiB, through these
+    loops 26.3, with separate sub-block results 28.2)."""
+    return lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32),
+                          lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), x))[1]
 
 
 def _zeros_after(x, shape):
@@ -327,10 +406,10 @@ def _zeros_from(x, shape):
     """fp32 zeros of `shape` computed from `x`, so they cannot exist before `x` does.
 
     XLA:CPU expands optimization barriers before it schedules, so `_zeros_after`'s zeros can
-    still be filled at the program's start; for the ring's q-sized dq accumulator that kept
-    4 MiB alive through the whole forward at the benchmark's 16k/cp=8 shape. A broadcast of
-    ``0 * x[0]`` (0 where that is not finite) is exactly zero (or -0.0, which adds exactly) for
-    every input. (For all-gather the heap packed 1 MiB worse with it, so it keeps the barrier.)
+    still be filled at the program's start; for the q-sized dq accumulator that kept 4 MiB
+    alive through the whole forward at the benchmark's 16k/cp=8 shape (ring and all-gather).
+    A broadcast of ``0 * x[0]`` (0 where that is not finite) is exactly zero (or -0.0, which
+    adds exactly) for every input.
     """
     first = x.reshape(-1)[0].astype(F32)
     return jnp.broadcast_to(jnp.where(jnp.isfinite(first), first * 0.0, 0.0), shape)
@@ -380,9 +459,9 @@ def _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):
     _, v0 = jax.eval_shape(lambda: _expand(cfg, params, payload))
     state = (jnp.zeros((B, L, N, v0.shape[-1]), F32), jnp.full((B, N, L), -jnp.inf, F32))
 
-    def attend(pl, kpb, ksb, state, groups):
+    def attend(pl, kpb, ksb, state, groups, kv_split=None):
         k, v = _expand(cfg, params, pl)
-        return _forward_block(cfg, q, qpos, qseg, k, v, kpb, ksb, state, groups)
+        return _forward_block(cfg, q, qpos, qseg, k, v, kpb, ksb, state, groups, kv_split)
 
     if cfg.strategy == "all_gather" or _cp(cfg) == 1:
         m, c = _slices(cfg, q, params, payload)
@@ -394,17 +473,22 @@ def _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):
 
         out, lse = loop(m, gather_step, state)
     else:
+        n, ks = _rounds(cfg, q, params, payload)
+
         def ring_step(carry, _):
             pl, kpb, ksb, state = carry
             nxt = _shift((pl, kpb, ksb), cfg)  # sent before (and independent of) the compute
             with jax.named_scope("ring_block"):
-                state = attend(pl, kpb, ksb, state, 1)
+                state = attend(pl, kpb, ksb, state, 1, kv_split=ks)
             return (*nxt, state), None
 
-        def full(state):
-            (*_, state), _ = lax.scan(ring_step, (payload, kpos, kseg, state), None,
-                                      length=_cp(cfg))
+        def ring_round(h, state):
+            pl, kpb, ksb = _piece((payload, kpos, kseg), h, n)
+            (*_, state), _ = lax.scan(ring_step, (pl, kpb, ksb, state), None, length=_cp(cfg))
             return state
+
+        def full(state):
+            return loop(n, ring_round, state)
 
         def planned(state):
             for _, (pl, kpb, ksb) in _blocks(cfg, (payload, kpos, kseg)):
@@ -452,10 +536,10 @@ def _attend_bwd(cfg, res, dout):
     takes = getattr(cfg.kernel, "takes_delta", False)
     out_k, delta_k = (None, delta) if takes else (out, None)
 
-    def grads(pl, kpb, ksb, dq, groups):
+    def grads(pl, kpb, ksb, dq, groups, kv_split=None):
         (k, v), back = _payload_vjp(cfg, params, pl)
         dq, dk, dv = _backward_block(cfg, q, qpos, qseg, out_k, lse, dout, dq, k, v, kpb, ksb,
-                                     groups, delta_k)
+                                     groups, delta_k, kv_split)
         dparams, dpl = back((dk, dv))
         return dq, dparams, dpl
 
@@ -463,7 +547,7 @@ def _attend_bwd(cfg, res, dout):
     zeros = functools.partial(jax.tree.map, lambda x: _zeros_after(dout, x.shape))
     gather = cfg.strategy == "all_gather" or _cp(cfg) == 1
     # delta exists only once the forward is done (dout may be a constant of the program)
-    dq = _zeros_after(dout, q.shape) if gather else _zeros_from(delta, q.shape)
+    dq = _zeros_from(delta, q.shape)
     dparams = zeros(params)
     if gather:
         m, c = _slices(cfg, q, params, payload)
@@ -482,20 +566,28 @@ def _attend_bwd(cfg, res, dout):
 
         dq, dparams, dpayload = loop(m, gather_step, (dq, dparams, zeros(payload)))
     else:
+        n, ks = _rounds(cfg, q, params, payload)
+
         def ring_step(carry, _):
             pl, kpb, ksb, acc, dq, dparams = carry
             nxt = _shift((pl, kpb, ksb), cfg)
             with jax.named_scope("ring_block_grad"):
-                dq, dparams_b, dpl = grads(pl, kpb, ksb, dq, 1)  # independent of `acc`
+                dq, dparams_b, dpl = grads(pl, kpb, ksb, dq, 1, kv_split=ks)  # not `acc`
             # the accumulator that arrived last step is used only now, so its transfer
-            # overlaps the block's compute; it travels on with its block, home after cp hops
+            # overlaps the block's compute; it travels on with its piece, home after cp hops
             acc = _shift(tuple(a + d for a, d in zip(acc, dpl)), cfg)
             return (*nxt, acc, dq, jax.tree.map(jnp.add, dparams, dparams_b)), None
 
+        def ring_round(h, carry):
+            dq, dparams, dpayload = carry
+            pl, kpb, ksb = _piece((payload, kpos, kseg), h, n)
+            init = (pl, kpb, ksb, zeros(pl), dq, dparams)
+            (*_, acc, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
+            c = kpos.shape[1] // n
+            return dq, dparams, tuple(_put(d, a, h, c) for d, a in zip(dpayload, acc))
+
         def full(dq, dparams):
-            init = (payload, kpos, kseg, zeros(payload), dq, dparams)
-            (*_, dpayload, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
-            return dq, dparams, dpayload
+            return loop(n, ring_round, (dq, dparams, zeros(payload)))
 
         def planned(dq, dparams):
             dpayload = home = None
