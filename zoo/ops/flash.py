@@ -147,7 +147,7 @@ class FlashKernel(BlockKernel):
     """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
     `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
     offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
-    fewer per sub-block switch, which compiles faster; see the README's attention section)."""
+    fewer per sub-block decision, which compiles faster; see the README's attention section)."""
     q_tile: int | None = None
     kv_tile: int | None = None
     tile_budget: bool = True

@@ -74,7 +74,7 @@ class BlockKernel:
     with ``partial_plans(L, S) -> (plan, ...)`` (hashable values passed as ``masked``; the
     last must take any block) and ``pick_plan(plans, scores, q_pos, kv_pos, q_seg, kv_seg)
     -> int32`` (which one fits this block, from the data); the strategy makes each plan one
-    branch of its per-sub-block switch. The default is one plan, ``masked=True``.
+    way of its per-sub-block decision. The default is one plan, ``masked=True``.
 
     Optional too: ``windowed = True`` says that ``forward``/``backward`` take
     ``window=(q_start, L, kv_start, S)`` (starts int32, possibly traced; lengths static): q,

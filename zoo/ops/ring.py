@@ -304,9 +304,7 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
                 return lambda st: cfg.kernel.forward(q, k, v, qp, kp, qs, ks, scores=cfg.scores,
                                                      masked=masked, into=st,
                                                      window=(a * lq, lq, b * lk, lk))
-            for i, fn in enumerate((run_into(False), *map(run_into, plans)), 1):
-                state = _run_if(branch == i, fn, state)
-            return state
+            return _one_of(branch, (run_into(False), *map(run_into, plans)), state)
 
         def kv():
             return _slice(k, b, lk), _slice(v, b, lk)
@@ -351,9 +349,7 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
                 return lambda acc: cfg.kernel.backward(
                     q, k, v, qp, kp, qs, ks, out, lse, dout, scores=cfg.scores, masked=masked,
                     window=(a * lq, lq, b * lk, lk), into=acc, **rows)
-            for i, fn in enumerate((run_into(False), *map(run_into, plans)), 1):
-                acc = _run_if(branch == i, fn, acc)
-            return acc
+            return _one_of(branch, (run_into(False), *map(run_into, plans)), acc)
 
         def run(masked):
             if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
@@ -379,6 +375,19 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
     return loop(nq * nk, pair, init)
+
+
+ONE_OF = "zoo_one_of"  # named scope of `_one_of`'s loops: XLA's static counts take one
+
+
+def _one_of(branch, fns, x):
+    """``fns[branch - 1](x)``, or x for branch 0, as one `_run_if` loop per function (their
+    ``op_name`` carries `ONE_OF`, so `zoo.train.rehearse.hlo_stats` counts the costliest one
+    alone, as it does a conditional's branches)."""
+    with jax.named_scope(ONE_OF):
+        for i, fn in enumerate(fns, 1):
+            x = _run_if(branch == i, fn, x)
+    return x
 
 
 def _run_if(pred, fn, x):

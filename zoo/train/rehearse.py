@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from zoo.ops.ring import ONE_OF
+
 __all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
            "set_virtual_devices", "PRESETS"]
 
@@ -195,7 +197,22 @@ def hlo_stats(text: str) -> HloStats:
         flops, coll, counts = 0.0, collections.Counter(), collections.Counter()
         dots: collections.Counter = collections.Counter()
         names: dict[str, set] = collections.defaultdict(set)
-        unknown = 0
+        unknown, one_of = 0, []
+
+        def add(callee, n):
+            nonlocal flops, unknown
+            f, c, k, d, nm, u = totals(callee)
+            flops += n * f
+            unknown += u
+            for key, v in c.items():
+                coll[key] += n * v
+            for key, v in k.items():
+                counts[key] += n * v
+            for key, v in d.items():
+                dots[key] += n * v
+            for key, v in nm.items():
+                names[key] |= v
+
         for ins in comps.get(comp, ()):
             if ins.opcode in ("dot", "convolution"):
                 flops += _dot_flops(ins, types[comp])
@@ -219,21 +236,20 @@ def hlo_stats(text: str) -> HloStats:
                 callees.append((max(branches, key=lambda b: totals(b)[0]), 1))
             if ins.opcode == "while":
                 trip = _TRIP.search(ins.attrs)
+                op = _OP_NAME.search(ins.attrs)
+                if trip is None and op and ONE_OF in op.group(1):
+                    # one of a decision's 0-or-1-trip loops (`zoo.ops.ring`), of which one
+                    # runs: like a conditional's branches, only the costliest is counted
+                    one_of.append([name for name, _ in callees])
+                    continue
                 unknown += trip is None
                 n = int(trip.group(1)) if trip else 1
                 callees = [(name, n) for name, _ in callees]
             for callee, n in callees:
-                f, c, k, d, nm, u = totals(callee)
-                flops += n * f
-                unknown += u
-                for key, v in c.items():
-                    coll[key] += n * v
-                for key, v in k.items():
-                    counts[key] += n * v
-                for key, v in d.items():
-                    dots[key] += n * v
-                for key, v in nm.items():
-                    names[key] |= v
+                add(callee, n)
+        if one_of:  # one decision's loops share a computation (a sub-block's visit)
+            for callee in max(one_of, key=lambda cs: sum(totals(c)[0] for c in cs)):
+                add(callee, 1)
         return flops, coll, counts, dots, names, unknown
 
     flops, coll, counts, dots, names, unknown = totals(entry)
