@@ -59,14 +59,18 @@ def run(report, lengths=None):
             flops = length * length * shape[0] * (shape[2] + shape[3]) * 3.5
             base = None
             for strategy in ("ring", "all_gather"):
-                for kernel in kernels:
+                # the ring also in one round: its default rounds (`zoo.ops.ring.ring_rounds`)
+                # trade memory for more, shorter steps, whose cost only a device shows
+                variants = [(kernel, None) for kernel in kernels]
+                variants += [("flash", 1)] if strategy == "ring" else []
+                for kernel, rounds in variants:
                     row = dict(length=length, shape=name, cp=cp, strategy=strategy,
-                               kernel=kernel)
+                               kernel=kernel, rounds=rounds or "auto")
 
-                    def loss(q, k, v, kernel=kernel, strategy=strategy):
+                    def loss(q, k, v, kernel=kernel, strategy=strategy, rounds=rounds):
                         o = attention(q, k, v, q_positions=pos, kv_positions=pos,
                                       q_segment_ids=seg, kv_segment_ids=seg, partitioner=p,
-                                      implementation=strategy, kernel=kernel)
+                                      implementation=strategy, kernel=kernel, rounds=rounds)
                         return jnp.sum(o.astype(jnp.float32)), o
 
                     fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))

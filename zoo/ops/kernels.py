@@ -93,7 +93,9 @@ class BlockKernel:
     (whole arrays, at the window's query offset) and returns them; ``backward(..., into=(dq,
     dk, dv))`` adds the window's gradients into whole fp32 accumulators at the window's
     offsets and returns them. No sub-block result exists then (memory); the strategy runs each
-    way in a 0-or-1-trip loop instead of a `lax.switch` (see `zoo.ops.ring`).
+    way in a 0-or-1-trip loop instead of a `lax.switch` (see `zoo.ops.ring`). A subclass of
+    such a kernel (`zoo.ops.flash.FlashKernel`) that overrides ``forward`` or ``backward``
+    without ``into=`` sets ``accumulates = False``.
     """
 
     windowed = False

@@ -222,10 +222,13 @@ def _pieces(cfg, L, S, kv_groups, kv_split=None):
     return lq, L // lq, lk, S // lk
 
 
-MIN_RING_PIECE = 256  # keys: a smaller ring step costs more in latency than it saves
+# keys per ring step at least: a smaller step costs more in per-step latency (and, on GPU,
+# the host reads of its sub-block decisions) than its memory saves; wider on accelerators,
+# whose kernels want wide tiles (`zoo.ops.flash.ACCELERATOR_TILES`) -- not measured there
+MIN_RING_PIECE = {"cpu": 256, "accelerator": 1024}
 
 
-def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=MIN_RING_PIECE) -> int:
+def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None) -> int:
     """Rounds n of the full ring, from local shapes [B, L/cp, N, H], [B, S/cp, K, H],
     [B, S/cp, K, V] of the *expanded* K/V: each round streams one of n equal key pieces of
     every shard around the ring, so the ring's own buffers -- the piece computed on, the one
@@ -233,12 +236,15 @@ def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=MIN_RING_PIECE) -> int:
 
     The smallest power of two n that brings one piece's K and V within 1/16 of the local
     queries (the four buffers within a quarter), as long as n divides the local kv length and
-    a piece keeps at least ``min_piece`` keys; 1 at cp=1. At the benchmark's 16k, cp=8 shape
-    (2,048 local tokens, 8 heads, 2 kv heads) that is 8 rounds of 256 keys.
+    a piece keeps at least ``min_piece`` keys (default `MIN_RING_PIECE` of the backend); 1 at
+    cp=1. At the benchmark's 16k, cp=8 shape (2,048 local tokens, 8 heads, 2 kv heads) that is
+    8 rounds of 256 keys on CPU (2 of 1,024 on an accelerator).
     """
     s_local = k_shape[1]
     if cp == 1:
         return 1
+    if min_piece is None:
+        min_piece = MIN_RING_PIECE["cpu" if jax.default_backend() == "cpu" else "accelerator"]
     kv = s_local * k_shape[2] * (k_shape[3] + v_shape[3])
     budget = q_shape[1] * q_shape[2] * q_shape[3] / 16
     n = 1
