@@ -255,7 +255,7 @@ def _dense(shape):
 
 
 # the full ring in several rounds (`zoo.ops.ring.ring_rounds`; these short shards pick one)
-ROUNDS = {("ring", "cp2"): 2, ("ring", "cp4"): 4}
+ROUNDS = {("ring", "cp2"): 2, ("ring", "cp4"): 4, ("ring", "cp8"): 2}
 
 
 @functools.cache
