@@ -320,17 +320,13 @@ def _layout(p: Partitioner, B: int, K: int):
     return batch_axes, p.sequence_axes("attention"), head_axes, repeat
 
 
-def _with_unit_axes(mesh, entries):
-    """The spec entries (batch, sequence, heads) with every size-1 mesh axis they do not name
-    added to the batch entry (a no-op split). `shard_map`'s transpose psums each input's
-    cotangent over the axes its spec leaves out; over a size-1 axis that is an all-reduce
-    over one device, which XLA:CPU keeps -- and that copies dq, dk and dv into fresh buffers
-    (5 MiB at the 16k, cp=8 benchmark shape). Returns (batch, sequence, heads, unit axes)."""
-    named = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    unit = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in named)
-    b, s, h = entries
-    b = _entry(((b,) if isinstance(b, str) else tuple(b or ())) + unit)
-    return b, s, h, _entry(unit)
+def _unit_axes(mesh, *named: tuple[str, ...]) -> tuple[str, ...]:
+    """The size-1 mesh axes no spec names. `shard_map`'s transpose psums each input's
+    cotangent over the axes its spec leaves out; over a size-1 axis that is an all-reduce over
+    one device, which XLA:CPU keeps -- and it writes dq, dk and dv into fresh buffers (5 MiB
+    at the 16k, cp=8 benchmark shape). Named in a spec (a no-op split), they are not summed."""
+    used = {a for axes in named for a in axes}
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in used)
 
 
 def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, *,
@@ -343,14 +339,13 @@ def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qse
         return _ring.attend_shard(q, payload, params, sinks, ok, qpos, kpos, qseg, kseg,
                                   cfg=cfg)
     cfg = dataclasses.replace(cfg, axes=tuple(seq_axes))
-    b, s, h, unit = _with_unit_axes(p.mesh, (_entry(batch_axes), _entry(seq_axes),
-                                             _entry(head_axes)))
+    unit = _unit_axes(p.mesh, tuple(batch_axes), tuple(seq_axes), tuple(head_axes))
+    b, s, h = _entry((*batch_axes, *unit)), _entry(seq_axes), _entry(head_axes)
     act, tok = P(b, s, h, None), P(b, s)
     # MLA: the latent and rotary key are not split by head; kv_up is [R, N, Hn+Hv]
     pay_specs = (act, act) if plain else (P(b, s, None), P(b, s, None))
-    par_specs = tuple(P(unit, h, None) for _ in params)
-    sink_spec = P(h) if unit is None else P(_entry(tuple(
-        x for e in (h, unit) if e is not None for x in ((e,) if isinstance(e, str) else e))))
+    par_specs = tuple(P(_entry(unit), h, None) for _ in params)
+    sink_spec = P(_entry((*head_axes, *unit)))
     local = functools.partial(_ring.attend_shard, cfg=cfg)
     with jax.named_scope(f"attention_{cfg.strategy}"):
         return jax.shard_map(local, mesh=p.mesh,
