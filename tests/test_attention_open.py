@@ -228,8 +228,11 @@ def test_tokamax_kernel_under_cp(impl, sizes):
 
 @dataclasses.dataclass(frozen=True)
 class CountingKernel(FlashKernel):
-    """A user's kernel: the flash kernel with its own tiles, recording its calls at trace."""
+    """A user's kernel: the flash kernel with its own tiles, recording its calls at trace. It
+    returns each sub-block's results (``accumulates = False``), so the strategies take their
+    `lax.switch` path for it (the flash kernel itself adds in place)."""
     calls: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+    accumulates = False
 
     def forward(self, *args, **kw):
         self.calls.append("forward")
@@ -237,14 +240,21 @@ class CountingKernel(FlashKernel):
 
 
 def test_registered_user_kernel():
+    """A registered kernel that returns its sub-block results (the strategies' `lax.switch`
+    path): forward and dq/dk/dv/dsinks against the reference, unsharded and under both CP
+    strategies."""
     user = CountingKernel(q_tile=4, kv_tile=4)
     kernels.register_kernel("counting", user)
-    q, k, v, pos, seg, _ = _packed()
-    kw = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
-    got = attention(q, k, v, kernel="counting", **kw)
+    q, k, v, pos, seg, w = _packed()
+    sinks = jnp.asarray([0.5, -1.0, 0.0, 1.5])
+    want = jax.jit(lambda: _grads(dot_product_attention, q, k, v, pos, seg, w, sinks))()
+    p = zoo.Partitioner(zoo.make_mesh(context=4, data=2), "cp")
+    for impl, part in (("auto", None), ("ring", p), ("all_gather", p)):
+        got = jax.jit(lambda impl=impl, part=part: _grads(functools.partial(
+            attention, partitioner=part, implementation=impl, kernel="counting"), q, k, v, pos,
+            seg, w, sinks))()
+        _close(got, want)
     assert user.calls
-    np.testing.assert_allclose(np.asarray(got), np.asarray(dot_product_attention(q, k, v, **kw)),
-                               rtol=2e-5, atol=2e-6)
 
 
 def _fwd_bwd_text(L, impl="ring", cp=4):

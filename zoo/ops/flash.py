@@ -20,10 +20,10 @@ one more way the strategy's per-sub-block decision can run:
   because each plan is one more copy of the kernel in the program (compile time).
 * ``TilePlan(None)``: every tile, masked elementwise (any block).
 
-* `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32);
-  with ``into=(out, lse)`` it merges tile by tile into the strategy's running (out, lse)
-  instead, the online softmax in normalised form (``BlockKernel.accumulates``): no
-  block-sized accumulator or result, at one rescale per row and tile.
+* `FlashKernel.forward` -> (out [B,L,N,V] fp32 normalised over this block, lse [B,N,L] fp32),
+  or with ``into=(out, lse)`` the strategy's running arrays with the block merged in
+  (``BlockKernel.accumulates``): the online softmax is kept in normalised form tile by tile
+  (one rescale per row and tile), so no block-sized accumulator exists beside the result.
 * `FlashKernel.backward` from the global (out, lse): p = exp(s - lse) are the true
   probabilities and delta = sum(dout * out) the true softmax-Jacobian term, so the block's
   (dq, dk, dv) are exact on their own (``into=``: added into the strategy's accumulators).
@@ -191,6 +191,10 @@ class FlashKernel(BlockKernel):
 
     def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked, window=None,
                 into=None):
+        """(out, lse) of the window's queries, or with ``into=(out, lse)`` those running fp32
+        arrays with the window merged in at its query offset (`BlockKernel.accumulates`). One
+        walk either way: the online softmax kept in normalised form, tile by tile, so no
+        block-sized accumulator exists beside the result."""
         q_pos, kv_pos, q_seg, kv_seg, L, S, qt, kt = _window(window, q, k, q_pos, kv_pos,
                                                              q_seg, kv_seg)
         B, _, N, H = q.shape
@@ -200,49 +204,12 @@ class FlashKernel(BlockKernel):
         trips, pair = self._schedule(masked, scores, (q_pos, kv_pos, q_seg, kv_seg), L, S)
         q = q.reshape(*q.shape[:2], K, G, H)
         head = jnp.arange(N).reshape(1, K, G, 1, 1)
-        if into is not None:
-            return self._merge_into(into, window, trips, pair, scores, masked, q, k, v, head,
-                                    (q_pos, kv_pos, q_seg, kv_seg), qt, kt)
+        q0 = 0 if window is None or into is None else window[0]  # rows' offset in out/lse
+        if into is None:
+            into = jnp.zeros((B, L, N, V), F32), jnp.full((B, N, L), -jnp.inf, F32)
 
         def body(t, state):
-            m, den, acc = state  # running max [B,K,G,L], denominator [B,K,G,L], [B,L,K,G,V]
-            i, j, ok = pair(t)
-            qi, qpi, qsi = qt(q, i, tq), _slice(q_pos, i, tq), _slice(q_seg, i, tq)
-            kj, vj = kt(k, j, tk), kt(v, j, tk)
-            kpj, ksj = _slice(kv_pos, j, tk), _slice(kv_seg, j, tk)
-            s, _ = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
-            mi, di = _slice(m, i, tq, axis=3), _slice(den, i, tq, axis=3)
-            m_new = jnp.maximum(mi, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing seen yet
-            alpha = jnp.exp(mi - m_safe)  # 0 when mi is -inf
-            p = jnp.exp(s - m_safe[..., None])  # 0 on masked entries
-            pv = jnp.einsum("bkgqc,bckv->bqkgv", p.astype(vj.dtype), vj,
-                            preferred_element_type=F32)
-            return (_put(m, m_new, i, tq, axis=3),
-                    _put(den, di * alpha + jnp.sum(p, axis=-1), i, tq, axis=3),
-                    _put(acc, _slice(acc, i, tq) * _bqkg(alpha) + pv, i, tq))
-
-        init = (jnp.full((B, K, G, L), -jnp.inf, F32), jnp.zeros((B, K, G, L), F32),
-                jnp.zeros((B, L, K, G, V), F32))
-        m, den, acc = loop(trips, body, init)
-        seen = den > 0
-        den = jnp.where(seen, den, 1.0)
-        lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(den), -jnp.inf)
-        return (acc / _bqkg(den)).reshape(B, L, N, V), lse.reshape(B, N, L)
-
-    def _merge_into(self, into, window, trips, pair, scores, masked, q, k, v, head, tokens,
-                    qt, kt):
-        """`forward` merged tile by tile into the strategy's running (out [B,L',N,V],
-        lse [B,N,L']) fp32 at the window's query offset: the online softmax in normalised
-        form, so no block-sized accumulator or output exists (`BlockKernel.accumulates`)."""
-        q_pos, kv_pos, q_seg, kv_seg = tokens
-        B, _, K, G, _ = q.shape
-        V = v.shape[-1]
-        tq, tk = self.tiles(q_pos.shape[1], kv_pos.shape[1])
-        q0 = 0 if window is None else window[0]
-
-        def body(t, state):
-            out, lse = state
+            out, lse = state  # normalised over the keys seen so far, and their log-sum-exp
             i, j, ok = pair(t)
             r0 = q0 + i * tq
             s, _ = _tile_logits(scores, masked, qt(q, i, tq), kt(k, j, tk),
@@ -262,8 +229,8 @@ class FlashKernel(BlockKernel):
             den = jnp.where(seen, den, 1.0)
             o = (oi * _bqkg(alpha) + pv) / _bqkg(den)
             lse_i = jnp.where(seen, m + jnp.log(den), -jnp.inf)
-            return (lax.dynamic_update_slice_in_dim(out, o.reshape(B, tq, K * G, V), r0, 1),
-                    lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(B, K * G, tq), r0, 2))
+            return (lax.dynamic_update_slice_in_dim(out, o.reshape(B, tq, N, V), r0, 1),
+                    lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(B, N, tq), r0, 2))
 
         return loop(trips, body, tuple(into))
 
@@ -308,14 +275,11 @@ class FlashKernel(BlockKernel):
             ds = (ds * scores.scale).astype(qi.dtype)
             dqi = jnp.einsum("bkgqc,bckh->bqkgh", ds, kj, preferred_element_type=F32)
             dkj = jnp.einsum("bkgqc,bqkgh->bckh", ds, qi, preferred_element_type=F32)
-            if into is not None:  # the strategy's accumulators, at the window's offsets
-                return (_add_at(dq, dqi.reshape(B, tq, N, H), q0 + i * tq),
-                        _add_at(dk, dkj, k0 + j * tk), _add_at(dv, dvj, k0 + j * tk))
-            return (_put(dq, _slice(dq, i, tq) + dqi.reshape(B, tq, N, H), i, tq),
-                    _put(dk, _slice(dk, j, tk) + dkj, j, tk),
-                    _put(dv, _slice(dv, j, tk) + dvj, j, tk))
+            return (_add_at(dq, dqi.reshape(B, tq, N, H), q0 + i * tq),
+                    _add_at(dk, dkj, k0 + j * tk), _add_at(dv, dvj, k0 + j * tk))
 
-        q0, _, k0, _ = window or (0, L, 0, S)
+        # the strategy's accumulators at the window's offsets, or the window's own
+        q0, _, k0, _ = window if window is not None and into is not None else (0, L, 0, S)
         init = into if into is not None else (
             jnp.zeros((B, L, N, H), F32), jnp.zeros((B, S, K, H), F32),
             jnp.zeros((B, S, K, V), F32))
