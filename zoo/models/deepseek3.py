@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 from zoo.layers.mla import MLA
 from zoo.layers.rope import RoPE, YaRN
 from zoo.models.config import DecoderConfig, check_positive, nullable
+from zoo.models import registry
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "from_hf", "to_hf"]
@@ -222,3 +223,19 @@ class DeepSeek3(CausalLM):
 
 from_hf, to_hf = family_io(DeepSeek3, "DeepSeek-V3",
                            "Hub layout, bf16/fp32 or block-FP8; either rope spelling")
+
+
+def _after_step(model, aux, *, expert_bias_rate: float = 0.0) -> None:
+    """DeepSeek-V3's aux-loss-free balancing after each update: the sigmoid routers' selection
+    bias moves by ``rate * sign(mean - counts)`` (`zoo.layers.moe.update_expert_bias`)."""
+    counts = aux.get("expert_counts")
+    if expert_bias_rate and counts is not None and counts.size:
+        from zoo.layers.moe import moe_modules, update_expert_bias
+        if any(m.e_score_correction_bias is not None for m in moe_modules(model, with_bias=False)):
+            update_expert_bias(model, counts, expert_bias_rate)
+
+
+registry.register(registry.Family(
+    name="deepseek3", config_cls=DeepSeek3Config, model_cls=DeepSeek3,
+    presets={"deepseek_v3": DeepSeek3Config.deepseek_v3, "mini": DeepSeek3Config.mini},
+    after_step=_after_step))

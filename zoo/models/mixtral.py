@@ -31,6 +31,7 @@ from zoo.layers.attention import Attention
 from zoo.layers.moe import MoE
 from zoo.layers.rope import RoPE
 from zoo.models.config import DecoderConfig, check_positive, nullable
+from zoo.models import registry
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["MixtralConfig", "MixtralDecoderLayer", "MixtralMoE", "Mixtral", "from_hf", "to_hf"]
@@ -173,3 +174,8 @@ class Mixtral(CausalLM):
 
 
 from_hf, to_hf = family_io(Mixtral, "Mixtral", "Hub layout; either rope spelling in config.json")
+
+registry.register(registry.Family(
+    name="mixtral", config_cls=MixtralConfig, model_cls=Mixtral,
+    presets={"mixtral_8x7b": MixtralConfig.mixtral_8x7b,
+             "mixtral_8x22b": MixtralConfig.mixtral_8x22b, "mini": MixtralConfig.mini}))

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from zoo.layers.attention import Attention
 from zoo.layers.rope import RoPE
 from zoo.models.config import DecoderConfig, check_positive, nullable
+from zoo.models import registry
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3Moe", "from_hf", "to_hf"]
@@ -201,3 +202,7 @@ class Qwen3Moe(CausalLM):
 
 
 from_hf, to_hf = family_io(Qwen3Moe, "Qwen3-MoE", "Hub layout; either rope spelling in config.json")
+
+registry.register(registry.Family(
+    name="qwen3_moe", config_cls=Qwen3MoeConfig, model_cls=Qwen3Moe,
+    presets={"qwen3_30b_a3b": Qwen3MoeConfig.qwen3_30b_a3b, "mini": Qwen3MoeConfig.mini}))
