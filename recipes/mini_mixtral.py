@@ -2,7 +2,7 @@
 
     python recipes/mini_mixtral.py                     # 8 virtual CPU devices, EP-as-CP
     python recipes/mini_mixtral.py --steps 1000 --set num_local_experts=16
-    python recipes/mini_mixtral.py --help              # every flag (= every TrainConfig field)
+    python recipes/mini_mixtral.py --help              # every setting, with its default
 
 With no flags on a CPU-only machine: 8 virtual devices, strategy ``ep_as_cp`` on the mesh
 ``fsdp=2,expert=2,context=2`` (attention sees 4-way context parallelism, the MoE 2-way expert
@@ -11,21 +11,18 @@ minutes on 2 cores. On GPUs/TPUs it uses the real devices with FSDP. Rerunning t
 command resumes from ``runs/mini_mixtral/checkpoints``; SIGTERM/Ctrl-C saves and exits.
 """
 
-from zoo.models.mixtral import Mixtral, MixtralConfig
 from zoo.train import TrainConfig, cli  # importing jax starts no backend: --devices applies
 
-# -- config -----------------------------------------------------------------------------------
-MODEL = MixtralConfig.mini()            # --set FIELD=VALUE overrides any field
-TRAIN = TrainConfig(                    # every field is a flag: --steps, --seq-len, ...
-    steps=200,                          # planned total; fixes the learning-rate schedule
-    batch_size=8,                       # global rows
-    seq_len=256,
-    lr=3e-3,                            # peak; warmup min(100, steps/10), cosine to 10%
-    checkpoint_every=50,
-    aux_loss_field="router_aux_loss_coef",  # Switch-style load-balance loss weight
+RECIPE = cli.Recipe(
+    name="mini_mixtral",
+    description=__doc__.split("\n")[0],
+    train=TrainConfig(
+        family="mixtral", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
+        steps=200, batch_size=8, seq_len=256,
+        lr=3e-3,                         # peak; warmup min(100, steps/10), cosine to 10%
+        checkpoint_every=50,             # the load-balance loss weight: the config's own
+    ),
 )
-RECIPE = cli.Recipe(name="mini_mixtral", model_cls=Mixtral, config=MODEL, train=TRAIN,
-                    description=__doc__.split("\n")[0])
 
 
 def main(argv=None, **kwargs) -> int:

@@ -3,7 +3,7 @@
     python recipes/mini_qwen3_moe.py                   # 8 virtual CPU devices, EP-as-CP
     python recipes/mini_qwen3_moe.py --steps 1000 --set norm_topk_prob=false
     python recipes/mini_qwen3_moe.py --set decoder_sparse_step=2   # dense and MoE alternate
-    python recipes/mini_qwen3_moe.py --help            # every flag (= every TrainConfig field)
+    python recipes/mini_qwen3_moe.py --help            # every setting, with its default
 
 With no flags on a CPU-only machine: 8 virtual devices, strategy ``ep_as_cp`` on the mesh
 ``fsdp=2,expert=2,context=2`` (attention sees 4-way context parallelism, the MoE 2-way expert
@@ -12,21 +12,18 @@ minutes on 2 cores. On GPUs/TPUs it uses the real devices with FSDP. Rerunning t
 command resumes from ``runs/mini_qwen3_moe/checkpoints``; SIGTERM/Ctrl-C saves and exits.
 """
 
-from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from zoo.train import TrainConfig, cli  # importing jax starts no backend: --devices applies
 
-# -- config -----------------------------------------------------------------------------------
-MODEL = Qwen3MoeConfig.mini()           # --set FIELD=VALUE overrides any field
-TRAIN = TrainConfig(                    # every field is a flag: --steps, --seq-len, ...
-    steps=200,                          # planned total; fixes the learning-rate schedule
-    batch_size=8,                       # global rows
-    seq_len=256,
-    lr=3e-3,                            # peak; warmup min(100, steps/10), cosine to 10%
-    checkpoint_every=50,
-    aux_loss_field="router_aux_loss_coef",  # Switch-style load-balance loss weight
+RECIPE = cli.Recipe(
+    name="mini_qwen3_moe",
+    description=__doc__.split("\n")[0],
+    train=TrainConfig(
+        family="qwen3_moe", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
+        steps=200, batch_size=8, seq_len=256,
+        lr=3e-3,                         # peak; warmup min(100, steps/10), cosine to 10%
+        checkpoint_every=50,             # the load-balance loss weight: the config's own
+    ),
 )
-RECIPE = cli.Recipe(name="mini_qwen3_moe", model_cls=Qwen3Moe, config=MODEL, train=TRAIN,
-                    description=__doc__.split("\n")[0])
 
 
 def main(argv=None, **kwargs) -> int:

@@ -102,9 +102,11 @@ def shape_differences(saved, current, limit: int = 5) -> list[str]:
     return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
-def to_pure(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
-    return {"model": nnx.to_pure_dict(nnx.state(model)),
-            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+def to_pure(model: nnx.Module, optimizer: nnx.Optimizer | None) -> dict[str, Any]:
+    out = {"model": nnx.to_pure_dict(nnx.state(model))}
+    if optimizer is not None:
+        out["optimizer"] = nnx.to_pure_dict(nnx.state(optimizer))
+    return out
 
 
 @dataclasses.dataclass
@@ -171,8 +173,9 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(dict(config)))
         self.manager.save(step, args=args, force=True)
 
-    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, *,
-                check: Callable[[int, dict[str, Any]], None] | None = None) -> Restored | None:
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None, *,
+                check: Callable[[int, dict[str, Any]], None] | None = None,
+                step: int | None = None, move_bad: bool = True) -> Restored | None:
         """Restore the newest readable checkpoint into copies of `model` and `optimizer`.
 
         `model`/`optimizer` may be abstract (`zoo.train.step.abstract_state`): their
@@ -181,11 +184,14 @@ class Checkpointer:
         exception from it (e.g. the model shape changed) propagates. A checkpoint that fails
         to read is moved aside with a warning and the previous one is tried. Returns None when
         there is no readable checkpoint; else `Restored` with the new model and optimizer.
+        ``optimizer=None`` restores the model alone (`Restored.optimizer` is None); ``step``
+        restores that step only; ``move_bad=False`` leaves unreadable checkpoints where they
+        are (a read-only look, as `zoo.train.load` takes).
         """
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             to_pure(model, optimizer))
-        for step in reversed(self.steps()):
+        for step in ([step] if step is not None else reversed(self.steps())):
             error = None
             try:
                 config = self.read_config(step)
@@ -195,25 +201,45 @@ class Checkpointer:
                 if check is not None:
                     check(step, config)
                 try:
-                    out = self.manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), data=DataStateRestore()))
+                    out = self._read(step, target, partial=optimizer is None)
                 except Exception as e:
                     out, error = None, e
                 if all_processes_agree(out is not None):
                     # copies: the abstract originals may be in use elsewhere (e.g. compiling)
-                    model, optimizer = nnx.clone(model), nnx.clone(optimizer)
+                    model = nnx.clone(model)
+                    optimizer = None if optimizer is None else nnx.clone(optimizer)
                     for module, key in ((model, "model"), (optimizer, "optimizer")):
+                        if module is None:
+                            continue
                         state = nnx.state(module)
                         nnx.replace_by_pure_dict(state, out["state"][key])  # in place
                         nnx.update(module, state)
                     return Restored(step, model, optimizer, out["data"], config)
             reason = f"{type(error).__name__}: {error}" if error is not None else (
                 "unreadable on another process")
-            warnings.warn(f"checkpoint {os.path.join(self.directory, str(step))} cannot be read "
-                          f"({reason[:500]}); moving it to corrupt-{step} and trying the "
-                          f"previous one", stacklevel=2)
+            where = os.path.join(self.directory, str(step))
+            if not move_bad:
+                warnings.warn(f"checkpoint {where} cannot be read ({reason[:500]})",
+                              stacklevel=2)
+                continue
+            warnings.warn(f"checkpoint {where} cannot be read ({reason[:500]}); moving it to "
+                          f"corrupt-{step} and trying the previous one", stacklevel=2)
             self._move_aside(step)
         return None
+
+    def _read(self, step: int, target: dict[str, Any], *, partial: bool) -> dict[str, Any]:
+        """The state (onto `target`'s shardings) and data items of `step`; ``partial``
+        reads only the entries `target` holds (the model without its optimizer)."""
+        if not partial:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=DataStateRestore()))
+        data = self.manager.restore(step, args=ocp.args.Composite(data=DataStateRestore()))
+        args = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)
+        with ocp.PyTreeCheckpointer() as reader:
+            state = reader.restore(os.path.join(self.directory, str(step), "state"), args=args)
+        return {"state": state, "data": data["data"]}
 
     def protect(self, step: int) -> None:
         """Never rotate `step` out (for the life of this manager)."""

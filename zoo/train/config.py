@@ -1,67 +1,149 @@
-"""`TrainConfig`: every training setting of a run, in one frozen dataclass.
+"""`TrainConfig`: every setting of a training run, in sections that validate themselves.
 
-The recipes' flags are generated from its fields (`add_flags`): ``--seq-len`` for ``seq_len``,
-the field's ``help`` metadata as the flag's help, the recipe's value as its default, and values
-parsed from the field's type (`parse_text`: ``int``, ``float``, ``bool`` as
-``--x/--no-x``, ``X | None``, ``tuple[X, ...]``, ``Literal`` choices, `DTypeName`). ``run.json``
-holds ``dataclasses.asdict`` of it. ``--set FIELD=VALUE`` (`apply_overrides`) parses a model
-config field the same way, from that config's resolved field types.
+The sections (frozen dataclasses, one default per setting):
 
-A research recipe declares one::
+* `ModelSection` ``model`` -- family, preset, config overrides, a Hugging Face start, MoE
+  balancing (aux-loss weight, expert-bias rate);
+* `OptimizerSection` ``optimizer`` -- AdamW and clipping;
+* `ScheduleSection` ``schedule`` -- peak rate, warmup, final fraction;
+* `ParallelismSection` ``parallelism`` -- strategy, mesh, attention, dtypes, remat, devices and
+  processes;
+* `DataSection` ``data`` -- files, documents, load balance, tokenizer, batch and length;
+* `CheckpointSection` ``checkpoint`` -- run dir, interval, rotation;
+* `RunSection` ``run`` -- steps, seed, divergence stop, progress bar, loggers, rehearsal.
 
-    TRAIN = TrainConfig(steps=200, seq_len=256, lr=3e-3, aux_loss_field="aux_loss_alpha")
+Every setting has a unique name across sections, so a config is also built and read flat::
+
+    TrainConfig(family="deepseek3", preset="mini", steps=200, lr=3e-3)
+    config.lr == config.schedule.lr
+
+The recipes' flags are generated from the fields (`add_flags`): ``--seq-len`` for ``seq_len``
+(also spelt ``--data.seq-len``), the field's ``help`` as the flag's help, the recipe's value as
+its default, values parsed from the field's type (`zoo.train.fields.parse_text`). ``run.json``
+holds ``dataclasses.asdict`` of it (section by section).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import types
+import math
 import typing
-from collections.abc import Sequence
-from typing import Any, Literal, NewType
+from typing import Any, ClassVar, Literal
 
-__all__ = ["TrainConfig", "DTypeName", "parse_text", "describe", "add_flags", "from_args",
-           "flag_name", "apply_overrides", "config_to_json", "config_to_python"]
+from zoo.train.fields import (DTypeName, apply_overrides, config_to_json, config_to_python,
+                              describe, is_union, parse_text)
 
-DTypeName = NewType("DTypeName", str)  # a dtype by name ("bfloat16"), checked by jnp.dtype
-_NONE = ("none", "null")
+__all__ = ["TrainConfig", "ModelSection", "OptimizerSection", "ScheduleSection",
+           "ParallelismSection", "DataSection", "CheckpointSection", "RunSection", "SECTIONS",
+           "DTypeName", "parse_text", "describe", "add_flags", "from_args", "flag_name",
+           "apply_overrides", "config_to_json", "config_to_python"]
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Every setting of a training run; `None` means "derive it" (each field says how)."""
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
-    # -- length, batch, schedule, optimizer
-    steps: int = _field(200, "planned total of updates (fixes the learning-rate schedule; on "
-                             "resume, the new total)")
-    batch_size: int = _field(8, "global batch (rows)")
-    seq_len: int = _field(256, "tokens per row")
+
+def _check(ok: bool, name: str, value: Any, rule: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{flag_name(name)} {value}: {rule}; {fix}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _at_least_one(section: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _check(isinstance(value, int) and value >= 1, name, value, "must be an integer >= 1",
+               "pass a positive count")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model: a registered family's preset, with overrides."""
+
+    family: str | None = _field(None, "model family (zoo.models.registry: deepseek3, mixtral, "
+                                      "qwen3_moe, ...; None: the recipe's)")
+    preset: str | None = _field(None, "preset of the family, e.g. mini (None: the recipe's)")
+    overrides: tuple[str, ...] = _field(
+        (), "model config fields FIELD=VALUE, e.g. hidden_size=256 (repeatable)", flag="--set")
+    from_hf: str | None = _field(
+        None, "start from this Hugging Face checkpoint folder instead of random weights")
+    aux_loss_field: str | None = _field(
+        None, "model config field holding the load-balance loss weight (None: the family's)")
+    aux_loss_weight: float | None = _field(
+        None, "weight of the MoE load-balance loss (None: the model config's aux-loss field)")
+    expert_bias_rate: float = _field(
+        1e-3, "aux-loss-free balancing speed: bias += rate*sign(mean-count) after each step "
+              "(DeepSeek-V3's 1e-3; models without a selection bias ignore it; 0: off)")
+
+    def __post_init__(self):
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        for item in self.overrides:
+            _check(isinstance(item, str) and "=" in item, "set", item, "write FIELD=VALUE",
+                   "e.g. --set hidden_size=256")
+        if self.aux_loss_weight is not None:
+            _check(_finite(self.aux_loss_weight) and self.aux_loss_weight >= 0,
+                   "aux_loss_weight", self.aux_loss_weight, "must be a finite number >= 0",
+                   "e.g. 1e-4, or leave it out for the model config's weight")
+        _check(_finite(self.expert_bias_rate) and self.expert_bias_rate >= 0,
+               "expert_bias_rate", self.expert_bias_rate, "must be a finite number >= 0",
+               "e.g. 1e-3 (0 turns the bias update off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW (decoupled weight decay on matrices) after global-norm clipping."""
+
+    weight_decay: float = _field(0.1, "AdamW decoupled weight decay (matrices only)")
+    adam_b1: float = _field(0.9, "AdamW beta1, in [0, 1)")
+    adam_b2: float = _field(0.95, "AdamW beta2, in [0, 1)")
+    adam_eps: float = _field(1e-8, "AdamW epsilon, > 0")
+    clip: float = _field(1.0, "clip the gradient to this global norm (<= 0: no clipping)")
+
+    def __post_init__(self):
+        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+               self.weight_decay, "must be a finite number >= 0", "e.g. 0.1 (0: no decay)")
+        for name in ("adam_b1", "adam_b2"):
+            value = getattr(self, name)
+            _check(_finite(value) and 0 <= value < 1, name, value, "must be in [0, 1)",
+                   "e.g. 0.9 for --adam-b1, 0.95 for --adam-b2")
+        _check(_finite(self.adam_eps) and self.adam_eps > 0, "adam_eps", self.adam_eps,
+               "must be a finite number > 0", "e.g. 1e-8")
+        _check(isinstance(self.clip, (int, float)) and not math.isnan(self.clip), "clip",
+               self.clip, "must be a number", "e.g. 1.0, or 0 for no clipping")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSection:
+    """Linear warmup to ``lr``, then a cosine to ``final_lr_fraction * lr`` at ``steps``."""
+
     lr: float = _field(3e-3, "peak learning rate")
     warmup: int | None = _field(None, "linear warmup steps (None: min(100, steps/10))")
     final_lr_fraction: float = _field(0.1, "the cosine decays to this fraction of --lr at "
-                                           "--steps")
-    weight_decay: float = _field(0.1, "AdamW decoupled weight decay (matrices only)")
-    adam_b1: float = _field(0.9, "AdamW beta1")
-    adam_b2: float = _field(0.95, "AdamW beta2")
-    adam_eps: float = _field(1e-8, "AdamW epsilon")
-    clip: float = _field(1.0, "clip the gradient to this global norm (<= 0: no clipping)")
-    # -- MoE balancing
-    aux_loss_field: str | None = _field(
-        None, "model config field holding the load-balance loss weight (None: no aux loss "
-              "unless --aux-loss-weight)")
-    aux_loss_weight: float | None = _field(
-        None, "weight of the MoE load-balance loss (None: the model config's --aux-loss-field)")
-    expert_bias_rate: float = _field(
-        0.0, "aux-loss-free balancing speed: bias += rate*sign(mean-count) after each step "
-             "(DeepSeek-V3; 0: off)")
-    seed: int = _field(0, "parameter init and data order")
-    # -- parallelism and numerics
+                                           "--steps, in [0, 1]")
+
+    def __post_init__(self):
+        _check(_finite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0",
+               "pass a peak learning rate such as 3e-3")
+        if self.warmup is not None:
+            _check(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", self.warmup,
+                   "must be an integer >= 0", "or leave it out: min(100, steps/10)")
+        _check(_finite(self.final_lr_fraction) and 0 <= self.final_lr_fraction <= 1,
+               "final_lr_fraction", self.final_lr_fraction, "must be in [0, 1]",
+               "e.g. 0.1 (1: constant after warmup)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismSection:
+    """How the mesh cuts the model, in which dtypes, on which devices and processes."""
+
     strategy: Literal["fsdp", "cp", "ep_as_cp"] | None = _field(
         None, "partitioning strategy (None: ep_as_cp on CPU, fsdp on accelerators)")
     mesh: str | None = _field(
@@ -78,33 +160,6 @@ class TrainConfig:
     remat: str | None = _field(
         None, "remat policy: none, full, dots_saveable, dots_with_no_batch_dims_saveable, "
               "save_layer_outputs, offload_layer_outputs (None: the model config's)")
-    # -- data
-    data: tuple[str, ...] | None = _field(
-        None, "text files, globs or folders (None: the Python standard library's sources)")
-    corpus_docs: Literal["file", "short"] = _field(
-        "file", "documents of the corpus: whole files, or one per top-level function/class of "
-                ".py files")
-    load_balance: Literal["auto", "row", "document", "none"] = _field(
-        "auto", "reorder each packed row for context parallelism: auto picks, per row, the "
-                "permutation whose busiest shard computes the fewest attention tiles (zoo.data)",
-        aliases={"--no-load-balance": "none"})
-    tokenizer: str | None = _field(None, "a tokenizer.json (None: bytes)")
-    from_hf: str | None = _field(
-        None, "start from this Hugging Face checkpoint folder instead of random weights")
-    # -- run dir, checkpoints, stopping
-    run_dir: str | None = _field(None, "where checkpoints, metrics.jsonl and run.json go "
-                                       "(None: runs/<recipe name>)")
-    checkpoint_every: int = _field(100, "steps between checkpoints (one is also saved at the end "
-                                        "and on SIGTERM/SIGINT)")
-    max_to_keep: int = _field(3, "checkpoints kept (older ones are deleted)")
-    divergence_factor: float = _field(
-        5.0, "stop (exit 3) when the loss stays above this many times the best of the last 100 "
-             "steps for 10 steps; inf: never")
-    progress: bool = _field(True, "show a progress bar")
-    rehearse: bool = _field(
-        False, "compile the train step for --devices virtual devices and print per-device "
-               "memory, FLOPs and collectives instead of training")
-    # -- devices and processes
     devices: int | None = _field(
         None, "virtual CPU devices of this process (None: 8 unless JAX_NUM_CPU_DEVICES or "
               "XLA_FLAGS sets a count)")
@@ -116,140 +171,150 @@ class TrainConfig:
                "Cloud TPU)")
 
     def __post_init__(self):
-        from zoo.train import validate
-        for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "max_to_keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{flag_name(name)} {getattr(self, name)} must be >= 1")
-        validate.check_positive("--lr", self.lr, "pass a peak learning rate such as 3e-3")
-        validate.check_warmup(self.warmup, self.steps)
-        if not self.divergence_factor > 1:  # also refuses nan
-            raise ValueError(f"--divergence-factor {self.divergence_factor}: must be > 1 (e.g. "
-                             f"the default 5; inf turns the divergence stop off)")
-        if self.devices is not None and self.devices < 1:
-            raise ValueError(f"--devices {self.devices}: must be >= 1")
-        if self.data is not None and not isinstance(self.data, tuple):
+        if self.devices is not None:
+            _at_least_one(self, "devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """The Grain pipeline: files, documents, load balance, tokenizer and the global batch."""
+
+    data: tuple[str, ...] | None = _field(
+        None, "text files, globs or folders (None: the Python standard library's sources)")
+    corpus_docs: Literal["file", "short"] = _field(
+        "file", "documents of the corpus: whole files, or one per top-level function/class of "
+                ".py files")
+    load_balance: Literal["auto", "row", "document", "none"] = _field(
+        "auto", "reorder each packed row for context parallelism: auto picks, per row, the "
+                "permutation whose busiest shard computes the fewest attention tiles (zoo.data)",
+        aliases={"--no-load-balance": "none"})
+    tokenizer: str | None = _field(None, "a tokenizer.json (None: bytes)")
+    batch_size: int = _field(8, "global batch (rows)")
+    seq_len: int = _field(256, "tokens per row")
+
+    def __post_init__(self):
+        if self.data is not None:
             object.__setattr__(self, "data", tuple(self.data))  # JSON/argparse give lists
+            _check(len(self.data) > 0, "data", "(no paths)", "needs at least one file, glob "
+                   "or folder", "name the text, or leave --data out for the built-in corpus")
+        _at_least_one(self, "batch_size", "seq_len")
 
 
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """Where the run lives and how often it is saved."""
+
+    run_dir: str | None = _field(None, "where checkpoints, metrics.jsonl and run.json go "
+                                       "(None: runs/<recipe name>)")
+    checkpoint_every: int = _field(100, "steps between checkpoints (one is also saved at the end "
+                                        "and on SIGTERM/SIGINT)")
+    max_to_keep: int = _field(3, "checkpoints kept (older ones are deleted)")
+
+    def __post_init__(self):
+        _at_least_one(self, "checkpoint_every", "max_to_keep")
 
 
-# -- values from text, by type ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+    """How long, from which seed, what stops it, and what it reports."""
 
-def _is_union(tp) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+    steps: int = _field(200, "planned total of updates (fixes the learning-rate schedule; on "
+                             "resume, the new total)")
+    seed: int = _field(0, "parameter init and data order")
+    divergence_factor: float = _field(
+        5.0, "stop (exit 3) when the loss stays above this many times the best of the last 100 "
+             "steps for 10 steps; inf: never")
+    progress: bool = _field(True, "show a progress bar")
+    tensorboard: bool = _field(True, "write TensorBoard event files to the run dir")
+    wandb: str | None = _field(None, "log to this Weights & Biases project (needs wandb)")
+    rehearse: bool = _field(
+        False, "compile the train step for --devices virtual devices and print per-device "
+               "memory, FLOPs and collectives instead of training")
 
-
-def _is_dtype(value) -> bool:
-    import numpy as np
-    # numpy scalar types, and jax's (jnp.float32 is no np.generic but carries a .dtype)
-    return isinstance(value, np.dtype) or (isinstance(value, type) and (
-        issubclass(value, np.generic) or isinstance(getattr(value, "dtype", None), np.dtype)))
-
-
-def describe(tp, current: Any = None) -> str:
-    """What `parse_text` expects for `tp`, in words (for error messages)."""
-    if _is_union(tp):
-        parts = [describe(a, current) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(parts + (["none"] if type(None) in typing.get_args(tp) else []))
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (tuple, list):
-        item = (typing.get_args(tp) or (str,))[0]
-        return f"comma-separated {describe(item)} values"
-    if tp is DTypeName or (tp in (Any, object) and _is_dtype(current)):
-        return "a dtype name (e.g. float32, bfloat16)"
-    if tp is bool:
-        return "true or false"
-    if dataclasses.is_dataclass(tp):
-        return f"a JSON object of {tp.__name__} fields"
-    return getattr(tp, "__name__", str(tp))
+    def __post_init__(self):
+        _at_least_one(self, "steps")
+        _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer", "e.g. 0")
+        _check(isinstance(self.divergence_factor, (int, float))
+               and self.divergence_factor > 1, "divergence_factor", self.divergence_factor,
+               "must be > 1", "e.g. the default 5; inf turns the divergence stop off")
 
 
-def parse_text(tp, text: str, current: Any = None) -> Any:
-    """`text` as a value of type `tp` (a resolved annotation); `current` (the field's present
-    value) decides for ``Any`` fields. Raises `ValueError` naming what was expected."""
-    text = text.strip()
-    if _is_union(tp):
-        members = typing.get_args(tp)
-        if type(None) in members and text.lower() in _NONE:
-            return None
-        # the narrow types first, so "3" is an int in `int | str` and "1.5" a float
-        order = sorted((m for m in members if m is not type(None)), key=lambda m: m is str)
-        for member in order:
-            try:
-                return parse_text(member, text, current)
-            except ValueError:
-                continue
-        raise ValueError(f"expected {describe(tp, current)}")
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        for choice in typing.get_args(tp):
-            if str(choice) == text:
-                return choice
-        raise ValueError(f"expected {describe(tp)}")
-    if origin in (tuple, list):
-        args = typing.get_args(tp)
-        items = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t]
-        if (len(args) == 2 and args[1] is Ellipsis) or len(args) <= 1:
-            item = args[0] if args else str
-            values = [parse_text(item, str(v)) for v in items]
-        elif len(args) == len(items):
-            values = [parse_text(a, str(v)) for a, v in zip(args, items)]
-        else:
-            raise ValueError(f"expected {len(args)} comma-separated values")
-        return origin(values)
-    if tp in (Any, object):
-        return _parse_untyped(text, current)
-    if tp is DTypeName:
-        import numpy as np
-        return DTypeName(np.dtype(_jnp_dtype(text)).name)
-    if tp is bool:
-        if text.lower() in ("true", "1", "yes"):
-            return True
-        if text.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError("expected true or false")
-    if tp in (int, float, str):
-        try:
-            return tp(text)
-        except ValueError:
-            raise ValueError(f"expected {tp.__name__}") from None
-    if dataclasses.is_dataclass(tp) or tp is dict:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict):
-            raise ValueError(f"expected {describe(tp)}, e.g. '{{\"factor\": 2.0}}'")
-        try:
-            return obj if tp is dict else tp(**obj)
-        except TypeError as e:
-            raise ValueError(f"expected {describe(tp)} ({e})") from None
-    raise ValueError(f"cannot parse a {describe(tp)} from text")
+SECTIONS: dict[str, type] = {"model": ModelSection, "optimizer": OptimizerSection,
+                             "schedule": ScheduleSection, "parallelism": ParallelismSection,
+                             "data": DataSection, "checkpoint": CheckpointSection,
+                             "run": RunSection}
+# flat setting name -> its section
+_SECTION_OF = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
-def _jnp_dtype(text: str):
-    import jax.numpy as jnp
-    try:
-        return jnp.dtype(text)
-    except TypeError:
-        raise ValueError("expected a dtype name (e.g. float32, bfloat16)") from None
+@dataclasses.dataclass(frozen=True, init=False)
+class TrainConfig:
+    """Every setting of a training run, in sections (see the module docstring).
 
+    ``TrainConfig(steps=20, lr=3e-3)`` sets settings by their flat names;
+    ``TrainConfig(optimizer=OptimizerSection(...))`` (or a dict of its fields) sets a section;
+    both may be mixed (a flat name wins over its section). ``config.lr`` reads flat.
+    """
 
-def _parse_untyped(text: str, current: Any) -> Any:
-    """An ``Any`` field: a dtype if it holds one, else the type of its current value."""
-    if text.lower() in _NONE:
-        return None
-    if _is_dtype(current):
-        return _jnp_dtype(text).type
-    if current is not None and type(current) in (bool, int, float, str):
-        return parse_text(type(current), text)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    model: ModelSection
+    optimizer: OptimizerSection
+    schedule: ScheduleSection
+    parallelism: ParallelismSection
+    data: DataSection
+    checkpoint: CheckpointSection
+    run: RunSection
+
+    _flat_names: ClassVar[frozenset[str]] = frozenset(_SECTION_OF)
+
+    def __init__(self, **settings: Any):
+        # ``data`` names both a section and its file list: a mapping or a DataSection is the
+        # section, anything else (None, paths) the setting
+        if "data" in settings and not isinstance(settings["data"], (dict, DataSection)):
+            settings = dict(settings)
+            settings["data_files"] = settings.pop("data")
+        unknown = set(settings) - set(SECTIONS) - self._flat_names - {"data_files"}
+        if unknown:
+            raise TypeError(f"TrainConfig got unknown settings {sorted(unknown)}; valid: the "
+                            f"sections {', '.join(SECTIONS)} or any of their fields")
+        for name, cls in SECTIONS.items():
+            given = settings.get(name)
+            flat = {k: v for k, v in settings.items()
+                    if _SECTION_OF.get(k) == name and k not in SECTIONS}
+            if name == "data" and "data_files" in settings:
+                flat["data"] = settings["data_files"]
+            if isinstance(given, cls):
+                section = dataclasses.replace(given, **flat) if flat else given
+            else:
+                section = cls(**{**dict(given or {}), **flat})
+            object.__setattr__(self, name, section)
+        warmup, steps = self.schedule.warmup, self.run.steps
+        _check(warmup is None or warmup <= steps, "warmup", warmup,
+               f"must be in [0, --steps {steps}]", "lower --warmup or raise --steps (or leave "
+               "--warmup out: min(100, steps/10))")
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "data_files":
+            return self.data.data
+        section = _SECTION_OF.get(name)
+        if section is None:
+            raise AttributeError(f"TrainConfig has no setting {name!r}")
+        return getattr(object.__getattribute__(self, section), name)
+
+    def replace(self, **settings: Any) -> TrainConfig:
+        """A copy with settings changed by flat or section name."""
+        merged = self.sections()
+        if "data" in settings and not isinstance(settings["data"], (dict, DataSection)):
+            settings = dict(settings)
+            merged["data"] = dataclasses.replace(merged["data"], data=settings.pop("data"))
+        return TrainConfig(**merged, **settings)
+
+    def sections(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SECTIONS}
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        return {f.name: getattr(getattr(self, s), f.name)
+                for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 # -- flags -------------------------------------------------------------------------------------
@@ -265,75 +330,40 @@ def _arg_type(name: str, tp):
     return parse
 
 
+def _flag_kwargs(f: dataclasses.Field, tp, default: Any) -> dict[str, Any]:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)] if is_union(tp) else [tp]
+    kw: dict[str, Any] = dict(default=default, help=f.metadata["help"], dest=f.name)
+    if tp is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif "flag" in f.metadata:  # --set: repeatable, added to the recipe's own
+        kw.update(action="append", default=list(default), metavar="FIELD=VALUE")
+    elif len(inner) == 1 and typing.get_origin(inner[0]) in (tuple, list):
+        item = (typing.get_args(inner[0]) or (str,))[0]
+        kw.update(nargs="*", type=_arg_type(f.name, item), metavar=describe(item).upper())
+    else:
+        kw["type"] = _arg_type(f.name, tp)
+        if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
+            kw["metavar"] = "{" + ",".join(map(str, typing.get_args(inner[0]))) + "}"
+    return kw
+
+
 def add_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
-    """One flag per `TrainConfig` field, its default taken from `defaults`."""
-    hints = typing.get_type_hints(TrainConfig)
-    group = parser.add_argument_group("training (zoo.train.TrainConfig fields)")
-    for f in dataclasses.fields(TrainConfig):
-        tp, default = hints[f.name], getattr(defaults, f.name)
-        inner = [a for a in typing.get_args(tp) if a is not type(None)] if _is_union(tp) else [tp]
-        kw: dict[str, Any] = dict(default=default, help=f.metadata["help"], dest=f.name)
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif len(inner) == 1 and typing.get_origin(inner[0]) in (tuple, list):
-            item = (typing.get_args(inner[0]) or (str,))[0]
-            kw.update(nargs="*", type=_arg_type(f.name, item), metavar=describe(item).upper())
-        else:
-            kw["type"] = _arg_type(f.name, tp)
-            if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
-                kw["metavar"] = "{" + ",".join(map(str, typing.get_args(inner[0]))) + "}"
-        group.add_argument(flag_name(f.name), **kw)
-        for alias, value in f.metadata.get("aliases", {}).items():
-            group.add_argument(alias, dest=f.name, action="store_const", const=value,
-                               help=f"same as {flag_name(f.name)} {value}")
+    """One flag per setting, grouped by section, its default taken from `defaults`: the flat
+    spelling (``--weight-decay``) and the sectioned one (``--optimizer.weight-decay``)."""
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        group = parser.add_argument_group(f"{section} (TrainConfig.{section})", doc)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            names = [f.metadata.get("flag", flag_name(f.name)),
+                     f"--{section}.{f.name.replace('_', '-')}"]
+            group.add_argument(*names, **_flag_kwargs(f, hints[f.name], default))
+            for alias, value in f.metadata.get("aliases", {}).items():
+                group.add_argument(alias, dest=f.name, action="store_const", const=value,
+                                   help=f"same as {flag_name(f.name)} {value}")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` of parsed flags (`add_flags`); raises `ValueError` on bad values."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-
-
-# -- model configs -----------------------------------------------------------------------------
-
-def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:
-    """``["field=value", ...]`` -> a new config, each value parsed from the field's resolved
-    type (`parse_text`); unknown fields and bad values raise naming the field and the fix."""
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    hints = typing.get_type_hints(type(config))
-    changes = {}
-    for item in overrides:
-        name, sep, text = item.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ValueError(f"--set {item!r}: write FIELD=VALUE, e.g. --set hidden_size=256")
-        if name not in fields:
-            raise ValueError(f"--set {item!r}: {type(config).__name__} has no field {name!r}; "
-                             f"valid fields: {', '.join(fields)}")
-        tp, current = hints.get(name, Any), getattr(config, name)
-        try:
-            changes[name] = parse_text(tp, text, current)
-        except ValueError as e:  # json.JSONDecodeError included
-            raise ValueError(f"--set {name}={text.strip()}: {e} (the field "
-                             f"{type(config).__name__}.{name} is {describe(tp, current)})"
-                             ) from None
-    return dataclasses.replace(config, **changes) if changes else config
-
-
-def config_to_json(config: Any) -> dict[str, Any]:
-    """A config dataclass as JSON-able values (dtypes by name, nested dataclasses as dicts)."""
-    def convert(value):
-        if _is_dtype(value):
-            import numpy as np
-            return np.dtype(value).name
-        if dataclasses.is_dataclass(value):
-            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, (tuple, list)):
-            return [convert(v) for v in value]
-        return value
-
-    return {f.name: convert(getattr(config, f.name)) for f in dataclasses.fields(config)}
-
-
-def config_to_python(config: Any) -> dict[str, Any]:
-    """Config fields as a dict for ``config_overrides`` (keeps dtypes and nested dataclasses)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return TrainConfig(**{name: getattr(args, name) for name in _SECTION_OF})

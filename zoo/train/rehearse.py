@@ -367,9 +367,11 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
                   batch_size: int, seq_len: int, aux_loss_weight: float = 0.0,
                   expert_bias_rate: float = 0.0, flops_per_token: float | None = None,
                   label: str = "model", mesh_text: str = "", remat: str | None = None,
-                  dtype: Any = None, param_dtype: Any = None) -> Rehearsal:
-    """Compile the recipes' train step (`make_train_step`, donated) for `partitioner`'s mesh
-    from abstract state and measure it; see the module docstring."""
+                  dtype: Any = None, param_dtype: Any = None,
+                  train_step: Callable | None = None) -> Rehearsal:
+    """Compile a train step (`train_step`, default `make_train_step(donate=True)` with the
+    given weights) for `partitioner`'s mesh from abstract state and measure it; see the
+    module docstring."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -378,8 +380,9 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
     from zoo.train import step as step_lib
 
     mesh = partitioner.mesh
-    train_step = step_lib.make_train_step(aux_loss_weight=aux_loss_weight,
-                                          expert_bias_rate=expert_bias_rate, donate=True)
+    if train_step is None:
+        train_step = step_lib.make_train_step(aux_loss_weight=aux_loss_weight,
+                                              expert_bias_rate=expert_bias_rate, donate=True)
     model, optimizer = step_lib.abstract_state(make_model, tx, mesh)
     sharding = partitioner.sharding(("batch", "length"))
     dtypes = dict(inputs=jnp.int32, targets=jnp.int32, positions=jnp.int32,
@@ -414,21 +417,24 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
         dot_names=lowered_stats.dot_names)
 
 
-def _presets() -> dict[str, tuple[type, Callable[..., Any]]]:
-    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
-    from zoo.models.mixtral import Mixtral, MixtralConfig
-    from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
-    return {"deepseek_v3": (DeepSeek3, DeepSeek3Config.deepseek_v3),
-            "qwen3_30b_a3b": (Qwen3Moe, Qwen3MoeConfig.qwen3_30b_a3b),
-            "qwen3_moe_mini": (Qwen3Moe, Qwen3MoeConfig.mini),
-            "deepseek3_mini": (DeepSeek3, DeepSeek3Config.mini),
-            "mixtral_8x7b": (Mixtral, MixtralConfig.mixtral_8x7b),
-            "mixtral_8x22b": (Mixtral, MixtralConfig.mixtral_8x22b),
-            "mixtral_mini": (Mixtral, MixtralConfig.mini)}
+def rehearse_built(built: Any, *, label: str = "model") -> Rehearsal:
+    """Compile and measure the train step of a `zoo.train.build` result (built with
+    ``donate=True``: the program an accelerator run compiles)."""
+    c, cfg = built.config, built.model_config
+    return rehearse_step(make_model=built.make_model, tx=built.tx,
+                         partitioner=built.partitioner, batch_size=c.batch_size,
+                         seq_len=c.seq_len, flops_per_token=built.flops_per_token, label=label,
+                         mesh_text=c.mesh, remat=cfg.remat_policy, dtype=cfg.dtype,
+                         param_dtype=cfg.param_dtype, train_step=built.train_step)
+
+
+def _presets() -> list[str]:
+    from zoo.models import registry
+    return registry.preset_names()
 
 
 PRESETS = ("deepseek_v3", "deepseek3_mini", "mixtral_8x7b", "mixtral_8x22b", "mixtral_mini",
-           "qwen3_30b_a3b", "qwen3_moe_mini")
+           "qwen3_30b_a3b", "qwen3_moe_mini")  # the families' presets (zoo.models.registry)
 _KEEP = object()
 
 
@@ -437,12 +443,12 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
              param_dtype: Any = "float32", remat: Any = _KEEP,
              overrides: Mapping[str, Any] | Sequence[str] | None = None,
              aux_loss_weight: float | None = None,
-             expert_bias_rate: float = 1e-3) -> Rehearsal:
-    """Rehearse a preset (one of `PRESETS`) or a model config at scale; see the module docstring.
+             expert_bias_rate: float | None = None) -> Rehearsal:
+    """Rehearse a preset (a name of `zoo.models.registry.preset_names`) or a model config at
+    scale, through `zoo.train.build`; see the module docstring.
 
     Args:
-      model: a preset name or a family config (`DeepSeek3Config`, `MixtralConfig`,
-        `Qwen3MoeConfig`).
+      model: a preset name or a registered family's config.
       mesh: ``"fsdp=4,expert=64"`` or a dict of axis sizes (default: fsdp over every device);
         the product must equal the device count (`set_virtual_devices` first).
       strategy: ``"fsdp"``, ``"cp"`` or ``"ep_as_cp"``.
@@ -450,60 +456,33 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
       dtype, param_dtype: compute and parameter dtypes.
       remat: a `remat_policy` name or None (default: the config's).
       overrides: other config fields, e.g. ``{"num_hidden_layers": 4}``, or ``--set`` texts
-        (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them
-        (`zoo.train.config.apply_overrides`).
-      aux_loss_weight: default the config's (``aux_loss_alpha`` / ``router_aux_loss_coef``).
-      expert_bias_rate: DeepSeek-V3's bias update (ignored by models without one).
+        (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them.
+      aux_loss_weight, expert_bias_rate: default `zoo.train.TrainConfig`'s (the config's aux
+        weight; DeepSeek-V3's bias rate, ignored by models without a bias).
     """
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from zoo.models.deepseek3 import DeepSeek3Config
-    from zoo.partitioning import MeshShape, Partitioner
-    from zoo.train import step as step_lib
+    from zoo.models import registry
+    from zoo.train.build import build
+    from zoo.train.config import TrainConfig
 
     if isinstance(model, str):
-        presets = _presets()
-        if model not in presets:
-            raise ValueError(f"unknown preset {model!r}; valid presets are {', '.join(PRESETS)} "
-                             f"(or pass a config)")
-        label, (model_cls, make_config) = model, presets[model]
-        config = make_config()
+        label, (_, config) = model, registry.resolve(model)
     else:
         config, label = model, type(model).__name__
-        by_config = {type(make()): cls for cls, make in _presets().values()}
-        if type(config) not in by_config:
-            raise ValueError(f"rehearse: no model family takes a {label}; pass one of "
-                             f"{', '.join(sorted(c.__name__ for c in by_config))} or a preset")
-        model_cls = by_config[type(config)]
-    if overrides is not None and not isinstance(overrides, Mapping):
-        from zoo.train.config import apply_overrides
-        config, changes = apply_overrides(config, list(overrides)), {}
-    else:
-        changes = dict(overrides or {})
-    changes.update(dtype=jnp.dtype(dtype).type, param_dtype=jnp.dtype(param_dtype).type)
+        registry.family_of(config)  # a config no family takes is refused here
+    texts = () if overrides is None or isinstance(overrides, Mapping) else tuple(overrides)
+    changes = dict(overrides) if isinstance(overrides, Mapping) else {}
     if remat is not _KEEP:
         changes["remat_policy"] = remat
-    config = dataclasses.replace(config, **changes)
-    n = jax.device_count()
-    if mesh is None:
-        mesh = {"fsdp": n}
+    config = dataclasses.replace(config, **changes) if changes else config
+    mesh = mesh or {"fsdp": jax.device_count()}
     mesh_text = mesh if isinstance(mesh, str) else ",".join(f"{k}={v}" for k, v in mesh.items())
-    shape = MeshShape.parse(mesh_text)
-    partitioner = Partitioner(shape.make(), strategy)
-    if aux_loss_weight is None:
-        aux_loss_weight = getattr(config, "aux_loss_alpha",
-                                  getattr(config, "router_aux_loss_coef", 0.0))
-    has_bias = isinstance(config, DeepSeek3Config) and config.num_moe_layers > 0
-
-    def make_model():
-        return model_cls(config, inputs_shape=(batch_size, seq_len), partitioner=partitioner,
-                         rngs=nnx.Rngs(0))
-
-    return rehearse_step(make_model=make_model, tx=step_lib.make_tx(), partitioner=partitioner,
-                         batch_size=batch_size, seq_len=seq_len, aux_loss_weight=aux_loss_weight,
-                         expert_bias_rate=expert_bias_rate if has_bias else 0.0,
-                         flops_per_token=config.flops_per_token(seq_len), label=label,
-                         mesh_text=mesh_text, remat=config.remat_policy, dtype=config.dtype,
-                         param_dtype=config.param_dtype)
+    bias = {} if expert_bias_rate is None else {"expert_bias_rate": expert_bias_rate}
+    train = TrainConfig(mesh=mesh_text, strategy=strategy, batch_size=batch_size,
+                        seq_len=seq_len, overrides=texts, aux_loss_weight=aux_loss_weight,
+                        dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
+                        rehearse=True, **bias)
+    built = build(train, model_config=config, with_data=False, donate=True)
+    return rehearse_built(built, label=label)

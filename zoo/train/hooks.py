@@ -1,0 +1,281 @@
+"""Trainer hooks: what a run reports and when it stops, as small objects.
+
+A hook is any object with some of these methods (`Hook` has them all, doing nothing):
+
+* ``on_start(trainer)`` -- the model is created or restored and the step compiled;
+  ``trainer.step`` is the step the run starts from;
+* ``on_step(trainer, step, row)`` -- step `step`'s metrics (``row``, the `metrics.jsonl` row)
+  were read and checked;
+* ``on_checkpoint(trainer, step)`` -- a checkpoint of `step` was started;
+* ``should_stop(trainer, step) -> bool`` -- True ends the run after this step, with a
+  checkpoint, as SIGTERM does;
+* ``on_end(trainer, summary)`` -- `Trainer.train` returns `summary`;
+* ``close()`` -- the trainer closes.
+
+The loggers users already read are hooks: `MetricsFile` (``metrics.jsonl``), `Progress` (a
+tqdm bar), `TensorBoard` (event files under ``RUN_DIR/tensorboard``), `Wandb` (Weights &
+Biases, when installed and asked for), `LossPlot` (``loss.png``). The loggers write on process
+0 only; a hook of one's own runs on every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Hook", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot", "OnStep",
+           "default_hooks", "read_metrics", "plot_loss", "SCALARS"]
+
+# the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
+SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
+           "model_flops_per_s", "step_time_s", "data_time_s", "target_tokens", "dropped_tokens",
+           "expert_max_over_mean", "eval_loss", "eval_perplexity", "mtp_loss", "moe_rounds")
+
+
+class Hook:
+    """The hook interface; subclass and override what you need."""
+
+    def on_start(self, trainer) -> None:
+        pass
+
+    def on_step(self, trainer, step: int, row: dict[str, Any]) -> None:
+        pass
+
+    def on_checkpoint(self, trainer, step: int) -> None:
+        pass
+
+    def should_stop(self, trainer, step: int) -> bool:
+        return False
+
+    def on_end(self, trainer, summary) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _main_process() -> bool:
+    import jax
+    return jax.process_index() == 0
+
+
+# -- metrics.jsonl -----------------------------------------------------------------------------
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl`` (empty if none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop rows past `step`: steps run after the last checkpoint are about to be redone."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+class MetricsFile(Hook):
+    """One JSON line per step in ``RUN_DIR/metrics.jsonl``; a resumed run first drops the rows
+    past its checkpoint, then appends."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
+        self._file = None
+
+    def on_start(self, trainer) -> None:
+        if _main_process() and self._file is None:
+            _truncate_metrics(self.path, trainer.step)
+            self._file = open(self.path, "a")
+
+    def on_step(self, trainer, step, row) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# -- terminal ----------------------------------------------------------------------------------
+
+class Progress(Hook):
+    """A tqdm bar: step, loss, tokens/s, ETA (process 0)."""
+
+    def __init__(self, name: str = "train"):
+        self.name = name
+        self._bar = None
+
+    def on_start(self, trainer) -> None:
+        if not _main_process():
+            return
+        from tqdm.auto import tqdm
+        if self._bar is not None:
+            self._bar.close()
+        self._bar = tqdm(total=trainer.config.steps, initial=trainer.step, unit="step",
+                         dynamic_ncols=True, mininterval=0.5, desc=self.name)
+
+    def on_step(self, trainer, step, row) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                  refresh=False)
+
+    def on_end(self, trainer, summary) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class OnStep(Hook):
+    """``fn(step, row)`` after each step (the recipes' ``main(on_step=...)``)."""
+
+    def __init__(self, fn: Callable[[int, dict[str, Any]], None]):
+        self.fn = fn
+
+    def on_step(self, trainer, step, row) -> None:
+        self.fn(step, row)
+
+
+# -- loggers -----------------------------------------------------------------------------------
+
+def _scalars(row: dict[str, Any]) -> dict[str, float]:
+    return {k: float(row[k]) for k in SCALARS if isinstance(row.get(k), (int, float))}
+
+
+class TensorBoard(Hook):
+    """TensorBoard event files (tensorboardX) under ``RUN_DIR/tensorboard``: one scalar per
+    `metrics.jsonl` column of `SCALARS`, at its step (``tensorboard --logdir RUN_DIR``)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.logdir = os.path.join(os.fspath(run_dir), "tensorboard")
+        self._writer = None
+
+    def on_start(self, trainer) -> None:
+        if _main_process() and self._writer is None:
+            from tensorboardX import SummaryWriter
+            self._writer = SummaryWriter(logdir=self.logdir, purge_step=trainer.step + 1)
+
+    def on_step(self, trainer, step, row) -> None:
+        if self._writer is not None:
+            for k, v in _scalars(row).items():
+                self._writer.add_scalar(k, v, global_step=step)
+
+    def on_checkpoint(self, trainer, step) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def wandb_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("wandb") is not None
+
+
+class Wandb(Hook):
+    """Weights & Biases: one run per run dir (resumed by the id kept in
+    ``RUN_DIR/wandb_id``), the settings as its config, the `SCALARS` per step."""
+
+    def __init__(self, project: str, run_dir: str | os.PathLike, **init_kwargs: Any):
+        if not wandb_available():
+            raise ValueError(f"--wandb {project}: the wandb package is not installed; run "
+                             f"`pip install wandb`, or leave --wandb out")
+        self.project, self.run_dir, self.init_kwargs = project, os.fspath(run_dir), init_kwargs
+        self._run = None
+
+    def _run_id(self) -> str:
+        path = os.path.join(self.run_dir, "wandb_id")
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read().strip()
+        import secrets
+        run_id = secrets.token_hex(8)
+        with open(path, "w") as f:
+            f.write(run_id)
+        return run_id
+
+    def on_start(self, trainer) -> None:
+        if _main_process() and self._run is None:
+            import wandb
+            self._run = wandb.init(project=self.project, dir=self.run_dir, id=self._run_id(),
+                                   resume="allow", config=trainer.record, **self.init_kwargs)
+
+    def on_step(self, trainer, step, row) -> None:
+        if self._run is not None:
+            self._run.log(_scalars(row), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def plot_loss(run_dir: str | os.PathLike) -> str | None:
+    """Write ``run_dir/loss.png`` from ``metrics.jsonl`` (the training loss, and the
+    evaluation loss where rows hold one); returns its path (None: no rows)."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    train = [r for r in rows if "loss" in r]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.2, label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.2,
+                label="eval")
+        ax.legend()
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(os.path.basename(os.path.abspath(run_dir)))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(run_dir, "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+class LossPlot(Hook):
+    """``RUN_DIR/loss.png`` at the end of each `Trainer.train`."""
+
+    def on_end(self, trainer, summary) -> None:
+        if _main_process():
+            plot_loss(trainer.run_dir)
+
+
+def default_hooks(config, run_dir: str, name: str) -> list[Hook]:
+    """The loggers a run has unless told otherwise: metrics.jsonl, the progress bar (if
+    ``config.progress``), TensorBoard (if ``config.tensorboard``), W&B (if ``config.wandb``
+    names a project) and the loss plot."""
+    hooks: list[Hook] = [MetricsFile(run_dir)]
+    if config.progress:
+        hooks.append(Progress(name))
+    if config.tensorboard:
+        hooks.append(TensorBoard(run_dir))
+    if config.wandb:
+        hooks.append(Wandb(config.wandb, run_dir))
+    hooks.append(LossPlot())
+    return hooks

@@ -1,0 +1,557 @@
+"""The `Trainer`: create or resume, compile, step, check, checkpoint, stop cleanly.
+
+``Trainer(config)`` builds everything with `zoo.train.build` (or takes a `Built`), and
+``trainer.train(steps=None)`` trains until ``steps`` updates are done (default: the planned
+``config.steps``), returning a `Summary`. Calling `train` again continues from there.
+
+* **checks first** -- the run dir is created, probed and locked (process 0); an existing
+  checkpoint's model shapes and data-pipeline arguments are compared with this run's before
+  anything is compiled (`IncompatibleCheckpoint`, `zoo.data.PipelineStateMismatch`).
+* **compile beside the restore** -- the train step is compiled ahead of time in a background
+  thread while the model is restored or created, so step 1's time is a real step time. A
+  SIGTERM/SIGINT during the compile ends the run at once with `CompileInterrupted` (nothing
+  was trained; the lock is released by `close`).
+* **each step, no host sync** -- a step is dispatched before the previous one's metrics are
+  read, so the device always has work queued while the host logs. A step's metrics are
+  checked before anything of it is written or saved (`zoo.train.guard`): a NaN/Inf loss,
+  gradient norm, parameter norm or updated state raises `TrainingDiverged`; so does a loss
+  above ``divergence_factor`` x the best of the last 100 steps for 10 steps in a row. While
+  the loss is above that bound no checkpoint is written; when the run stops for it, the
+  checkpoints saved from the state that first produced the risen loss onwards are moved aside
+  to ``checkpoints/diverged-<step>``, so a rerun resumes from the last good one.
+* **hooks** -- loggers and stop conditions (`zoo.train.hooks`): metrics.jsonl, the progress
+  bar, TensorBoard, W&B and the loss plot by default, plus the caller's ``hooks=``.
+* **checkpoints** -- every ``checkpoint_every`` steps, at the end of each `train`, and when
+  SIGTERM/SIGINT (or a hook's ``should_stop``) arrives: the step in flight finishes and is
+  saved; several processes agree through a flag reduced on the devices with the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from zoo.train import guard, hooks as hooks_lib
+from zoo.train import step as step_lib
+from zoo.train.build import Built, build
+from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
+from zoo.train.config import TrainConfig
+
+__all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
+           "CompileInterrupted"]
+
+_HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss, gradient norm or parameter norm became NaN or Inf, or the loss stayed far
+    above its recent best (see `zoo.train.guard`); nothing from those steps was saved."""
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The run dir's checkpoint holds a model of other shapes than the one asked for."""
+
+
+class CompileInterrupted(RuntimeError):
+    """A signal arrived while the train step compiled: nothing was trained or saved."""
+
+
+@dataclasses.dataclass
+class Summary:
+    run_dir: str
+    start_step: int          # updates completed before this `train` call (0 when fresh)
+    step: int                # updates completed at the end
+    steps: int               # the planned total
+    stopped_by: str | None   # "SIGTERM"/"SIGINT"/a hook when the run stopped early
+    first_loss: float | None
+    last_loss: float | None
+    tokens_per_s: float | None  # median over this call's steps
+    compile_s: float
+    wall_s: float
+    name: str = "train"
+
+    def line(self, name: str | None = None) -> str:
+        if self.stopped_by:
+            state = (f"stopped by {self.stopped_by} at step {self.step}/{self.steps} (rerun to "
+                     f"resume)")
+        else:
+            state = f"finished {self.step}/{self.steps} steps"
+        loss = (f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.last_loss is not None
+                else "no steps run")
+        tps = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
+        return (f"{name or self.name}: {state}; {loss}{tps}; compile {self.compile_s:.1f}s, "
+                f"wall {self.wall_s:.1f}s; run dir {self.run_dir}")
+
+
+# -- small pieces ------------------------------------------------------------------------------
+
+def _versions() -> dict[str, str]:
+    import flax
+    import optax
+
+    import zoo
+    return {"zoo": zoo.__version__, "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "python": sys.version.split()[0]}
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def normalise(x):
+    """`x` as JSON would give it back (tuples as lists, numpy scalars as numbers)."""
+    return json.loads(json.dumps(x, default=_json_default))
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
+    a, b = _leaves(dict(saved or {})), _leaves(dict(now))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag the trainer reads after each step (and while it compiles);
+    a second SIGINT aborts at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # impatient second Ctrl-C: stop without saving
+        self.signal = signal.Signals(signum).name
+        print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose metrics have not been read yet."""
+
+    step: int
+    out: dict[str, Any]           # device arrays
+    stop: Any                     # device scalar from StopAgreement, or None (one process)
+    t0: float                     # when its batch was requested
+    t_data: float
+
+
+# -- the trainer -------------------------------------------------------------------------------
+
+class Trainer:
+    """Runs training for a `TrainConfig` (see the module docstring).
+
+    Args:
+      config: the settings, or a `Built` (`zoo.train.build`) to train as it is.
+      tx, schedule: an optax transformation instead of the default AdamW, and optionally
+        the schedule it follows (logged as ``lr``); see `zoo.train.step.make_train_step`.
+      hooks: more hooks after the default loggers (`zoo.train.hooks`).
+      model_config, model_cls, decoder_layer_cls: passed to `build`.
+      name: the run's name in messages (default: the family); the run dir defaults to
+        ``runs/<name>``.
+      default_hooks: False keeps only `hooks` (no metrics.jsonl, bar, TensorBoard, plot).
+      lock: take the run dir's lock (`zoo.train.lock`) on process 0.
+    """
+
+    def __init__(self, config: TrainConfig | Built, *, tx: Any = None, schedule: Any = None,
+                 hooks: Sequence[Any] = (), model_config: Any = None,
+                 model_cls: type | None = None, decoder_layer_cls: type | None = None,
+                 name: str | None = None, default_hooks: bool = True, lock: bool = True):
+        self.built = config if isinstance(config, Built) else build(
+            config, tx=tx, schedule=schedule, model_config=model_config, model_cls=model_cls,
+            decoder_layer_cls=decoder_layer_cls)
+        self.name = name or self.built.config.family or "train"
+        if self.built.config.run_dir is None:
+            self.built.config = self.built.config.replace(run_dir=os.path.join("runs",
+                                                                                self.name))
+        self.config = self.built.config
+        self.run_dir = os.path.abspath(self.config.run_dir)
+        self.record = normalise(dict(self.built.record, train=dataclasses.asdict(self.config)))
+        self.hooks = [*(hooks_lib.default_hooks(self.config, self.run_dir, self.name)
+                        if default_hooks else []), *hooks]
+        self.model = self.optimizer = None
+        self.step = 0
+        self.compile_s = 0.0
+        self._lock, self._take_lock = None, lock
+        self._ckpt: Checkpointer | None = None
+        self._step_fn = None
+        self._monitor: guard.DivergenceMonitor | None = None
+        self._saved_step: int | None = None
+        self._agree = None
+
+    # -- public --------------------------------------------------------------------------------
+    def train(self, steps: int | None = None) -> Summary:
+        """Train until `steps` updates are done (default ``config.steps``); see the module
+        docstring. Raises `TrainingDiverged`, `IncompatibleCheckpoint`,
+        `zoo.data.PipelineStateMismatch` or `CompileInterrupted`."""
+        t_start = time.perf_counter()
+        target = self.config.steps if steps is None else int(steps)
+        with _StopFlag() as stop:
+            self._prepare(stop)
+            start = self.step
+            if start >= target:
+                return self._already_done(start, target, t_start)
+            for hook in self.hooks:
+                hook.on_start(self)
+            stopped_by, losses, speeds = self._run(target, stop)
+        summary = Summary(self.run_dir, start, self.step, self.config.steps, stopped_by,
+                          losses[0] if losses else None, losses[-1] if losses else None,
+                          statistics.median(speeds[1:] or speeds) if speeds else None,
+                          self.compile_s, time.perf_counter() - t_start, self.name)
+        self._ckpt.wait()
+        for hook in self.hooks:
+            hook.on_end(self, summary)
+        if jax.process_index() == 0:
+            print(summary.line(), flush=True)
+        return summary
+
+    def save(self) -> None:
+        """Checkpoint the current state (if this step is not saved yet) and wait for it."""
+        if self.model is None:
+            raise RuntimeError("Trainer.save: nothing to save before train() has run")
+        if self._saved_step != self.step:
+            self._save(self.step)
+        self._ckpt.wait()
+
+    def close(self) -> None:
+        """Finish pending saves, close the loggers and the data, release the run dir."""
+        try:
+            if self._ckpt is not None:
+                self._ckpt.wait()
+                self._ckpt.close()
+                self._ckpt = None
+            for hook in self.hooks:
+                hook.close()
+            getattr(self.built.data, "close", lambda: None)()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- preparation ---------------------------------------------------------------------------
+    def _prepare(self, stop: _StopFlag) -> None:
+        """Once: lock, checks against the run dir, compile beside restore/create, run.json."""
+        if self._step_fn is not None:
+            return
+        from zoo.train import validate
+        from zoo.train.lock import RunLock
+        validate.check_run_dir(self.run_dir)
+        if self._take_lock and jax.process_index() == 0 and self._lock is None:
+            self._lock = RunLock(self.run_dir).acquire()
+        self._ckpt = Checkpointer(os.path.join(self.run_dir, "checkpoints"),
+                                  max_to_keep=self.config.max_to_keep)
+        model, optimizer = self.built.abstract_state()
+        self._check_run_dir(model, optimizer)
+        compiled: dict[str, Any] = {}
+        compiler = threading.Thread(target=self._compile, args=(model, optimizer, compiled),
+                                    name="zoo-compile", daemon=True)
+        if jax.process_index() == 0:
+            print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
+        compiler.start()
+        history = self._restore_or_create(model, optimizer)
+        while compiler.is_alive():
+            compiler.join(0.2)
+            if stop.signal is not None:
+                raise CompileInterrupted(f"{stop.signal} during the compile: nothing was "
+                                         f"trained or saved; rerun to start")
+        if "error" in compiled:
+            raise compiled["error"]
+        self._step_fn, self.compile_s = compiled["fn"], compiled["s"]
+        self._monitor = guard.DivergenceMonitor(self.config.divergence_factor, history=history)
+        self._agree = guard.StopAgreement(self.built.mesh) if jax.process_count() > 1 else None
+        if jax.process_index() == 0:
+            print(f"{self.name}: compiled in {self.compile_s:.1f}s", file=sys.stderr, flush=True)
+            self._write_run_info()
+
+    def _compile(self, model, optimizer, compiled: dict[str, Any]) -> None:
+        t = time.perf_counter()
+        try:
+            compiled["fn"] = self.built.train_step.lower(
+                model, optimizer, self.built.batch_abstract(), np.float32(0)).compile()
+        except Exception as e:
+            compiled["error"] = e
+        compiled["s"] = time.perf_counter() - t
+
+    def _check_run_dir(self, model, optimizer) -> None:
+        """The latest checkpoint against this run: model shapes and data arguments, from its
+        config and array metadata alone (before anything is compiled or read)."""
+        step = self._ckpt.latest_step()
+        if step is None:
+            return
+        try:
+            saved = self._ckpt.read_config(step)
+        except Exception:
+            return  # unreadable: the restore falls back to an older one (with a warning)
+        changes = _changes(saved.get("model"), self.record.get("model", {}))
+        if changes:
+            diffs = shape_differences(self._ckpt.saved_shapes(step)["model"],
+                                      to_pure(model, optimizer)["model"])
+            if diffs:
+                raise IncompatibleCheckpoint(
+                    f"{self._ckpt.directory} holds a model of another shape (step {step}); "
+                    f"changed model fields: {'; '.join(changes)}. Parameter shapes that "
+                    f"differ: {'; '.join(diffs)}. Use another --run-dir, or undo the changes "
+                    f"to resume")
+            warnings.warn(f"model config changed since step {step} without changing shapes; "
+                          f"resuming anyway: {'; '.join(changes)}", stacklevel=3)
+        saved_args, now_args = saved.get("data_arguments"), self.record.get("data_arguments")
+        if saved_args and now_args and saved_args != now_args:
+            from zoo.data import PipelineStateMismatch
+            diffs = [f"{k}: saved {saved_args.get(k)!r}, now {v!r}"
+                     for k, v in now_args.items() if saved_args.get(k) != v]
+            raise PipelineStateMismatch(
+                f"{self._ckpt.directory} (step {step}) holds a data-pipeline state saved with "
+                f"other arguments: {'; '.join(diffs)}. Resume with the saved arguments, or "
+                f"start a new run (another --run-dir) to use the new ones")
+
+    def _restore_or_create(self, model, optimizer) -> list:
+        restored = self._ckpt.restore(model, optimizer) if self._ckpt.steps() else None
+        if restored is None:
+            self.model, self.optimizer = self.built.create_sharded()
+            self.step, self._saved_step = 0, None
+            return []
+        self.model, self.optimizer = restored.model, restored.optimizer
+        self.built.data.set_state(restored.data)
+        self.step = self._saved_step = restored.step
+        changed = [c for c in _changes({k: v for k, v in restored.config.items()
+                                        if k not in ("model", _HISTORY_KEY)},
+                                       {k: v for k, v in self.record.items() if k != "model"})]
+        if jax.process_index() == 0:
+            extra = (f" (changed: {', '.join(c.split(':')[0] for c in changed)})"
+                     if changed else "")
+            print(f"{self.name}: resuming from step {self.step}{extra}", file=sys.stderr,
+                  flush=True)
+        return restored.config.get(_HISTORY_KEY) or []
+
+    def _write_run_info(self) -> None:
+        mesh = self.built.mesh
+        info = dict(config=self.record, device_count=jax.device_count(),
+                    local_device_count=jax.local_device_count(),
+                    process_count=jax.process_count(), backend=jax.default_backend(),
+                    mesh=dict(mesh.shape), versions=_versions(),
+                    resumed_from=self.step or None, flops_per_token=self.flops_per_token,
+                    tokens_per_step=self.tokens_per_step)
+        path = os.path.join(self.run_dir, "run.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(normalise(info), f, indent=2)
+        os.replace(path + ".tmp", path)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+    @property
+    def flops_per_token(self) -> float:
+        if self.built.flops_per_token is not None:
+            return self.built.flops_per_token
+        from zoo.models import count_params
+        return 6.0 * count_params(self.built.abstract_state()[0])
+
+    def _already_done(self, start: int, target: int, t_start: float) -> Summary:
+        if jax.process_index() == 0:
+            print(f"{self.name}: the checkpoint is already at step {start} of the planned "
+                  f"{target}; raise --steps to train further", file=sys.stderr, flush=True)
+        return Summary(self.run_dir, start, start, self.config.steps, None, None, None, None,
+                       self.compile_s, time.perf_counter() - t_start, self.name)
+
+    # -- the steps -----------------------------------------------------------------------------
+    def _run(self, target: int, stop: _StopFlag) -> tuple[str | None, list, list]:
+        """Steps until `target`; returns (what stopped it early or None, losses, tokens/s)."""
+        self._losses, self._speeds, self._last_ready = [], [], time.perf_counter()
+        self._stop_agreed, self._hook_stop, held_back = False, None, False
+        pending: _InFlight | None = None
+        try:
+            while self.step < target:
+                flight = self._dispatch(stop)
+                if pending is not None:  # the previous step, while this one runs
+                    self._finish(pending)
+                pending = flight
+                stopping = self._stopping(stop)
+                if self.step % self.config.checkpoint_every == 0 or self.step == target \
+                        or stopping:
+                    pending = None
+                    self._finish(flight)
+                    stopping = self._stopping(stop)
+                    held_back = self._checkpoint(held_back)
+                if self._monitor.rising and self._monitor.first_rise is not None:
+                    _protect_last_good(self._ckpt, self._monitor.first_rise)
+                if stopping:
+                    return (stop.signal or self._hook_stop or "a signal to another process",
+                            self._losses, self._speeds)
+        except TrainingDiverged as e:
+            raise self._diverged(e) from None
+        return None, self._losses, self._speeds
+
+    def _stopping(self, stop: _StopFlag) -> bool:
+        if self._agree is not None:  # several processes: the flag they all read
+            return self._stop_agreed
+        return stop.signal is not None or self._hook_stop is not None
+
+    def _dispatch(self, stop: _StopFlag) -> _InFlight:
+        t0 = time.perf_counter()
+        local = next(self.built.data)
+        t_data = time.perf_counter() - t0
+        batch = step_lib.make_global_batch(local, self.built.batch_sharding)
+        schedule = self.built.schedule
+        lr = np.float32(schedule(self.step) if schedule is not None else 0.0)
+        self.model, self.optimizer, out = self._step_fn(self.model, self.optimizer, batch, lr)
+        self.step += 1
+        want_stop = stop.signal is not None or self._hook_stop is not None
+        return _InFlight(self.step, out, self._agree(want_stop) if self._agree else None, t0,
+                         t_data)
+
+    def _finish(self, f: _InFlight) -> None:
+        """Read step `f`'s metrics (waits for it), check them, hand them to the hooks."""
+        out = jax.device_get(f.out)
+        if f.stop is not None and int(jax.device_get(f.stop)):
+            self._stop_agreed = True
+        ready = time.perf_counter()
+        dt = ready - max(self._last_ready, f.t0)  # the step's share of the pipeline
+        self._last_ready = ready
+        bad = guard.check_finite(out)
+        if bad:  # nothing of this step (or the one in flight after it) is written or saved
+            raise TrainingDiverged(
+                f"step {f.step}: {', '.join(bad)} -- training diverged. Nothing from this "
+                f"step was saved; {_last_checkpoint(self._ckpt)}. Lower --lr or check the "
+                f"data, then rerun to resume from it")
+        row = _metrics_row(f, out, dt, self.tokens_per_step, self.flops_per_token)
+        self._monitor.update(f.step, row["loss"])
+        self._losses.append(row["loss"])
+        self._speeds.append(row["tokens_per_s"])
+        for hook in self.hooks:
+            hook.on_step(self, f.step, row)
+            if self._hook_stop is None and hook.should_stop(self, f.step):
+                self._hook_stop = type(hook).__name__
+        if self._monitor.diverged:
+            raise TrainingDiverged(self._monitor.message(f.step))
+
+    def _checkpoint(self, held_back: bool) -> bool:
+        """Save this step unless the loss is above its bound; returns whether held back."""
+        if not self._monitor.rising:
+            self._save(self.step)
+            return False
+        if jax.process_index() == 0 and not held_back:
+            print(f"\n{self.name}: step {self.step}: loss {self._losses[-1]:.4g} is above "
+                  f"{self._monitor.factor:g} x its recent best; holding back checkpoints (last "
+                  f"good: step {_last_good(self._ckpt, self._monitor.first_rise)})",
+                  file=sys.stderr, flush=True)
+        return True
+
+    def _save(self, step: int) -> None:
+        self._ckpt.save(step, self.model, self.optimizer, data_state=self.built.data.get_state(),
+                        config=dict(self.record, **{_HISTORY_KEY: self._monitor.history()}))
+        self._saved_step = step
+        for hook in self.hooks:
+            hook.on_checkpoint(self, step)
+
+    def _diverged(self, e: TrainingDiverged) -> TrainingDiverged:
+        monitor, ckpt = self._monitor, self._ckpt
+        if not monitor.diverged:
+            return e
+        moved = _set_aside_suspect(ckpt, monitor.first_rise)
+        if moved:
+            return TrainingDiverged(
+                f"{e}. Checkpoints saved from the state that first gave the risen loss were "
+                f"moved aside ({', '.join(moved)}); {_last_checkpoint(ckpt)}. Lower --lr or "
+                f"check the data, then rerun to resume from it")
+        return TrainingDiverged(f"{e}. Nothing was saved from step {monitor.first_rise} on; "
+                                f"{_last_checkpoint(ckpt)}. Lower --lr or check the data, then "
+                                f"rerun")
+
+
+def _metrics_row(f: _InFlight, out: Mapping[str, Any], dt: float, tokens_per_step: int,
+                 flops_per_token: float) -> dict[str, Any]:
+    """The metrics.jsonl row of one step."""
+    row = dict(step=f.step, loss=float(out["loss"]), aux_loss=float(out["aux_loss"]),
+               objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
+               param_norm=float(out["param_norm"]))
+    if "lr" in out:
+        row["lr"] = float(out["lr"])
+    row.update(tokens_per_s=tokens_per_step / dt,
+               model_flops_per_s=flops_per_token * tokens_per_step / dt, step_time_s=dt,
+               data_time_s=f.t_data, target_tokens=int(out["weight_sum"]))
+    for key in ("dropped_tokens", "moe_rounds"):  # MoE copies over all_to_all buffers
+        if key in out:
+            row[key] = int(out[key])
+    for key in ("mtp_loss",):
+        if key in out:
+            row[key] = float(out[key])
+    counts = out.get("expert_counts")
+    if counts is not None:
+        counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
+        mean = np.maximum(counts.mean(-1), 1e-9)
+        row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
+        if counts.size <= 1024:
+            row["expert_counts"] = counts.astype(np.int64).tolist()
+    return row
+
+
+def _last_checkpoint(ckpt: Checkpointer) -> str:
+    last = ckpt.latest_step()
+    return (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
+            else "there is no checkpoint to resume from")
+
+
+def _last_good(ckpt: Checkpointer, first_rise: int) -> int | None:
+    """The newest checkpoint whose state gave a loss within the bound: the state saved at step
+    ``s`` is the one step ``s+1``'s loss was computed on."""
+    good = [s for s in ckpt.steps() if s + 1 < first_rise]
+    return good[-1] if good else None
+
+
+def _protect_last_good(ckpt: Checkpointer, first_rise: int) -> None:
+    good = _last_good(ckpt, first_rise)
+    if good is not None:
+        ckpt.protect(good)
+
+
+def _set_aside_suspect(ckpt: Checkpointer, first_rise: int | None) -> list[str]:
+    """Move aside the checkpoints of states that gave risen losses (steps >= first_rise - 1)."""
+    if first_rise is None:
+        return []
+    suspect = [s for s in ckpt.steps() if s >= first_rise - 1]
+    if len(suspect) == len(ckpt.steps()):
+        return []  # nothing better to fall back to: keep what there is
+    return [os.path.basename(ckpt.move_aside(s, "diverged")) for s in suspect]
