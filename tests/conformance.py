@@ -435,7 +435,7 @@ def check_recipe(spec: FamilySpec, tmp_path: pathlib.Path) -> None:
     """The family's recipe trains 3 steps in this process (tiny flags), loss finite."""
     import io
 
-    from zoo.train.loop import read_metrics
+    from zoo.train import read_metrics
     path = ROOT / "recipes" / f"{spec.recipe}.py"
     module_spec = importlib.util.spec_from_file_location(f"recipe_{spec.recipe}", path)
     recipe = importlib.util.module_from_spec(module_spec)

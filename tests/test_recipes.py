@@ -28,7 +28,7 @@ import pytest
 from zoo.models.mixtral import Mixtral, MixtralDecoderLayer
 from zoo.train import TrainConfig, cli
 from zoo.train.checkpoint import Checkpointer
-from zoo.train.loop import read_metrics
+from zoo.train import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = ["--batch-size", "4", "--seq-len", "32", "--no-progress"]
@@ -140,9 +140,10 @@ def test_run_outputs(learned):
     assert info["config"]["model"]["hidden_size"] == 32
     assert info["config"]["moe"]["dispatch"] in ("all_to_all", "all_gather")  # "auto" resolved
     assert all(r["dropped_tokens"] == 0 for r in rows)  # dropless by default, and logged
-    train = info["config"]["train"]  # dataclasses.asdict of the TrainConfig, defaults resolved
-    assert set(train) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert dataclasses.asdict(TrainConfig(**train)) == train
+    saved = info["config"]["train"]  # dataclasses.asdict of the TrainConfig, defaults resolved
+    assert set(saved) == {f.name for f in dataclasses.fields(TrainConfig)}  # the sections
+    assert json.loads(json.dumps(dataclasses.asdict(TrainConfig(**saved)))) == saved
+    train = TrainConfig(**saved).flat()
     assert (train["steps"], train["batch_size"], train["seq_len"], train["attention"]) == (
         20, 4, 32, "all_gather")
     assert (train["mesh"], train["strategy"], train["load_balance"], train["run_dir"]) == (
@@ -347,10 +348,20 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--seq-len", "36"], "not divisible by 2*context = 8"),
     (["--batch-size", "3"], "batch=3 is not divisible"),
     (["--devices", "4"], "already started with 8 CPU devices"),
-    (["--steps", "0"], "--steps 0 must be >= 1"),
-    (["--dtype", "float33"], "argument --dtype: 'float33' is not valid for TrainConfig.dtype: "
+    (["--steps", "0"], "--steps 0: must be an integer >= 1"),
+    (["--final-lr-fraction", "-1"], "--final-lr-fraction -1.0: must be in [0, 1]"),
+    (["--adam-eps", "-1"], "--adam-eps -1.0: must be a finite number > 0"),
+    (["--clip", "nan"], "--clip nan: must be a number"),
+    (["--adam-b1", "nan"], "--adam-b1 nan: must be in [0, 1)"),
+    (["--aux-loss-weight", "nan"], "--aux-loss-weight nan: must be a finite number >= 0"),
+    (["--expert-bias-rate", "nan"], "--expert-bias-rate nan: must be a finite number >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number >= 0"),
+    (["--aux-loss-field", "bogus"], "--aux-loss-field bogus: MixtralConfig has no such field; "
+                                    "valid fields holding a weight:"),
+    (["--data"], "--data (no paths): needs at least one file"),
+    (["--dtype", "float33"], "argument --dtype/--parallelism.dtype: 'float33' is not valid for TrainConfig.dtype: "
                              "expected a dtype name (e.g. float32, bfloat16)"),
-    (["--steps", "ten"], "argument --steps: 'ten' is not valid for TrainConfig.steps: "
+    (["--steps", "ten"], "argument --steps/--run.steps: 'ten' is not valid for TrainConfig.steps: "
                          "expected int"),
     (["--strategy", "tp"], "'tp' is not valid for TrainConfig.strategy: expected one of fsdp, "
                            "cp, ep_as_cp or none"),
@@ -397,14 +408,19 @@ def test_help_lists_every_train_config_field_with_its_default(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     text = "".join(out.split())  # argparse wraps lines (also after hyphens)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(mod.TRAIN, f.name)
-        help_text = "".join(f.metadata["help"].split())
-        assert f"  {flag}" in out, flag
-        assert f"{help_text}(default:{default})" in text, (flag, default)
+    for section in dataclasses.fields(TrainConfig):
+        assert f"{section.name} (TrainConfig.{section.name})" in out
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else
+                                    type(getattr(mod.RECIPE.train, section.name))):
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            default = getattr(getattr(mod.RECIPE.train, section.name), f.name)
+            default = list(default) if isinstance(default, tuple) else default
+            help_text = "".join(f.metadata["help"].split())
+            assert f"  {flag}" in out, flag
+            assert f"--{section.name}.{f.name.replace('_', '-')}" in out, flag
+            assert f"{help_text}(default:{default})" in text, (flag, default)
     assert "--set FIELD=VALUE" in out and "--no-load-balance" in out
-    assert "(default:0.01)" in text and "(default:aux_loss_alpha)" in text  # the recipe's
+    assert "(default:0.01)" in text and "(default:deepseek3)" in text  # the recipe's
 
 
 def test_values_are_parsed_from_the_field_types():
@@ -441,10 +457,11 @@ def test_values_are_parsed_from_the_field_types():
     from zoo.models.decoder import REMAT_POLICIES
     from zoo.ops.attention import IMPLEMENTATIONS
     from zoo.partitioning import STRATEGIES
-    hints = typing.get_type_hints(TrainConfig)
+    from zoo.train.config import ParallelismSection
+    hints = typing.get_type_hints(ParallelismSection)
     assert set(typing.get_args(typing.get_args(hints["strategy"])[0])) == set(STRATEGIES)
     assert set(typing.get_args(typing.get_args(hints["attention"])[0])) == set(IMPLEMENTATIONS)
-    assert all(p in TrainConfig.__dataclass_fields__["remat"].metadata["help"]
+    assert all(p in ParallelismSection.__dataclass_fields__["remat"].metadata["help"]
                for p in REMAT_POLICIES)
 
 

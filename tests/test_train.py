@@ -241,10 +241,10 @@ def test_the_loop_runs_ahead_of_its_metrics(tmp_path, devices):
     from types import SimpleNamespace
 
     from test_recipes import COMMON, TINY, recipe
-    from zoo.train import cli, loop
+    from zoo.train import Trainer, cli, hooks, read_metrics
 
-    s = cli.setup(recipe("mini_mixtral").RECIPE, ["--steps", "8", *COMMON,
-                                                  *TINY["mini_mixtral"]])
+    s, _ = cli.setup(recipe("mini_mixtral").RECIPE, ["--steps", "8", *COMMON,
+                                                     *TINY["mini_mixtral"]])
     events = []
 
     class Counting:  # the loop compiles train_step.lower(...).compile() and calls the result
@@ -259,17 +259,18 @@ def test_the_loop_runs_ahead_of_its_metrics(tmp_path, devices):
                 return compiled(*a)
             return SimpleNamespace(compile=lambda: call)
 
-    config = dataclasses.replace(s.train, steps=8, checkpoint_every=4, progress=False,
-                                 run_dir=str(tmp_path))
-    loop.train(config, dataclasses.replace(s, train_step=Counting(s.train_step)),
-               on_step=lambda step, row: events.append(step))
-    s.data.close()
+    config = s.config.replace(steps=8, checkpoint_every=4, progress=False,
+                              run_dir=str(tmp_path))
+    with Trainer(dataclasses.replace(s, config=config, train_step=Counting(s.train_step)),
+                 hooks=[hooks.OnStep(lambda step, row: events.append(step))],
+                 name="mini_mixtral") as trainer:
+        trainer.train()
     dispatched_before = {e: events[:i].count("dispatch") for i, e in enumerate(events)
                          if e != "dispatch"}
     assert list(dispatched_before) == list(range(1, 9))
     for step, n in dispatched_before.items():
         assert n == (step if step in (4, 8) else step + 1), (step, events)
-    assert [r["step"] for r in loop.read_metrics(tmp_path)] == list(range(1, 9))
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
     # run.json records the TrainConfig as dataclasses.asdict (JSON: tuples become lists)
     info = json.loads((tmp_path / "run.json").read_text())["config"]
     assert info["train"] == json.loads(json.dumps(dataclasses.asdict(config)))

@@ -202,7 +202,8 @@ class Trainer:
                                                                                 self.name))
         self.config = self.built.config
         self.run_dir = os.path.abspath(self.config.run_dir)
-        self.record = normalise(dict(self.built.record, train=dataclasses.asdict(self.config)))
+        self.record = normalise(dict(self.built.record, recipe=self.name,
+                                     train=dataclasses.asdict(self.config)))
         self.hooks = [*(hooks_lib.default_hooks(self.config, self.run_dir, self.name)
                         if default_hooks else []), *hooks]
         self.model = self.optimizer = None
