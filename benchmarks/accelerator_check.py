@@ -70,27 +70,25 @@ def strategy_meshes(n: int) -> dict[str, dict[str, int]]:
     return out
 
 
-def train_losses(config, model_cls, partitioner, batches, device=None, bias_rate=0.0):
-    import jax
+def train_losses(family, batches, *, devices, strategy="fsdp", mesh=None, bias_rate=0.0):
+    """The losses of the mini `family` trained on `batches` at a constant rate, built by
+    `zoo.train.build` on `devices` (one device: the unsharded reference)."""
     import numpy as np
-    from flax import nnx
 
+    from zoo.train import TrainConfig, build
     from zoo.train import step as S
     B, L = batches[0]["inputs"].shape
-
-    def make():
-        return model_cls(config, inputs_shape=(B, L), partitioner=partitioner, rngs=nnx.Rngs(0))
-
-    tx = S.make_tx()
-    with jax.default_device(device) if device is not None else _nothing():
-        model, opt = S.create_sharded(make, tx)
-        step = S.make_train_step(aux_loss_weight=1e-3, expert_bias_rate=bias_rate)
-        sharding = partitioner.sharding(("batch", "length")) if partitioner else None
-        losses = []
-        for batch in batches:
-            model, opt, m = step(model, opt, S.make_global_batch(batch, sharding),
-                                 np.float32(1e-3))
-            losses.append(float(m["loss"]))
+    train = TrainConfig(family=family, preset="mini", batch_size=B, seq_len=L, strategy=strategy,
+                        mesh=mesh or f"fsdp={len(devices)}", aux_loss_weight=1e-3,
+                        expert_bias_rate=bias_rate, load_balance="none")
+    built = build(train, devices=devices, with_data=False)
+    model, opt = built.create_sharded()
+    losses = []
+    for batch in batches:
+        model, opt, m = built.train_step(model, opt, S.make_global_batch(batch,
+                                                                         built.batch_sharding),
+                                         np.float32(1e-3))
+        losses.append(float(m["loss"]))
     return losses
 
 
@@ -107,9 +105,6 @@ def check_losses(args) -> None:
     import numpy as np
 
     from zoo import data
-    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
-    from zoo.models.mixtral import Mixtral, MixtralConfig
-    from zoo.partitioning import Partitioner, make_mesh
 
     jax.config.update("jax_default_matmul_precision", "highest")
     devices = jax.devices()
@@ -117,13 +112,13 @@ def check_losses(args) -> None:
     steps = 2 if args.dry_run else args.steps
     it = data.text_dataset(None, seq_len=128, batch_size=8)
     batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
-    presets = [("mini_deepseek3", DeepSeek3, DeepSeek3Config.mini(), 1e-2),
-               ("mini_mixtral", Mixtral, MixtralConfig.mini(), 0.0)]
-    for name, cls, config, bias_rate in presets:
-        ref = train_losses(config, cls, None, batches, device=cpu, bias_rate=bias_rate)
+    presets = [("mini_deepseek3", "deepseek3", 1e-2), ("mini_mixtral", "mixtral", 0.0)]
+    for name, family, bias_rate in presets:
+        ref = train_losses(family, batches, devices=[cpu], bias_rate=bias_rate)
         for strategy, sizes in strategy_meshes(len(devices)).items():
-            p = Partitioner(make_mesh(**sizes, devices=devices), strategy)
-            got = train_losses(config, cls, p, batches, bias_rate=bias_rate)
+            mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
+            got = train_losses(family, batches, devices=devices, strategy=strategy, mesh=mesh,
+                               bias_rate=bias_rate)
             rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
             report("losses: accelerator vs one CPU device (fp32, highest precision)", dict(
                 model=name, strategy=strategy, mesh=",".join(f"{k}={v}" for k, v in

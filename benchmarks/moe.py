@@ -196,30 +196,22 @@ def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len
     """Per-device XLA memory of a one-layer DeepSeek-V3 train step (full width, bf16 compute,
     remat full, AdamW), compiled ahead of time for mesh ``fsdp x expert`` of virtual devices;
     ``moe=False`` puts the dense MLP in the layer's place. Nothing is allocated."""
-    from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
-    from zoo.train import step as step_lib
+    from zoo.models.deepseek3 import DeepSeek3Config
+    from zoo.train import TrainConfig, build
+    from zoo.train.rehearse import rehearse_built
     cfg = DeepSeek3Config.deepseek_v3(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1,
-                                      dtype=jnp.bfloat16, remat_policy="full",
-                                      moe_buffer_factor=buffer_factor)
-    part = Partitioner(make_mesh(fsdp=fsdp, expert=expert,
-                                 devices=jax.devices()[:fsdp * expert]), "fsdp")
+                                      remat_policy="full", moe_buffer_factor=buffer_factor)
     batch = fsdp * expert * tokens // seq_len
-    model, opt = step_lib.abstract_state(
-        lambda: DeepSeek3(cfg, inputs_shape=(batch, seq_len), partitioner=part,
-                          rngs=nnx.Rngs(0)), step_lib.make_tx(), part.mesh)
-    sharding = part.sharding(("batch", "length"))
-    data = {k: jax.ShapeDtypeStruct((batch, seq_len),
-                                    jnp.float32 if k == "loss_weights" else jnp.int32,
-                                    sharding=sharding)
-            for k in ("inputs", "targets", "positions", "segment_ids", "loss_weights")}
-    t0 = time.perf_counter()
-    compiled = step_lib.make_train_step(donate=True).lower(
-        model, opt, data, jax.ShapeDtypeStruct((), jnp.float32)).compile()
-    mem = compiled.memory_analysis()
+    train = TrainConfig(mesh=f"fsdp={fsdp},expert={expert}", strategy="fsdp", batch_size=batch,
+                        seq_len=seq_len, dtype="bfloat16")
+    built = build(train, model_config=cfg, devices=jax.devices()[:fsdp * expert],
+                  with_data=False, donate=True)
+    r = rehearse_built(built, label="deepseek_v3 layer")
+    model, _ = built.abstract_state()
     dispatch = next((m.dispatch for _, m in nnx.iter_modules(model)
                      if type(m).__name__ == "MoE"), "-")
-    return dict(temp=mem.temp_size_in_bytes / 2**30, args=mem.argument_size_in_bytes / 2**30,
-                dispatch=dispatch, compile_s=time.perf_counter() - t0)
+    return dict(temp=r.temp_bytes / 2**30, args=r.argument_bytes / 2**30, dispatch=dispatch,
+                compile_s=r.compile_s)
 
 
 def temporaries_table(factors: list[float | None], tokens: int) -> None:

@@ -32,7 +32,6 @@ Legend (shapes): B batch, L length.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -158,34 +157,27 @@ def synthetic_batch(config, partitioner, batch: int, seq_len: int, seed: int = 0
     return {k: jax.device_put(v, sharding) for k, v in host.items()}
 
 
-def bench_one(recipe, config, strategy: str, mesh_text: str, args, machine_rate_fn):
-    """One table row (a dict) for `recipe` x `strategy`."""
+def bench_one(recipe, strategy: str, mesh_text: str, args, machine_rate_fn):
+    """One table row (a dict) for `recipe` x `strategy`: the recipe's settings through
+    `zoo.train.build`, with this benchmark's mesh, batch, length, dtype and ``--set``."""
     import jax
     from flax import nnx
 
-    from zoo.partitioning import MeshShape, Partitioner
-    from zoo.train import create_sharded, make_train_step, make_tx
+    from zoo.train import build
 
     B, L = args.batch_size, args.seq_len
-    partitioner = Partitioner(MeshShape.parse(mesh_text).make(), strategy)
-
-    def make_model():
-        return recipe.make_model(config, inputs_shape=(B, L), partitioner=partitioner,
-                                 rngs=nnx.Rngs(0))
-
-    t = recipe.train  # the recipe's optimizer and balancing settings (zoo.train.TrainConfig)
-    tx = make_tx(weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
-                 clip=t.clip)
-    aux_weight = t.aux_loss_weight
-    if aux_weight is None:
-        aux_weight = getattr(config, t.aux_loss_field) if t.aux_loss_field else 0.0
-    step = make_train_step(aux_loss_weight=aux_weight, expert_bias_rate=t.expert_bias_rate)
-    model, optimizer = create_sharded(make_model, tx)
+    t = recipe.train
+    train = t.replace(strategy=strategy, mesh=mesh_text, batch_size=B, seq_len=L,
+                      dtype=args.dtype, attention=args.attention or t.attention,
+                      overrides=(*t.overrides, *args.overrides))
+    built = build(train, with_data=False)
+    config, partitioner = built.model_config, built.partitioner
+    model, optimizer = built.create_sharded()
     batch = synthetic_batch(config, partitioner, B, L)
     lr = np.float32(1e-4)
 
     t = time.perf_counter()
-    compiled = step.lower(model, optimizer, batch, lr).compile()
+    compiled = built.train_step.lower(model, optimizer, batch, lr).compile()
     compile_s = time.perf_counter() - t
 
     times, rates = [], []
@@ -209,7 +201,8 @@ def bench_one(recipe, config, strategy: str, mesh_text: str, args, machine_rate_
     return dict(model=recipe.name, strategy=strategy, mesh=mesh_text,
                 cp=partitioner.context_size("attention"), compile_s=compile_s, step_s=step_s,
                 tokens_per_s=tokens_per_s, model_flops=model_flops, machine_rate=rate,
-                mfu=model_flops / rate, loss=loss, rates=(min(rates), max(rates)))
+                mfu=model_flops / rate, loss=loss, rates=(min(rates), max(rates)),
+                mflop_per_token=config.flops_per_token(L) / 1e6)
 
 
 def format_table(rows, best_rate: float = 0.0) -> str:
@@ -263,17 +256,7 @@ def main(argv=None) -> int:
     scale = 1 if backend == "cpu" else n
     measure = lambda: scale * matmul_rate(args.matmul_size, dtype, jax.devices()[0])
 
-    recipes, configs = {}, {}
-    for m in args.models:
-        recipe = load_recipe(m)
-        try:
-            config = cli.apply_overrides(recipe.config, args.overrides)
-        except ValueError as e:
-            ap.error(f"{e} (model {m})")
-        changes = dict(dtype=dtype.type)
-        if args.attention:
-            changes["attention_implementation"] = args.attention
-        recipes[m], configs[m] = recipe, dataclasses.replace(config, **changes)
+    recipes = {m: load_recipe(m) for m in args.models}
     meshes = {s: args.mesh.get(s) or default_mesh(s, n) for s in args.strategies}
 
     print(f"# train step: {n} {backend} devices ({os.cpu_count()} CPU cores), batch "
@@ -283,25 +266,19 @@ def main(argv=None) -> int:
     print(f"machine matmul rate ({args.matmul_size}^3 {dtype.name}, "
           f"{'one jit on all cores' if scale == 1 else f'per device x {n}'}): "
           f"{first / 1e9:.0f} GFLOP/s at start", flush=True)
-    for m in args.models:
-        c = configs[m]
-        print(f"{recipes[m].name}: {c.flops_per_token(args.seq_len) / 1e6:.2f} MFLOP/token "
-              f"(training = 3x forward, causal attention at seq_len {args.seq_len})"
-              + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""), flush=True)
-
     rows, skipped = [], []
     for m in args.models:
         for s in args.strategies:
             try:
-                rows.append(bench_one(recipes[m], configs[m], s, meshes[s], args, measure))
+                rows.append(bench_one(recipes[m], s, meshes[s], args, measure))
             except ValueError as e:  # mesh/shape rules: name the row and go on
                 skipped.append(f"{recipes[m].name} {s} ({meshes[s]}): {e}")
                 print(f"skipped {skipped[-1]}", file=sys.stderr, flush=True)
                 continue
             r = rows[-1]
-            print(f"  {r['model']} {s} ({r['mesh']}): compile {r['compile_s']:.1f} s, step "
-                  f"{r['step_s'] * 1e3:.0f} ms, loss {r['loss']:.3f}", file=sys.stderr,
-                  flush=True)
+            print(f"  {r['model']} {s} ({r['mesh']}): {r['mflop_per_token']:.2f} MFLOP/token "
+                  f"(training), compile {r['compile_s']:.1f} s, step {r['step_s'] * 1e3:.0f} ms, "
+                  f"loss {r['loss']:.3f}", file=sys.stderr, flush=True)
     print()
     print(format_table(rows, first))
     print(f"\nwall time {time.perf_counter() - started:.0f} s", flush=True)

@@ -359,10 +359,10 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--aux-loss-field", "bogus"], "--aux-loss-field bogus: MixtralConfig has no such field; "
                                     "valid fields holding a weight:"),
     (["--data"], "--data (no paths): needs at least one file"),
-    (["--dtype", "float33"], "argument --dtype/--parallelism.dtype: 'float33' is not valid for TrainConfig.dtype: "
-                             "expected a dtype name (e.g. float32, bfloat16)"),
-    (["--steps", "ten"], "argument --steps/--run.steps: 'ten' is not valid for TrainConfig.steps: "
-                         "expected int"),
+    (["--dtype", "float33"], "argument --dtype/--parallelism.dtype: 'float33' is not valid for "
+                             "TrainConfig.dtype: expected a dtype name (e.g. float32, bfloat16)"),
+    (["--steps", "ten"], "argument --steps/--run.steps: 'ten' is not valid for "
+                         "TrainConfig.steps: expected int"),
     (["--strategy", "tp"], "'tp' is not valid for TrainConfig.strategy: expected one of fsdp, "
                            "cp, ep_as_cp or none"),
     (["--set", "scan_layers=maybe"], "--set scan_layers=maybe: expected true or false (the "

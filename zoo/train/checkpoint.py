@@ -191,7 +191,7 @@ class Checkpointer:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             to_pure(model, optimizer))
-        for step in ([step] if step is not None else reversed(self.steps())):
+        for step in ([step] if step is not None else reversed(self.steps())):  # noqa: B020
             error = None
             try:
                 config = self.read_config(step)
