@@ -160,8 +160,8 @@ def _parse_instr(line: str) -> Instr | None:
 
 @functools.lru_cache(maxsize=4)
 def parse(text: str) -> Module:
-    """Read an HLO module's text (a compiled or a lowered program); cached, so the views below
-    parse a text once however many of them read it."""
+    """Read an HLO module's text (a compiled or a lowered program). Cached, so the views below
+    parse a text once however many of them read it: the `Module` is shared, read it only."""
     comps: dict[str, list[Instr]] = {}
     types: dict[str, dict[str, str]] = {}
     entry, current = None, None
