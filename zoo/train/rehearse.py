@@ -36,6 +36,7 @@ from zoo.ops.hlo import HloStats, hlo_stats  # the HLO counter, re-exported
 __all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
            "set_virtual_devices", "PRESETS"]
 
+
 # -- virtual devices -------------------------------------------------------------------------------
 
 def set_virtual_devices(n: int) -> None:
