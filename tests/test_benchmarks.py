@@ -13,6 +13,8 @@ from zoo.models.mixtral import MixtralConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train_step.py")
 
+pytestmark = pytest.mark.e2e  # every test runs the benchmark script in a subprocess
+
 
 def _number(text: str) -> float:
     return float(re.sub(r"[^0-9.]", "", text))

@@ -142,6 +142,7 @@ def _writable(folder):
     return True
 
 
+@pytest.mark.e2e
 def test_the_script_prints_no_traceback(tmp_path, inputs):
     """The real entry point (a subprocess): one line on stderr, exit 2."""
     proc = subprocess.run(
@@ -155,6 +156,7 @@ def test_the_script_prints_no_traceback(tmp_path, inputs):
 
 # -- the lock ----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_second_run_on_a_run_dir_is_refused_at_once(tmp_path, capsys, base):
     """A run in a subprocess holds the dir; a second one (here, in-process) is refused within
     5 s naming the holder; the first finishes with each metric row once."""

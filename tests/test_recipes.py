@@ -183,6 +183,7 @@ def sigterm_scenario(tmp_path_factory, straight):
     return dict(run_dir=run_dir, after_signal=after_signal, code=code, resumed=resumed_steps)
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_the_step_reached_and_exits_cleanly(sigterm_scenario):
     s = sigterm_scenario["after_signal"]
     assert s["code"] == 0, s["err"][-3000:]
@@ -190,12 +191,14 @@ def test_sigterm_saves_the_step_reached_and_exits_cleanly(sigterm_scenario):
     assert s["ckpt_steps"] == [7] and s["metric_steps"] == list(range(1, 8))
 
 
+@pytest.mark.e2e
 def test_rerun_continues_from_the_next_step(sigterm_scenario):
     assert sigterm_scenario["code"] == 0
     assert sigterm_scenario["resumed"] == list(range(8, 13))
     assert Checkpointer(sigterm_scenario["run_dir"] / "checkpoints").steps() == [7, 12]
 
 
+@pytest.mark.e2e
 def test_resumed_losses_equal_a_straight_run(sigterm_scenario, straight):
     steps, got = losses(sigterm_scenario["run_dir"])
     ref_steps, want = losses(straight)
@@ -307,6 +310,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_two_processes_match_one(tmp_path, straight):
     """2 processes x 4 devices (gloo) == 1 process x 8 devices, step by step. The environment
     says 8 devices (XLA_FLAGS from conftest); --devices 4 must override it."""
@@ -514,6 +518,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("env,arg,count", [
     ({}, "default", 8), ({"JAX_NUM_CPU_DEVICES": "2"}, "default", 2),
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=6"}, "3", 3)])
@@ -559,6 +564,7 @@ print(float(f(x)[0]))
 """
 
 
+@pytest.mark.e2e
 def test_a_late_virtual_device_does_not_abort_the_process():
     """XLA:CPU aborts when a peer reaches a collective 20 + 40 s late (shared cores make that
     happen); `set_cpu_devices` raises the limits through XLA_FLAGS. Shown with a peer 4 s late:

@@ -20,9 +20,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from zoo.inspect import sharding_table
 from zoo.models import deepseek3, hf, mixtral
 from zoo.partitioning import Partitioner, make_mesh
+from zoo.shardings import sharding_table
 from zoo.train import step as S
 from zoo.train.rehearse import hlo_stats, rehearse, rehearse_step
 

@@ -243,7 +243,7 @@ class Partitioner:
         """Wrap an initializer so the `nnx.Param` it fills is created already sharded.
 
         The sharding travels as NNX ``out_sharding`` metadata, which also lets
-        `nnx.get_partition_spec` and `zoo.inspect.sharding_table` read it back.
+        `nnx.get_partition_spec` and `zoo.shardings.sharding_table` read it back.
         """
         axes = tuple(logical_axes)
         if self.mesh is None:

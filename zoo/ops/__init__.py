@@ -5,7 +5,8 @@ reference): masks as values (`zoo.ops.masks`: `Causal`, `SlidingWindow`, `Chunke
 `Document`, `MaskFn`, combined with ``&``/``|``), score modifiers (`ScoreMod`, soft caps, sinks),
 context-parallel strategies (`zoo.ops.ring`) calling pluggable block kernels
 (`zoo.ops.kernels`: `FlashKernel`, `TokamaxKernel`, `register_kernel`). `zoo.ops.moe` holds the
-mixture-of-experts routing and dispatch functions.
+mixture-of-experts routing and dispatch functions; `zoo.ops.hlo` reads compiled programs' HLO
+text (executions, collective bytes, FLOPs: the rehearsal's counter).
 """
 
 from zoo.ops.attention import (IMPLEMENTATIONS, attention,

@@ -1,59 +1,208 @@
-"""Reading a compiled program's HLO text: how often an op *runs*, and the bytes collectives move.
+"""HLO module text read once, seen two ways: how often each op *runs*, and what a program costs.
 
 Ops inside a ``while`` body appear once in the text; they run ``known_trip_count`` times (XLA
-records it in the loop's backend config). `executions` weights every computation by how many
-times its callers run it (loops multiply, conditionals' branches and fusions count once), so
-"conditionals per program" or "bytes per collective kind" come out as executed totals, per
-device, for an SPMD program.
+records it in the loop's backend config; XLA's own cost analysis counts a loop body once).
+`parse` reads a module's text (``compiled.as_text()`` or a lowered module's HLO) into its
+computations and instructions; both views below read that parse. Figures are per device for
+an SPMD program.
+
+* Executions: `executions` weights every computation by how many times its callers run it
+  (loops multiply, every branch of a conditional and every fusion counts once), so
+  `count_executed` ("conditionals per program"), `decisions` and `collective_bytes` (the
+  bytes of each collective kind's results, of the program or of one `branches` computation)
+  come out as executed totals.
+* The rehearsal's counter: `hlo_stats` -> `HloStats`, the FLOPs of dots and convolutions,
+  collective bytes and counts, dots by operand dtype and instructions. A conditional counts
+  its costliest branch (an upper bound), and so do the 0-or-1-trip loops of one
+  `zoo.ops.ring` decision (their named scope is `ONE_OF`). Collective bytes are buffer sizes:
+  the gathered result of an all-gather, the input of a reduce-scatter, all-reduce, all-to-all
+  or collective-permute.
+
+Where no conditional or reduce-scatter runs, the two views' collective bytes agree.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
+import math
 import re
 
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLEES = re.compile(r"(?:condition|body|calls|to_apply|true_computation|false_computation)"
-                      r"=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
-_ARRAY = re.compile(r"(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
-_BYTES = dict(pred=1, s8=1, u8=1, s16=2, u16=2, bf16=2, f16=2, s32=4, u32=4, f32=4, s64=8,
-              u64=8, f64=8)
+from zoo.ops.ring import ONE_OF
+
+__all__ = ["COLLECTIVES", "HloStats", "Instr", "Module", "branches", "collective_bytes",
+           "count_executed", "decisions", "executions", "hlo_stats", "parse"]
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_KIND = {**{k: k for k in COLLECTIVES}, **{f"{k}-start": k for k in COLLECTIVES},
+         "ragged-all-to-all": "all-to-all"}
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+          "c128": 16}
+_FLOATS = ("bf16", "f16", "f32", "f64")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")  # the printer's ``/*index=5*/`` in long operand lists
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIVIAL = re.compile(r"replica_groups=\{(?:\{\d+\},?)+\}")  # groups of one device: no traffic
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-def _parse(text: str):
-    """{computation: [(result type, opcode, line)]}, the entry's name."""
-    comps, entry, name = collections.defaultdict(list), None, None
+# -- the parse ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction: ``name = type opcode(operands), attrs``."""
+
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+
+    @property
+    def trip_count(self) -> int | None:
+        """A ``while``'s known trip count (None if XLA does not know it)."""
+        trip = _TRIP.search(self.attrs)
+        return int(trip.group(1)) if trip else None
+
+    @property
+    def op_name(self) -> str | None:
+        op = _OP_NAME.search(self.attrs)
+        return op.group(1) if op else None
+
+    @property
+    def callees(self) -> list[str]:
+        """Computations it calls, branches excluded (fusion, while body and condition, ...)."""
+        return _CALLS.findall(self.attrs)
+
+    @property
+    def branches(self) -> list[str]:
+        """A conditional's branch computations, in branch-index order."""
+        return [b.strip().lstrip("%") for group in _BRANCHES.findall(self.attrs)
+                for b in group.split(",") if b.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """Instructions per computation, name -> type per computation, the entry's name."""
+
+    computations: dict[str, list[Instr]]
+    types: dict[str, dict[str, str]]
+    entry: str
+
+    def instructions(self):
+        """``(computation, instruction)`` for every instruction."""
+        return ((c, ins) for c, instrs in self.computations.items() for ins in instrs)
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of every array in an HLO type (a tuple type gives several)."""
+    return [(d, tuple(int(n) for n in dims.split(",") if n))
+            for d, dims in _ARRAY.findall(type_text)]
+
+
+def _nbytes(arrays: list[tuple[str, tuple[int, ...]]]) -> float:
+    return sum(math.prod(dims) * _BYTES.get(d, 1 if d.startswith("f8") else 4)
+               for d, dims in arrays)
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the bracket closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO line {text[:120]!r}")
+
+
+def _parse_instr(line: str) -> Instr | None:
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        end = _matching(rest, 0) + 1
+        type_text, rest = rest[:end], rest[end:]
+    else:
+        type_text, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close = _matching(rest, open_at)
+    operands = tuple(_COMMENT.sub("", o).split()[-1].lstrip("%")
+                     for o in _split_top(rest[open_at + 1:close]))
+    return Instr(m.group(1), type_text, op.group(1), operands, rest[close + 1:])
+
+
+@functools.lru_cache(maxsize=4)
+def parse(text: str) -> Module:
+    """Read an HLO module's text (a compiled or a lowered program). Cached, so the views below
+    parse a text once however many of them read it: the `Module` is shared, read it only."""
+    comps: dict[str, list[Instr]] = {}
+    types: dict[str, dict[str, str]] = {}
+    entry, current = None, None
     for line in text.splitlines():
-        m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0].split("(")[0]:
-            name = m.group(1)
-            if line.startswith("ENTRY"):
-                entry = name
+        stripped = line.strip()
+        if current is None:
+            m = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{$", stripped)
+            if m and " = " not in stripped:  # a computation header (lowered HLO: no signature)
+                current = m.group(2)
+                entry = current if m.group(1) else entry
+                comps[current], types[current] = [], {}
+                sig = m.group(3) or "()"
+                for p in _split_top(sig[1:_matching(sig, 0)]):
+                    name, _, t = _COMMENT.sub("", p).partition(":")
+                    types[current][name.strip().lstrip("%")] = t.strip()
             continue
-        i = _INSTR.match(line)
-        if i and name is not None:
-            comps[name].append((i.group(1), i.group(2), line))
-    return comps, entry
+        if stripped == "}":
+            current = None
+            continue
+        ins = _parse_instr(line)
+        if ins is not None:
+            comps[current].append(ins)
+            types[current][ins.name] = ins.type
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text; pass a whole module's text "
+                         "(compiled.as_text() or lowered.as_text(dialect='hlo'))")
+    return Module(comps, types, entry)
 
+
+# -- executions --------------------------------------------------------------------------------
 
 def executions(text: str, root: str | None = None) -> dict[str, int]:
     """How many times each computation runs per execution of the entry computation (or of
     computation `root`, e.g. one branch of a conditional)."""
-    comps, entry = _parse(text)
-    entry = root or entry
+    module = parse(text)
     calls = collections.defaultdict(list)  # caller -> [(callee, factor)]
-    for name, instrs in comps.items():
-        for _, op, line in instrs:
-            trip = _TRIP.search(line)
-            factor = int(trip.group(1)) if op == "while" and trip else 1
-            for single, branches in _CALLEES.findall(line):
-                for callee in ([single] if single else re.findall(r"%?([\w.\-]+)", branches)):
-                    calls[name].append((callee, factor))
-    runs = collections.Counter({entry: 1})
+    for name, ins in module.instructions():
+        factor = (ins.trip_count or 1) if ins.opcode == "while" else 1
+        calls[name] += [(callee, factor) for callee in ins.callees + ins.branches]
+    root = root or module.entry
+    runs = collections.Counter({root: 1})
     order, seen = [], set()
 
     def visit(n):  # callers before callees (the call graph is a DAG)
@@ -64,54 +213,156 @@ def executions(text: str, root: str | None = None) -> dict[str, int]:
             visit(c)
         order.append(n)
 
-    visit(entry)
+    visit(root)
     for n in reversed(order):
         for c, f in calls[n]:
             runs[c] += runs[n] * f
     return dict(runs)
 
 
+def _executed(text: str, keep) -> int:
+    runs = executions(text)
+    return sum(runs.get(c, 0) for c, ins in parse(text).instructions() if keep(ins))
+
+
 def count_executed(text: str, opcode: str) -> int:
     """Executions of instructions with this opcode (e.g. ``"conditional"``)."""
-    comps, _ = _parse(text)
-    runs = executions(text)
-    return sum(runs.get(n, 0) for n, instrs in comps.items() for _, op, _ in instrs
-               if op == opcode)
+    return _executed(text, lambda ins: ins.opcode == opcode)
 
 
 def decisions(text: str) -> int:
     """Executions of data-dependent branch points: ``conditional``s and ``while`` loops with no
     known trip count (such as `zoo.ops.ring`'s run-if loops of 0 or 1 trips)."""
-    comps, _ = _parse(text)
-    runs = executions(text)
-    return sum(runs.get(n, 0) for n, instrs in comps.items() for _, op, line in instrs
-               if op == "conditional" or (op == "while" and not _TRIP.search(line)))
+    return _executed(text, lambda ins: ins.opcode == "conditional" or (
+        ins.opcode == "while" and ins.trip_count is None))
 
 
 def branches(text: str) -> list[list[str]]:
     """Branch computations of every ``conditional``, in branch-index order (for a two-way
     `lax.cond`: [false, true])."""
-    return [re.findall(r"%?([\w.\-]+)", m) for m in
-            re.findall(r"\sconditional\(.*branch_computations=\{([^}]*)\}", text)]
+    return [ins.branches for _, ins in parse(text).instructions()
+            if ins.opcode == "conditional" and ins.branches]
 
 
 def collective_bytes(text: str, floats_only: bool = False,
                      root: str | None = None) -> dict[str, int]:
     """Executed bytes of each collective kind's results (per device), {kind: bytes}, of the
     whole program or of one computation `root` (e.g. a conditional's branch)."""
-    comps, _ = _parse(text)
     runs = executions(text, root)
     out = collections.Counter()
-    for n, instrs in comps.items():
-        for typ, op, line in instrs:
-            kind = op.removesuffix("-start")
-            if kind not in COLLECTIVES or _TRIVIAL.search(line):
-                continue
-            for dt, dims in _ARRAY.findall(typ):
-                if floats_only and dt not in ("bf16", "f16", "f32", "f64"):
-                    continue
-                size = 1
-                for d in filter(None, dims.split(",")):
-                    size *= int(d)
-                out[kind] += runs.get(n, 0) * size * _BYTES[dt]
+    for c, ins in parse(text).instructions():
+        kind = _KIND.get(ins.opcode)
+        if kind is None or _TRIVIAL.search(ins.attrs):
+            continue
+        arrays = [a for a in _arrays(ins.type) if not floats_only or a[0] in _FLOATS]
+        if arrays:
+            out[kind] += runs.get(c, 0) * _nbytes(arrays)
     return dict(out)
+
+
+# -- the rehearsal's counter -------------------------------------------------------------------
+
+def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
+    out = _arrays(ins.type)
+    lhs = _arrays(types.get(ins.operands[0], ""))
+    if not out or not lhs:
+        return 0.0
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+        return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
+    rhs = _arrays(types.get(ins.operands[1], ""))  # convolution: out x (kernel / out features)
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    if not rhs or not labels or "o" not in labels.group(1):
+        return 0.0
+    kernel = rhs[0][1]
+    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / kernel[labels.group(1).index("o")]
+
+
+def _buffer_bytes(ins: Instr, kind: str, types: dict[str, str]) -> float:
+    """An all-gather's gathered result; the input of the other collectives."""
+    if kind == "all-gather":
+        return max((_nbytes([a]) for a in _arrays(ins.type)), default=0)
+    return sum(_nbytes(_arrays(types.get(o, ""))) for o in ins.operands)
+
+
+@dataclasses.dataclass
+class HloStats:
+    """Counts of one HLO module; loop bodies multiplied by their trip counts."""
+
+    instructions: int = 0            # static: instructions in the text, each counted once
+    flops: float = 0.0               # dots + convolutions
+    collective_bytes: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
+    collective_counts: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+    dots_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # operand dtype
+    dot_names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # dtype -> op_name
+    unknown_trip_counts: int = 0     # while loops without known_trip_count (counted once)
+
+
+def hlo_stats(text: str) -> HloStats:
+    """Count an HLO module's text (``compiled.as_text()`` or a lowered module's HLO)."""
+    module = parse(text)
+    comps, types = module.computations, module.types
+    stats = HloStats(instructions=sum(len(v) for v in comps.values()))
+
+    @functools.cache
+    def totals(comp: str) -> tuple:
+        flops, coll, counts = 0.0, collections.Counter(), collections.Counter()
+        dots: collections.Counter = collections.Counter()
+        names: dict[str, set] = collections.defaultdict(set)
+        unknown, one_of = 0, []
+
+        def add(callee, n):
+            nonlocal flops, unknown
+            f, c, k, d, nm, u = totals(callee)
+            flops += n * f
+            unknown += u
+            for key, v in c.items():
+                coll[key] += n * v
+            for key, v in k.items():
+                counts[key] += n * v
+            for key, v in d.items():
+                dots[key] += n * v
+            for key, v in nm.items():
+                names[key] |= v
+
+        for ins in comps.get(comp, ()):
+            if ins.opcode in ("dot", "convolution"):
+                flops += _dot_flops(ins, types[comp])
+                lhs = _arrays(types[comp].get(ins.operands[0], ""))
+                dtype = lhs[0][0] if lhs else "?"
+                dots[dtype] += 1
+                names[dtype].add(ins.op_name or ins.name)
+            kind = _KIND.get(ins.opcode)
+            if kind:
+                coll[kind] += _buffer_bytes(ins, kind, types[comp])
+                counts[kind] += 1
+            callees = [(name, 1) for name in ins.callees]
+            if ins.branches:  # a conditional runs one branch: count the costliest (an upper bound)
+                callees.append((max(ins.branches, key=lambda b: totals(b)[0]), 1))
+            if ins.opcode == "while":
+                trip = ins.trip_count
+                if trip is None and ONE_OF in (ins.op_name or ""):
+                    # one of a decision's 0-or-1-trip loops (`zoo.ops.ring`), of which one
+                    # runs: like a conditional's branches, only the costliest is counted
+                    one_of.append([name for name, _ in callees])
+                    continue
+                unknown += trip is None
+                callees = [(name, trip or 1) for name, _ in callees]
+            for callee, n in callees:
+                add(callee, n)
+        if one_of:  # one decision's loops share a computation (a sub-block's visit)
+            for callee in max(one_of, key=lambda cs: sum(totals(c)[0] for c in cs)):
+                add(callee, 1)
+        return flops, coll, counts, dots, names, unknown
+
+    flops, coll, counts, dots, names, unknown = totals(module.entry)
+    stats.flops = flops
+    stats.collective_bytes.update(coll)
+    stats.collective_counts.update(counts)
+    stats.dots_by_dtype = dict(sorted(dots.items()))
+    stats.dot_names = {k: sorted(v) for k, v in sorted(names.items())}
+    stats.unknown_trip_counts = unknown
+    return stats

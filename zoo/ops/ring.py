@@ -388,7 +388,7 @@ ONE_OF = "zoo_one_of"  # named scope of `_one_of`'s loops: XLA's static counts t
 
 def _one_of(branch, fns, x):
     """``fns[branch - 1](x)``, or x for branch 0, as one `_run_if` loop per function (their
-    ``op_name`` carries `ONE_OF`, so `zoo.train.rehearse.hlo_stats` counts the costliest one
+    ``op_name`` carries `ONE_OF`, so `zoo.ops.hlo.hlo_stats` counts the costliest one
     alone, as it does a conditional's branches)."""
     with jax.named_scope(ONE_OF):
         for i, fn in enumerate(fns, 1):

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from zoo.inspect import sharding_table
 from zoo.layers import MLP, Embed, RMSNorm
 from zoo.partitioning import MESH_AXES, Partitioner, make_mesh
+from zoo.shardings import sharding_table
 
 
 class Tiny(nnx.Module):
@@ -63,7 +63,7 @@ def test_table_unsharded():
 
 
 def test_activation_table_follows_the_strategy(devices):
-    from zoo.inspect import activation_table
+    from zoo.shardings import activation_table
 
     p = Partitioner(make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
     table = activation_table(p, batch=8, length=256, embed=64, heads=4, kv_heads=2, head_dim=32,

@@ -1,15 +1,15 @@
 """Execute the repository's notebooks and store their outputs, or check that they are current.
 
-    python -m zoo.notebooks            # re-execute notebooks/*.ipynb in place, outputs saved
-    python -m zoo.notebooks --check    # re-execute in memory; exit 1 naming the stale cells
-    python -m zoo.notebooks notebooks/inspect_sharding.ipynb   # just this one
+    python tools/notebooks.py            # re-execute notebooks/*.ipynb in place, outputs saved
+    python tools/notebooks.py --check    # re-execute in memory; exit 1 naming the stale cells
+    python tools/notebooks.py notebooks/inspect_sharding.ipynb   # just this one
 
-The kernel runs this checkout's ``zoo`` (the repository root goes first on ``PYTHONPATH``) on
-8 virtual CPU devices (``JAX_PLATFORMS=cpu``), so the stored outputs are the same on every
-machine. Only the *text* of the outputs is compared (streams, ``text/plain`` results, errors),
-with volatile parts masked (`VOLATILE`: memory addresses, durations); HTML renderings and
-execution counts are not. Needs ``nbclient``, ``nbformat`` and ``ipykernel`` (the ``[test]``
-extra).
+A script of the repository, not part of the package. The kernel runs this checkout's ``zoo``
+(the repository root goes first on ``PYTHONPATH``) on 8 virtual CPU devices
+(``JAX_PLATFORMS=cpu``), so the stored outputs are the same on every machine. Only the *text*
+of the outputs is compared (streams, ``text/plain`` results, errors), with volatile parts
+masked (`VOLATILE`: memory addresses, durations); HTML renderings and execution counts are
+not. Needs ``nbclient``, ``nbformat`` and ``ipykernel`` (the ``[test]`` extra).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def differences(stored, fresh, *, context: int = 2, limit: int = 40) -> list[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zoo.notebooks", description=__doc__.split(
+    parser = argparse.ArgumentParser(prog="python tools/notebooks.py", description=__doc__.split(
         "\n")[0])
     parser.add_argument("paths", nargs="*", help="notebooks (default: notebooks/*.ipynb)")
     parser.add_argument("--check", action="store_true",
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbformat.write(fresh, path)
             print(f"{path}: executed, outputs stored")
     if stale:
-        print("refresh the stored outputs with: python -m zoo.notebooks", file=sys.stderr)
+        print("refresh the stored outputs with: python tools/notebooks.py", file=sys.stderr)
     return 1 if stale else 0
 
 

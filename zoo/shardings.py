@@ -1,6 +1,6 @@
 """Sharding tables: how every parameter of a module is cut across the devices.
 
-``print(zoo.inspect.sharding_table(model))`` lists, per parameter: path, shape, dtype, logical
+``print(zoo.shardings.sharding_table(model))`` lists, per parameter: path, shape, dtype, logical
 axes, `PartitionSpec`, per-device shard shape and bytes per device, with the total per device.
 Works on a model built under `nnx.eval_shape` (values are `ShapeDtypeStruct`s), so the layout of
 a 671B model can be studied on a laptop with an `AbstractMesh`. In a notebook the table renders
