@@ -274,15 +274,16 @@ def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attent
     _, loss = losses(run_dir)
     assert np.all(np.isfinite(loss))
     info = json.loads((run_dir / "run.json").read_text())["config"]
-    assert info["train"]["strategy"] == strategy
+    train = TrainConfig(**info["train"])
+    assert train.strategy == strategy
     assert info["model"]["attention_implementation"] == attention
     if "--dtype" in extra:
         assert info["model"]["dtype"] == "bfloat16" and info["model"]["param_dtype"] == "float32"
     if "--data" in extra:
-        assert info["train"]["data"] == [str(text)]
+        assert info["train"]["data"]["data"] == [str(text)]
     balance = ("none" if "--no-load-balance" in extra else
                "row" if "row" in extra else "auto")
-    assert info["train"]["load_balance"] == balance
+    assert train.load_balance == balance
     assert info["model"]["attention_layout"] == {"none": "contiguous", "row": "balanced",
                                                  "auto": None}[balance]
 

@@ -10,13 +10,22 @@
   dispatched with the step and read with that step's metrics, one step later. It is ordinary
   queued device work, not a barrier: the host never waits for the other processes to reach
   the same line, and all of them read the same answer for the same step.
+* `StopFlag` -- SIGTERM/SIGINT as a flag the trainer reads after each step and while it
+  compiles.
+* `last_good`, `protect_last_good`, `set_aside_suspect`, `last_checkpoint` -- which
+  checkpoints a rising or diverged loss leaves trustworthy, and the message naming them.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import os
+import signal
+import sys
+import threading
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +103,61 @@ class StopAgreement:
         arrays = [jax.device_put(local, d) for d in self.sharding.addressable_devices]
         x = jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
         return self._max(x)
+
+
+# -- signals and checkpoints of a diverged run -------------------------------------------------
+
+class StopFlag:
+    """SIGTERM/SIGINT set a flag the trainer reads after each step (and while it compiles);
+    a second SIGINT aborts at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # impatient second Ctrl-C: stop without saving
+        self.signal = signal.Signals(signum).name
+        print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def last_checkpoint(ckpt) -> str:
+    last = ckpt.latest_step()
+    return (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
+            else "there is no checkpoint to resume from")
+
+
+def last_good(ckpt, first_rise: int) -> int | None:
+    """The newest checkpoint whose state gave a loss within the bound: the state saved at step
+    ``s`` is the one step ``s+1``'s loss was computed on."""
+    good = [s for s in ckpt.steps() if s + 1 < first_rise]
+    return good[-1] if good else None
+
+
+def protect_last_good(ckpt, first_rise: int) -> None:
+    good = last_good(ckpt, first_rise)
+    if good is not None:
+        ckpt.protect(good)
+
+
+def set_aside_suspect(ckpt, first_rise: int | None) -> list[str]:
+    """Move aside the checkpoints of states that gave risen losses (steps >= first_rise - 1)."""
+    if first_rise is None:
+        return []
+    suspect = [s for s in ckpt.steps() if s >= first_rise - 1]
+    if len(suspect) == len(ckpt.steps()):
+        return []  # nothing better to fall back to: keep what there is
+    return [os.path.basename(ckpt.move_aside(s, "diverged")) for s in suspect]

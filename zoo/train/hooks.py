@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 __all__ = ["Hook", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot", "OnStep",
-           "default_hooks", "read_metrics", "plot_loss", "SCALARS"]
+           "default_hooks", "read_metrics", "plot_loss", "metrics_row", "SCALARS"]
 
 # the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
@@ -107,6 +109,34 @@ class MetricsFile(Hook):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def metrics_row(f, out: Mapping[str, Any], dt: float, tokens_per_step: int,
+                 flops_per_token: float) -> dict[str, Any]:
+    """The metrics.jsonl row of one step (`f`: the step, its data time) from its device
+    metrics `out`, `dt` seconds after the previous one."""
+    row = dict(step=f.step, loss=float(out["loss"]), aux_loss=float(out["aux_loss"]),
+               objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
+               param_norm=float(out["param_norm"]))
+    if "lr" in out:
+        row["lr"] = float(out["lr"])
+    row.update(tokens_per_s=tokens_per_step / dt,
+               model_flops_per_s=flops_per_token * tokens_per_step / dt, step_time_s=dt,
+               data_time_s=f.t_data, target_tokens=int(out["weight_sum"]))
+    for key in ("dropped_tokens", "moe_rounds"):  # MoE copies over all_to_all buffers
+        if key in out:
+            row[key] = int(out[key])
+    for key in ("mtp_loss",):
+        if key in out:
+            row[key] = float(out[key])
+    counts = out.get("expert_counts")
+    if counts is not None:
+        counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
+        mean = np.maximum(counts.mean(-1), 1e-9)
+        row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
+        if counts.size <= 1024:
+            row["expert_counts"] = counts.astype(np.int64).tolist()
+    return row
 
 
 # -- terminal ----------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import os
 import secrets
 import socket
 import sys
-import warnings
 
 __all__ = ["RunLock", "RunDirLocked", "LOCK_NAME"]
 
@@ -120,9 +119,10 @@ class RunLock:
             os.rename(aside, self.path)
             return
         os.unlink(aside)
-        warnings.warn(f"{self.path}: taking over a stale lock from pid {holder.get('pid')} on "
-                      f"{holder.get('host')} (started {holder.get('started')}; that process "
-                      f"is gone)", stacklevel=3)
+        # one line on stderr, not a warning with its source line: this is news, not a fault
+        print(f"{self.path}: taking over a stale lock from pid {holder.get('pid')} on "
+              f"{holder.get('host')} (started {holder.get('started')}; that process is gone)",
+              file=sys.stderr, flush=True)
 
     def _message(self, holder: dict) -> str:
         if not holder:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -134,33 +133,6 @@ def _changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[st
             if a.get(k) != b.get(k)]
 
 
-class _StopFlag:
-    """SIGTERM/SIGINT set a flag the trainer reads after each step (and while it compiles);
-    a second SIGINT aborts at once."""
-
-    def __init__(self):
-        self.signal: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # impatient second Ctrl-C: stop without saving
-        self.signal = signal.Signals(signum).name
-        print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
-              file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched step whose metrics have not been read yet."""
@@ -170,6 +142,10 @@ class _InFlight:
     stop: Any                     # device scalar from StopAgreement, or None (one process)
     t0: float                     # when its batch was requested
     t_data: float
+
+
+def _as_built(settings: TrainConfig | Built, **kwargs) -> Built:
+    return settings if isinstance(settings, Built) else build(settings, **kwargs)
 
 
 # -- the trainer -------------------------------------------------------------------------------
@@ -193,9 +169,8 @@ class Trainer:
                  hooks: Sequence[Any] = (), model_config: Any = None,
                  model_cls: type | None = None, decoder_layer_cls: type | None = None,
                  name: str | None = None, default_hooks: bool = True, lock: bool = True):
-        self.built = config if isinstance(config, Built) else build(
-            config, tx=tx, schedule=schedule, model_config=model_config, model_cls=model_cls,
-            decoder_layer_cls=decoder_layer_cls)
+        self.built = _as_built(config, tx=tx, schedule=schedule, model_config=model_config,
+                               model_cls=model_cls, decoder_layer_cls=decoder_layer_cls)
         self.name = name or self.built.config.family or "train"
         if self.built.config.run_dir is None:
             self.built.config = self.built.config.replace(run_dir=os.path.join("runs",
@@ -223,7 +198,7 @@ class Trainer:
         `zoo.data.PipelineStateMismatch` or `CompileInterrupted`."""
         t_start = time.perf_counter()
         target = self.config.steps if steps is None else int(steps)
-        with _StopFlag() as stop:
+        with guard.StopFlag() as stop:
             self._prepare(stop)
             start = self.step
             if start >= target:
@@ -272,7 +247,7 @@ class Trainer:
         self.close()
 
     # -- preparation ---------------------------------------------------------------------------
-    def _prepare(self, stop: _StopFlag) -> None:
+    def _prepare(self, stop: guard.StopFlag) -> None:
         """Once: lock, checks against the run dir, compile beside restore/create, run.json."""
         if self._step_fn is not None:
             return
@@ -398,7 +373,7 @@ class Trainer:
                        self.compile_s, time.perf_counter() - t_start, self.name)
 
     # -- the steps -----------------------------------------------------------------------------
-    def _run(self, target: int, stop: _StopFlag) -> tuple[str | None, list, list]:
+    def _run(self, target: int, stop: guard.StopFlag) -> tuple[str | None, list, list]:
         """Steps until `target`; returns (what stopped it early or None, losses, tokens/s)."""
         self._losses, self._speeds, self._last_ready = [], [], time.perf_counter()
         self._stop_agreed, self._hook_stop, held_back = False, None, False
@@ -417,7 +392,7 @@ class Trainer:
                     stopping = self._stopping(stop)
                     held_back = self._checkpoint(held_back)
                 if self._monitor.rising and self._monitor.first_rise is not None:
-                    _protect_last_good(self._ckpt, self._monitor.first_rise)
+                    guard.protect_last_good(self._ckpt, self._monitor.first_rise)
                 if stopping:
                     return (stop.signal or self._hook_stop or "a signal to another process",
                             self._losses, self._speeds)
@@ -425,12 +400,12 @@ class Trainer:
             raise self._diverged(e) from None
         return None, self._losses, self._speeds
 
-    def _stopping(self, stop: _StopFlag) -> bool:
+    def _stopping(self, stop: guard.StopFlag) -> bool:
         if self._agree is not None:  # several processes: the flag they all read
             return self._stop_agreed
         return stop.signal is not None or self._hook_stop is not None
 
-    def _dispatch(self, stop: _StopFlag) -> _InFlight:
+    def _dispatch(self, stop: guard.StopFlag) -> _InFlight:
         t0 = time.perf_counter()
         local = next(self.built.data)
         t_data = time.perf_counter() - t0
@@ -455,9 +430,9 @@ class Trainer:
         if bad:  # nothing of this step (or the one in flight after it) is written or saved
             raise TrainingDiverged(
                 f"step {f.step}: {', '.join(bad)} -- training diverged. Nothing from this "
-                f"step was saved; {_last_checkpoint(self._ckpt)}. Lower --lr or check the "
+                f"step was saved; {guard.last_checkpoint(self._ckpt)}. Lower --lr or check the "
                 f"data, then rerun to resume from it")
-        row = _metrics_row(f, out, dt, self.tokens_per_step, self.flops_per_token)
+        row = hooks_lib.metrics_row(f, out, dt, self.tokens_per_step, self.flops_per_token)
         self._monitor.update(f.step, row["loss"])
         self._losses.append(row["loss"])
         self._speeds.append(row["tokens_per_s"])
@@ -476,7 +451,7 @@ class Trainer:
         if jax.process_index() == 0 and not held_back:
             print(f"\n{self.name}: step {self.step}: loss {self._losses[-1]:.4g} is above "
                   f"{self._monitor.factor:g} x its recent best; holding back checkpoints (last "
-                  f"good: step {_last_good(self._ckpt, self._monitor.first_rise)})",
+                  f"good: step {guard.last_good(self._ckpt, self._monitor.first_rise)})",
                   file=sys.stderr, flush=True)
         return True
 
@@ -491,68 +466,12 @@ class Trainer:
         monitor, ckpt = self._monitor, self._ckpt
         if not monitor.diverged:
             return e
-        moved = _set_aside_suspect(ckpt, monitor.first_rise)
+        moved = guard.set_aside_suspect(ckpt, monitor.first_rise)
         if moved:
             return TrainingDiverged(
                 f"{e}. Checkpoints saved from the state that first gave the risen loss were "
-                f"moved aside ({', '.join(moved)}); {_last_checkpoint(ckpt)}. Lower --lr or "
+                f"moved aside ({', '.join(moved)}); {guard.last_checkpoint(ckpt)}. Lower --lr or "
                 f"check the data, then rerun to resume from it")
         return TrainingDiverged(f"{e}. Nothing was saved from step {monitor.first_rise} on; "
-                                f"{_last_checkpoint(ckpt)}. Lower --lr or check the data, then "
-                                f"rerun")
-
-
-def _metrics_row(f: _InFlight, out: Mapping[str, Any], dt: float, tokens_per_step: int,
-                 flops_per_token: float) -> dict[str, Any]:
-    """The metrics.jsonl row of one step."""
-    row = dict(step=f.step, loss=float(out["loss"]), aux_loss=float(out["aux_loss"]),
-               objective=float(out["objective"]), grad_norm=float(out["grad_norm"]),
-               param_norm=float(out["param_norm"]))
-    if "lr" in out:
-        row["lr"] = float(out["lr"])
-    row.update(tokens_per_s=tokens_per_step / dt,
-               model_flops_per_s=flops_per_token * tokens_per_step / dt, step_time_s=dt,
-               data_time_s=f.t_data, target_tokens=int(out["weight_sum"]))
-    for key in ("dropped_tokens", "moe_rounds"):  # MoE copies over all_to_all buffers
-        if key in out:
-            row[key] = int(out[key])
-    for key in ("mtp_loss",):
-        if key in out:
-            row[key] = float(out[key])
-    counts = out.get("expert_counts")
-    if counts is not None:
-        counts = np.asarray(counts, np.float64).reshape(-1, np.shape(counts)[-1])
-        mean = np.maximum(counts.mean(-1), 1e-9)
-        row["expert_max_over_mean"] = float(np.max(counts.max(-1) / mean))
-        if counts.size <= 1024:
-            row["expert_counts"] = counts.astype(np.int64).tolist()
-    return row
-
-
-def _last_checkpoint(ckpt: Checkpointer) -> str:
-    last = ckpt.latest_step()
-    return (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
-            else "there is no checkpoint to resume from")
-
-
-def _last_good(ckpt: Checkpointer, first_rise: int) -> int | None:
-    """The newest checkpoint whose state gave a loss within the bound: the state saved at step
-    ``s`` is the one step ``s+1``'s loss was computed on."""
-    good = [s for s in ckpt.steps() if s + 1 < first_rise]
-    return good[-1] if good else None
-
-
-def _protect_last_good(ckpt: Checkpointer, first_rise: int) -> None:
-    good = _last_good(ckpt, first_rise)
-    if good is not None:
-        ckpt.protect(good)
-
-
-def _set_aside_suspect(ckpt: Checkpointer, first_rise: int | None) -> list[str]:
-    """Move aside the checkpoints of states that gave risen losses (steps >= first_rise - 1)."""
-    if first_rise is None:
-        return []
-    suspect = [s for s in ckpt.steps() if s >= first_rise - 1]
-    if len(suspect) == len(ckpt.steps()):
-        return []  # nothing better to fall back to: keep what there is
-    return [os.path.basename(ckpt.move_aside(s, "diverged")) for s in suspect]
+                                f"{guard.last_checkpoint(ckpt)}. Lower --lr or check the data, "
+                                f"then rerun")
