@@ -30,4 +30,4 @@ def main(argv=None, **kwargs) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(RECIPE)

@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -156,6 +157,53 @@ def test_the_script_prints_no_traceback(tmp_path, inputs):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "--data" in proc.stderr and "weights.bin" in proc.stderr
+
+
+def test_other_data_on_a_run_dir_is_refused_before_compiling(base, inputs, capsys):
+    """Rerunning on another --data in the same run dir: exit 2 within seconds, the differing
+    pipeline arguments named, nothing compiled and nothing written."""
+    before = snapshot(base)
+    capsys.readouterr()
+    t = time.perf_counter()
+    code, steps = run_main("mini_mixtral", [*BASE, "--steps", "8", "--run-dir", str(base),
+                                            "--data", str(inputs / "good.txt")])
+    took = time.perf_counter() - t
+    err = capsys.readouterr().err
+    assert code == 2 and steps == [], err
+    assert took < 10, took
+    assert "data-pipeline state saved with other arguments" in err and "paths:" in err
+    assert "compiling the train step" not in err and "Traceback" not in err
+    assert snapshot(base) == before
+
+
+@pytest.mark.e2e
+def test_a_signal_during_the_compile_exits_promptly(tmp_path):
+    """SIGTERM while the train step compiles: a line saying nothing was trained, exit 0 within
+    seconds, the lock released, no checkpoint written."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "mini_mixtral.py"), *BASE, "--run-dir",
+         str(run_dir)], env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=ROOT)
+    try:
+        seen = ""
+        while "compiling the train step" not in seen:
+            line = proc.stdout.readline()
+            assert line, seen[-3000:]
+            seen += line
+        proc.send_signal(signal.SIGTERM)
+        t = time.perf_counter()
+        out = seen + proc.communicate(timeout=60)[0]
+        took = time.perf_counter() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 15, took
+    assert "SIGTERM during the compile: nothing was trained or saved" in out
+    assert "Traceback" not in out
+    assert not (run_dir / LOCK_NAME).exists()
+    assert not list((run_dir / "checkpoints").glob("[0-9]*"))
 
 
 # -- the lock ----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from zoo.train.config import TrainConfig
 from zoo.train.fields import apply_overrides, config_to_json, config_to_python
 from zoo.train.launch import DEFAULT_CPU_DEVICES, default_mesh, set_cpu_devices
 
-__all__ = ["Recipe", "make_parser", "parse", "setup", "main", "apply_overrides",
+__all__ = ["Recipe", "make_parser", "parse", "setup", "main", "run", "apply_overrides",
            "config_to_json", "config_to_python", "set_cpu_devices", "default_mesh",
            "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE"]
 
@@ -178,6 +178,23 @@ def _check_hf(built) -> None:
         check(built.config.from_hf, built.make_model)
 
 
+# -- main ----
+
+_abandoned: list = []  # compile threads left running by a signal (see `run`)
+
+
+def run(recipe: Recipe) -> None:
+    """A recipe script's entry point: `main` with ``sys.argv``, then exit. When a signal
+    stopped the compile, the compiler thread is still inside XLA; the process then exits
+    without waiting for it (interpreter shutdown would abort on it)."""
+    code = main(recipe)
+    if any(t.is_alive() for t in _abandoned):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 # -- main --------------------------------------------------------------------------------------
 
 def main(recipe: Recipe, argv: Sequence[str] | None = None, *,
@@ -221,6 +238,7 @@ def _train(recipe: Recipe, built, on_step) -> int:
         return EXIT_USAGE
     except CompileInterrupted as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
+        _abandoned.extend(trainer.abandoned)
         return 0
     finally:
         trainer.close()

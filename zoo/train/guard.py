@@ -113,6 +113,7 @@ class StopFlag:
 
     def __init__(self):
         self.signal: str | None = None
+        self.compiling = False  # the trainer's own message covers a signal during the compile
         self._old: dict[int, Any] = {}
 
     def __enter__(self):
@@ -125,8 +126,9 @@ class StopFlag:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # impatient second Ctrl-C: stop without saving
         self.signal = signal.Signals(signum).name
-        print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
-              file=sys.stderr, flush=True)
+        if not self.compiling:
+            print(f"\n{self.signal} received: finishing this step, then saving a checkpoint",
+                  file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

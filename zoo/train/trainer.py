@@ -144,6 +144,21 @@ class _InFlight:
     t_data: float
 
 
+def _background(name: str, fn, *args) -> threading.Thread:
+    """`fn(*args)` in a daemon thread; its exception lands in the last argument (a dict)."""
+    out = args[-1]
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def _as_built(settings: TrainConfig | Built, **kwargs) -> Built:
     return settings if isinstance(settings, Built) else build(settings, **kwargs)
 
@@ -190,6 +205,8 @@ class Trainer:
         self._monitor: guard.DivergenceMonitor | None = None
         self._saved_step: int | None = None
         self._agree = None
+        self.abandoned: list[threading.Thread] = []  # still running after a signal stopped
+        #                                               the compile
 
     # -- public --------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> Summary:
@@ -260,20 +277,26 @@ class Trainer:
                                   max_to_keep=self.config.max_to_keep)
         model, optimizer = self.built.abstract_state()
         self._check_run_dir(model, optimizer)
-        compiled: dict[str, Any] = {}
-        compiler = threading.Thread(target=self._compile, args=(model, optimizer, compiled),
-                                    name="zoo-compile", daemon=True)
         if jax.process_index() == 0:
             print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
-        compiler.start()
-        history = self._restore_or_create(model, optimizer)
-        while compiler.is_alive():
-            compiler.join(0.2)
+        # compile from shapes while the model is restored or created; the main thread only
+        # waits, so a signal is seen at once
+        compiled: dict[str, Any] = {}
+        made: dict[str, Any] = {}
+        threads = [_background("zoo-compile", self._compile, model, optimizer, compiled),
+                   _background("zoo-create", self._create, model, optimizer, made)]
+        stop.compiling = True
+        while any(t.is_alive() for t in threads):
+            next(t for t in threads if t.is_alive()).join(0.2)
             if stop.signal is not None:
+                self.abandoned = [t for t in threads if t.is_alive()]  # a script exits without
                 raise CompileInterrupted(f"{stop.signal} during the compile: nothing was "
                                          f"trained or saved; rerun to start")
-        if "error" in compiled:
-            raise compiled["error"]
+        stop.compiling = False
+        for out in (made, compiled):
+            if "error" in out:
+                raise out["error"]
+        history = made["history"]
         self._step_fn, self.compile_s = compiled["fn"], compiled["s"]
         self._monitor = guard.DivergenceMonitor(self.config.divergence_factor, history=history)
         self._agree = guard.StopAgreement(self.built.mesh) if jax.process_count() > 1 else None
@@ -281,14 +304,14 @@ class Trainer:
             print(f"{self.name}: compiled in {self.compile_s:.1f}s", file=sys.stderr, flush=True)
             self._write_run_info()
 
-    def _compile(self, model, optimizer, compiled: dict[str, Any]) -> None:
+    def _compile(self, model, optimizer, out: dict[str, Any]) -> None:
         t = time.perf_counter()
-        try:
-            compiled["fn"] = self.built.train_step.lower(
-                model, optimizer, self.built.batch_abstract(), np.float32(0)).compile()
-        except Exception as e:
-            compiled["error"] = e
-        compiled["s"] = time.perf_counter() - t
+        out["fn"] = self.built.train_step.lower(
+            model, optimizer, self.built.batch_abstract(), np.float32(0)).compile()
+        out["s"] = time.perf_counter() - t
+
+    def _create(self, model, optimizer, out: dict[str, Any]) -> None:
+        out["history"] = self._restore_or_create(model, optimizer)
 
     def _check_run_dir(self, model, optimizer) -> None:
         """The latest checkpoint against this run: model shapes and data arguments, from its
