@@ -9,6 +9,7 @@ of the divergence scenario.
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -111,6 +112,14 @@ def test_bad_inputs_are_refused_and_the_run_is_untouched(base, inputs, capsys, f
         assert w in err, (w, err)
     assert "paths=None" not in err  # the fix names the flag, not the API
     assert snapshot(base) == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_asked_for_but_not_installed(base, capsys):
+    before = snapshot(base)
+    err = refuse([*BASE, "--run-dir", str(base), "--wandb", "myproject"], capsys)
+    assert "--wandb myproject: the wandb package is not installed" in err
+    assert "pip install wandb" in err and snapshot(base) == before
 
 
 def test_debug_shows_the_traceback(base, capsys):

@@ -87,7 +87,7 @@ def test_load_gives_the_trained_model_on_another_mesh(straight, resumed):
     # a custom optimizer not handed back: the model alone
     assert load(run_dir).optimizer is None
     # the loaded model runs: its logits equal those of the resumed run's model
-    tokens = np.arange(4 * 32, dtype=np.int32).reshape(4, 32) % 200
+    tokens = np.arange(8 * 32, dtype=np.int32).reshape(8, 32) % 200
     logits, _ = loaded.model(tokens)
     other = load(resumed[0]).model(tokens)[0]
     np.testing.assert_allclose(np.asarray(logits), np.asarray(other), rtol=1e-4, atol=1e-5)
@@ -147,7 +147,7 @@ def test_tensorboard_events_hold_the_metrics(straight):
 
 
 def test_build_refuses_bad_settings_before_compiling(devices):
-    with pytest.raises(ValueError, match="TrainConfig.family is not set"):
+    with pytest.raises(ValueError, match=r"TrainConfig\.family is not set"):
         build(TrainConfig(), with_data=False)
     with pytest.raises(ValueError, match="unknown model family 'gpt9'"):
         build(TrainConfig(family="gpt9"), with_data=False)

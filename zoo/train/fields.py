@@ -80,16 +80,7 @@ def parse_text(tp, text: str, current: Any = None) -> Any:
                 return choice
         raise ValueError(f"expected {describe(tp)}")
     if origin in (tuple, list):
-        args = typing.get_args(tp)
-        items = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t]
-        if (len(args) == 2 and args[1] is Ellipsis) or len(args) <= 1:
-            item = args[0] if args else str
-            values = [parse_text(item, str(v)) for v in items]
-        elif len(args) == len(items):
-            values = [parse_text(a, str(v)) for a, v in zip(args, items)]
-        else:
-            raise ValueError(f"expected {len(args)} comma-separated values")
-        return origin(values)
+        return _parse_sequence(tp, text)
     if tp in (Any, object):
         return _parse_untyped(text, current)
     if tp is DTypeName:
@@ -118,6 +109,19 @@ def parse_text(tp, text: str, current: Any = None) -> Any:
         except TypeError as e:
             raise ValueError(f"expected {describe(tp)} ({e})") from None
     raise ValueError(f"cannot parse a {describe(tp)} from text")
+
+
+def _parse_sequence(tp, text: str) -> Any:
+    """``tuple[X, ...]``/``list[X]`` from comma-separated or JSON-list text; fixed-length
+    tuples take one value per member type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    items = json.loads(text) if text.startswith("[") else [t for t in text.split(",") if t]
+    if (len(args) == 2 and args[1] is Ellipsis) or len(args) <= 1:
+        item = args[0] if args else str
+        return origin(parse_text(item, str(v)) for v in items)
+    if len(args) == len(items):
+        return origin(parse_text(a, str(v)) for a, v in zip(args, items))
+    raise ValueError(f"expected {len(args)} comma-separated values")
 
 
 def _jnp_dtype(text: str):
