@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from test_recipes import COMMON, ROOT, TINY, losses, run_main, sub_env
+from test_recipes import COMMON, ROOT, TINY, losses, recipe, run_main, sub_env
 from zoo.train import cli, guard, validate
 from zoo.train.checkpoint import Checkpointer
 from zoo.train.lock import LOCK_NAME, RunDirLocked, RunLock
@@ -58,6 +58,10 @@ def base(tmp_path_factory, devices):
     assert code == 0 and steps == list(range(1, 7))
     assert not (run_dir / LOCK_NAME).exists()  # released at the end
     return run_dir
+
+
+def recipe_main(name, argv, **kwargs):
+    return recipe(name).main(list(argv), **kwargs)
 
 
 def refuse(argv, capsys, code=2):
@@ -183,6 +187,31 @@ def test_other_data_on_a_run_dir_is_refused_before_compiling(base, inputs, capsy
     assert "data-pipeline state saved with other arguments" in err and "paths:" in err
     assert "compiling the train step" not in err and "Traceback" not in err
     assert snapshot(base) == before
+
+
+def test_data_that_vanishes_mid_run_stops_cleanly(tmp_path, devices, capsys):
+    """The --data folder deleted during the run: exit 4 (not a traceback, not a hang), the
+    state reached saved, and a rerun on restored files resumes from it."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 80)
+    run_dir = tmp_path / "run"
+
+    def vanish(step, row):
+        if step == 2:
+            shutil.rmtree(text)
+
+    capsys.readouterr()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = recipe_main("mini_mixtral", [*BASE, "--steps", "20", "--data", str(text),
+                                            "--run-dir", str(run_dir)], on_step=vanish)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_DATA, err[-3000:]
+    assert f"the data file {text / 'a.txt'} vanished during the run" in err
+    assert "Traceback" not in err
+    saved = Checkpointer(run_dir / "checkpoints").steps()
+    assert saved and saved[-1] >= 2
+    assert f"the last good checkpoint is step {saved[-1]}" in err
 
 
 @pytest.mark.e2e

@@ -159,3 +159,62 @@ def test_build_refuses_bad_settings_before_compiling(devices):
     assert built.config.strategy == "ep_as_cp" and built.config.mesh == "fsdp=2,expert=2,context=2"
     assert built.config.aux_loss_weight == built.model_config.router_aux_loss_coef
     assert dataclasses.asdict(built.config)["model"]["overrides"] == TINY
+
+
+# -- the data feed -----------------------------------------------------------------------------
+
+class Blocking:
+    """A batch iterator that stops yielding (blocks) after `after` batches."""
+
+    def __init__(self, data, after):
+        import threading
+        self.data, self.after, self.served = data, after, 0
+        self.release = threading.Event()
+
+    def __next__(self):
+        if self.served >= self.after:
+            self.release.wait()
+        self.served += 1
+        return next(self.data)
+
+    def get_state(self):
+        return self.data.get_state()
+
+    def set_state(self, state):
+        self.data.set_state(state)
+
+    def close(self):
+        self.release.set()
+        self.data.close()
+
+
+def _blocking_trainer(run_dir, after, **settings):
+    built = build(TrainConfig(**{**BASE, **settings, "run_dir": str(run_dir)}))
+    data = Blocking(built.data, after)
+    return Trainer(dataclasses.replace(built, data=data)), data
+
+
+def test_a_stalled_stream_stops_with_the_state_reached(tmp_path, devices):
+    from zoo.train.feed import DataStreamError
+    trainer, _ = _blocking_trainer(tmp_path, after=3, data_timeout=3.0)
+    with trainer, pytest.raises(DataStreamError, match="yielded no batch for 3 s") as e:
+        trainer.train()
+    assert "Training stopped at step 3; the last good checkpoint is step 3" in str(e.value)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert load(tmp_path).step == 3
+
+
+def test_sigterm_is_honoured_while_waiting_for_data(tmp_path, devices):
+    import os
+    import signal
+    import threading
+    trainer, _ = _blocking_trainer(tmp_path, after=2)
+    timer = threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with trainer:
+            summary = trainer.train()
+    finally:
+        timer.cancel()
+    assert summary.stopped_by == "SIGTERM" and summary.step == 2
+    assert load(tmp_path).step == 2

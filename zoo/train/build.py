@@ -52,6 +52,7 @@ class Built:
     train_step: Callable             # jitted (model, optimizer, batch, lr) -> (..., metrics)
     batch_sharding: Any              # NamedSharding of the global [batch, seq_len] arrays
     data: Any = None                 # this process's checkpointable batch iterator
+    data_files: list[str] | None = None  # the --data files it reads (None: built-in corpus)
     tokenizer: Any = None
     flops_per_token: float | None = None
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run.json holds
@@ -218,10 +219,12 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
     bias_rate = config.expert_bias_rate if family.after_step is not None else 0.0
     train_step = step_lib.make_train_step(aux_loss_weight=config.aux_loss_weight,
                                           expert_bias_rate=bias_rate, donate=donate)
-    data = _data(config, partitioner, batch_sharding, tokenizer) if with_data else None
+    data, data_files = (_data(config, partitioner, batch_sharding, tokenizer) if with_data
+                        else (None, None))
     return Built(config=config, family=family, model_cls=model_cls, model_config=model_config,
                  partitioner=partitioner, make_model=make_model, tx=tx, schedule=schedule,
                  train_step=train_step, batch_sharding=batch_sharding, data=data,
+                 data_files=data_files,
                  tokenizer=tokenizer, custom_tx=custom_tx,
                  flops_per_token=model_config.flops_per_token(L),
                  create=_from_hf(config, model_cls, model_config, partitioner, tx, kwargs),
@@ -249,18 +252,21 @@ def _check_shapes(make_model, batch_sharding, config: TrainConfig):
 
 
 def _data(config: TrainConfig, partitioner, batch_sharding, tokenizer):
+    """This process's batch iterator and the --data files it reads (None: built-in)."""
     import jax
 
     from zoo import data as data_lib
+    from zoo.train import validate
     B, L = config.batch_size, config.seq_len
     if B % jax.process_count():
         raise ValueError(f"--batch-size {B} must be divisible by the {jax.process_count()} "
                          f"processes")
+    files = validate.check_data(config.data_files)
     return data_lib.text_dataset(
         list(config.data_files) if config.data_files else None, seq_len=L, batch_size=B,
         context_parallel=partitioner.context_size("attention"), balance=config.load_balance,
         rows_per_device=batch_sharding.shard_shape((B, L))[0], corpus_docs=config.corpus_docs,
-        tokenizer=tokenizer, seed=config.seed)
+        tokenizer=tokenizer, seed=config.seed), files
 
 
 def _from_hf(config: TrainConfig, model_cls, model_config, partitioner, tx, kwargs):

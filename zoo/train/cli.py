@@ -20,7 +20,8 @@ traceback). Exit codes: 0 finished, or stopped by SIGTERM/SIGINT (a checkpoint s
 to resume; during the compile: nothing trained); 2 bad flags or inputs, a run dir in use by
 another run, or a checkpoint of other model shapes or other data arguments; 3 the loss (or the
 gradient/parameter norm, or an updated state) became NaN/Inf or diverged: the last good
-checkpoint is kept.
+checkpoint is kept; 4 the data stream failed, stalled (``--data-timeout``) or its files
+vanished or shrank: the state reached is saved first.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from zoo.train.launch import DEFAULT_CPU_DEVICES, default_mesh, set_cpu_devices
 
 __all__ = ["Recipe", "make_parser", "parse", "setup", "main", "run", "apply_overrides",
            "config_to_json", "config_to_python", "set_cpu_devices", "default_mesh",
-           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE"]
+           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA"]
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
+EXIT_DATA = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +220,8 @@ def _train(recipe: Recipe, built, on_step) -> int:
 
     from zoo.data import PipelineStateMismatch
     from zoo.train import hooks
-    from zoo.train.trainer import (CompileInterrupted, IncompatibleCheckpoint, Trainer,
-                                   TrainingDiverged)
+    from zoo.train.trainer import (CompileInterrupted, DataStreamError, IncompatibleCheckpoint,
+                                   Trainer, TrainingDiverged)
     t = built.config
     if jax.process_index() == 0:
         print(f"{recipe.name}: {jax.device_count()} {jax.default_backend()} devices in "
@@ -236,6 +238,9 @@ def _train(recipe: Recipe, built, on_step) -> int:
     except (IncompatibleCheckpoint, PipelineStateMismatch) as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except DataStreamError as e:
+        print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DATA
     except CompileInterrupted as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         _abandoned.extend(trainer.abandoned)

@@ -191,8 +191,13 @@ class DataSection:
     tokenizer: str | None = _field(None, "a tokenizer.json (None: bytes)")
     batch_size: int = _field(8, "global batch (rows)")
     seq_len: int = _field(256, "tokens per row")
+    data_timeout: float = _field(
+        300.0, "seconds a step may wait for its batch before the run stops cleanly (exit 4)")
 
     def __post_init__(self):
+        _check(isinstance(self.data_timeout, (int, float)) and self.data_timeout > 0,
+               "data_timeout", self.data_timeout, "must be a number of seconds > 0",
+               "e.g. 300")
         if self.data is not None:
             object.__setattr__(self, "data", tuple(self.data))  # JSON/argparse give lists
             _check(len(self.data) > 0, "data", "(no paths)", "needs at least one file, glob "

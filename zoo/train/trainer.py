@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,9 +47,11 @@ from zoo.train import step as step_lib
 from zoo.train.build import Built, build
 from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
 from zoo.train.config import TrainConfig
+from zoo.train.feed import DataStreamError, Feed
+from zoo.train.records import Summary, changes, normalise, versions
 
 __all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
-           "CompileInterrupted"]
+           "CompileInterrupted", "DataStreamError"]
 
 _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
 
@@ -65,72 +67,6 @@ class IncompatibleCheckpoint(ValueError):
 
 class CompileInterrupted(RuntimeError):
     """A signal arrived while the train step compiled: nothing was trained or saved."""
-
-
-@dataclasses.dataclass
-class Summary:
-    run_dir: str
-    start_step: int          # updates completed before this `train` call (0 when fresh)
-    step: int                # updates completed at the end
-    steps: int               # the planned total
-    stopped_by: str | None   # "SIGTERM"/"SIGINT"/a hook when the run stopped early
-    first_loss: float | None
-    last_loss: float | None
-    tokens_per_s: float | None  # median over this call's steps
-    compile_s: float
-    wall_s: float
-    name: str = "train"
-
-    def line(self, name: str | None = None) -> str:
-        if self.stopped_by:
-            state = (f"stopped by {self.stopped_by} at step {self.step}/{self.steps} (rerun to "
-                     f"resume)")
-        else:
-            state = f"finished {self.step}/{self.steps} steps"
-        loss = (f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.last_loss is not None
-                else "no steps run")
-        tps = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
-        return (f"{name or self.name}: {state}; {loss}{tps}; compile {self.compile_s:.1f}s, "
-                f"wall {self.wall_s:.1f}s; run dir {self.run_dir}")
-
-
-# -- small pieces ------------------------------------------------------------------------------
-
-def _versions() -> dict[str, str]:
-    import flax
-    import optax
-
-    import zoo
-    return {"zoo": zoo.__version__, "jax": jax.__version__, "flax": flax.__version__,
-            "optax": optax.__version__, "python": sys.version.split()[0]}
-
-
-def _json_default(x):
-    if isinstance(x, (np.integer, np.floating)):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
-def normalise(x):
-    """`x` as JSON would give it back (tuples as lists, numpy scalars as numbers)."""
-    return json.loads(json.dumps(x, default=_json_default))
-
-
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str]:
-    a, b = _leaves(dict(saved or {})), _leaves(dict(now))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
 
 
 @dataclasses.dataclass
@@ -205,6 +141,7 @@ class Trainer:
         self._monitor: guard.DivergenceMonitor | None = None
         self._saved_step: int | None = None
         self._agree = None
+        self._feed: Feed | None = None
         self.abandoned: list[threading.Thread] = []  # still running after a signal stopped
         #                                               the compile
 
@@ -251,7 +188,7 @@ class Trainer:
                 self._ckpt = None
             for hook in self.hooks:
                 hook.close()
-            getattr(self.built.data, "close", lambda: None)()
+            (self._feed or self.built.data).close()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -277,6 +214,8 @@ class Trainer:
                                   max_to_keep=self.config.max_to_keep)
         model, optimizer = self.built.abstract_state()
         self._check_run_dir(model, optimizer)
+        self._feed = Feed(self.built.data, files=self.built.data_files,
+                          timeout_s=self.config.data_timeout)
         if jax.process_index() == 0:
             print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
         # compile from shapes while the model is restored or created; the main thread only
@@ -323,18 +262,18 @@ class Trainer:
             saved = self._ckpt.read_config(step)
         except Exception:
             return  # unreadable: the restore falls back to an older one (with a warning)
-        changes = _changes(saved.get("model"), self.record.get("model", {}))
-        if changes:
+        changed = changes(saved.get("model"), self.record.get("model", {}))
+        if changed:
             diffs = shape_differences(self._ckpt.saved_shapes(step)["model"],
                                       to_pure(model, optimizer)["model"])
             if diffs:
                 raise IncompatibleCheckpoint(
                     f"{self._ckpt.directory} holds a model of another shape (step {step}); "
-                    f"changed model fields: {'; '.join(changes)}. Parameter shapes that "
+                    f"changed model fields: {'; '.join(changed)}. Parameter shapes that "
                     f"differ: {'; '.join(diffs)}. Use another --run-dir, or undo the changes "
                     f"to resume")
             warnings.warn(f"model config changed since step {step} without changing shapes; "
-                          f"resuming anyway: {'; '.join(changes)}", stacklevel=3)
+                          f"resuming anyway: {'; '.join(changed)}", stacklevel=3)
         saved_args, now_args = saved.get("data_arguments"), self.record.get("data_arguments")
         if saved_args and now_args and saved_args != now_args:
             from zoo.data import PipelineStateMismatch
@@ -352,9 +291,9 @@ class Trainer:
             self.step, self._saved_step = 0, None
             return []
         self.model, self.optimizer = restored.model, restored.optimizer
-        self.built.data.set_state(restored.data)
+        self._feed.set_state(restored.data)
         self.step = self._saved_step = restored.step
-        changed = [c for c in _changes({k: v for k, v in restored.config.items()
+        changed = [c for c in changes({k: v for k, v in restored.config.items()
                                         if k not in ("model", _HISTORY_KEY)},
                                        {k: v for k, v in self.record.items() if k != "model"})]
         if jax.process_index() == 0:
@@ -369,7 +308,7 @@ class Trainer:
         info = dict(config=self.record, device_count=jax.device_count(),
                     local_device_count=jax.local_device_count(),
                     process_count=jax.process_count(), backend=jax.default_backend(),
-                    mesh=dict(mesh.shape), versions=_versions(),
+                    mesh=dict(mesh.shape), versions=versions(),
                     resumed_from=self.step or None, flops_per_token=self.flops_per_token,
                     tokens_per_step=self.tokens_per_step)
         path = os.path.join(self.run_dir, "run.json")
@@ -403,7 +342,15 @@ class Trainer:
         pending: _InFlight | None = None
         try:
             while self.step < target:
-                flight = self._dispatch(stop)
+                try:
+                    flight = self._dispatch(stop)
+                except DataStreamError as e:
+                    raise self._data_failed(e, pending) from None
+                if flight is None:  # SIGTERM while waiting for data: save what was reached
+                    if pending is not None:
+                        self._finish(pending)
+                    self._checkpoint(held_back)
+                    return stop.signal, self._losses, self._speeds
                 if pending is not None:  # the previous step, while this one runs
                     self._finish(pending)
                 pending = flight
@@ -423,14 +370,28 @@ class Trainer:
             raise self._diverged(e) from None
         return None, self._losses, self._speeds
 
+    def _data_failed(self, e: DataStreamError, pending: _InFlight | None) -> DataStreamError:
+        """Save the state the model reached on the batches it got, then say so."""
+        if pending is not None:
+            self._finish(pending)
+        if self._saved_step != self.step and not self._monitor.rising:
+            self._save(self.step)
+            self._ckpt.wait()
+        return DataStreamError(f"{e}. Training stopped at step {self.step}; "
+                               f"{guard.last_checkpoint(self._ckpt)}. Fix the data, then rerun "
+                               f"to resume (or start over on new files with another --run-dir)")
+
     def _stopping(self, stop: guard.StopFlag) -> bool:
         if self._agree is not None:  # several processes: the flag they all read
             return self._stop_agreed
         return stop.signal is not None or self._hook_stop is not None
 
-    def _dispatch(self, stop: guard.StopFlag) -> _InFlight:
+    def _dispatch(self, stop: guard.StopFlag) -> _InFlight | None:
+        """Dispatch the next step (None: a signal arrived while waiting for its batch)."""
         t0 = time.perf_counter()
-        local = next(self.built.data)
+        local = self._feed.get(stop)
+        if local is None:
+            return None
         t_data = time.perf_counter() - t0
         batch = step_lib.make_global_batch(local, self.built.batch_sharding)
         schedule = self.built.schedule
@@ -479,7 +440,7 @@ class Trainer:
         return True
 
     def _save(self, step: int) -> None:
-        self._ckpt.save(step, self.model, self.optimizer, data_state=self.built.data.get_state(),
+        self._ckpt.save(step, self.model, self.optimizer, data_state=self._feed.state,
                         config=dict(self.record, **{_HISTORY_KEY: self._monitor.history()}))
         self._saved_step = step
         for hook in self.hooks:
