@@ -19,6 +19,8 @@ CONFIG = MixtralConfig.mini(num_hidden_layers=3, vocab_size=64, hidden_size=16,
                             head_dim=8, num_local_experts=4, num_experts_per_tok=2)
 B, L = 2, 8
 STEPS = 3
+# the first test sows outside nnx.capture, as a layer that keeps its intermediates does
+pytestmark = pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")
 
 
 class NoisyMoE(MixtralMoE):
@@ -122,6 +124,20 @@ def test_noisy_router_counters_and_sown_values_scanned_as_unrolled(remat):
         assert not np.allclose(ref_logits[step], ref_logits[0])
     stacked = nnx.state(models["scanned"], nnx.Intermediate)["layers"][0]["out_rms"]
     assert [v.shape for v in stacked.get_value()] == [(CONFIG.num_hidden_layers,)] * STEPS
+
+
+def test_captured_intermediates_are_stacked_per_layer():
+    """`nnx.capture` of a scanned model gives each layer's sown value along the stack's axis,
+    the values the unrolled model gives layer by layer."""
+    tokens = jax.random.randint(jax.random.key(2), (B, L), 0, CONFIG.vocab_size)
+    unrolled, scanned = _model(scan=False), _model(scan=True)
+    _copy_unrolled_into_stacked(unrolled, scanned)
+    captured = [nnx.capture(lambda m: m(tokens)[0], nnx.Intermediate)(m)[1]
+                for m in (unrolled, scanned)]
+    want = [captured[0]["layers"][i]["out_rms"].get_value()[0]
+            for i in range(CONFIG.num_hidden_layers)]
+    (got,) = captured[1]["layers"][0]["out_rms"].get_value()
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5)
 
 
 def _top_level_scan_outputs(model, tokens) -> int:

@@ -20,8 +20,11 @@
   ``dropped_fraction``) is stacked per layer.
   The residual stream is constrained to ``("batch", "length", "act_embed")`` after every
   layer; each layer runs under ``jax.named_scope("layer_{i}")`` and, when the config names a
-  ``remat_policy``, under `nnx.remat`. Layers are unrolled (no scan): the dense/MoE mix of
-  DeepSeek-V3 is not uniform and the mini models compile in seconds.
+  ``remat_policy``, under `jax.checkpoint`. With ``scan_layers`` (the default) each run of
+  identical layers (`layer_runs`: DeepSeek-V3's dense and MoE layers form separate runs) is
+  one stacked module scanned by `run_layers`; state a layer's forward pass changes (RNG
+  counts, counters, sown intermediates) is written back per layer, as the unrolled model
+  (``scan_layers=False``) keeps it in each layer; ``model.layer(i)`` is layer ``i`` either way.
 * Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with the key map the modules
   compose (`zoo.layers.hf_keys`: every layer names its own parameters' keys, `DecoderLayer`
   and `CausalLM` compose them; a family only renames what differs, via ``hf_names``).
