@@ -156,11 +156,16 @@ def _injected_lr(opt_state) -> jax.Array | None:
 def _apply_update(optimizer, model, grads, lr, schedule) -> jax.Array | None:
     """Run the optimizer's update; return the learning rate it applied, when known."""
     if _takes_lr(optimizer.opt_state):  # make_tx: the step's lr argument is the rate
-        if lr is None or schedule is not None:
+        if lr is None:
+            raise ValueError("the optimizer applies the train step's lr argument (zoo.train."
+                             "step.scale_by_lr, e.g. make_tx()), but lr=None; pass this "
+                             "update's rate: step(model, optimizer, batch, lr)")
+        if schedule is not None:
             raise ValueError(
-                f"the optimizer applies the train step's lr argument (zoo.train.step."
-                f"scale_by_lr, e.g. make_tx()), but lr={lr!r} and schedule={schedule!r}; pass "
-                f"this update's rate as lr (e.g. lr_schedule(...)(step)) and no schedule=")
+                f"make_train_step(schedule={getattr(schedule, '__name__', schedule)}) would log "
+                f"a rate the optimizer does not apply: it applies the lr argument (zoo.train."
+                f"step.scale_by_lr, e.g. make_tx()); drop schedule= and pass schedule(t) as lr, "
+                f"or build the optimizer on the schedule (e.g. optax.adamw(schedule))")
         optimizer.update(model, grads, lr=lr)
         return jnp.asarray(lr, jnp.float32)
     applied = None if schedule is None else jnp.asarray(schedule(optimizer.step[...]),
