@@ -140,6 +140,25 @@ def test_captured_intermediates_are_stacked_per_layer():
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-5)
 
 
+class ParamWritingLayer(MixtralDecoderLayer):
+    def __call__(self, x, **kwargs):
+        self.input_layernorm.scale[...] = self.input_layernorm.scale[...] * 2
+        return super().__call__(x, **kwargs)
+
+
+def test_a_parameter_written_in_the_forward_is_refused_when_scanned():
+    """A stack's parameters are the scan's inputs only: writing one in the forward pass would
+    be lost, so it is an error naming the parameter; unrolled under remat it is written back
+    as without remat."""
+    tokens = jnp.zeros((B, L), jnp.int32)
+    with pytest.raises(ValueError, match="sets the nnx.Param at input_layernorm.scale"):
+        _model(scan=True, layer_cls=ParamWritingLayer)(tokens)
+    for remat in (None, "full"):
+        model = _model(scan=False, remat=remat, layer_cls=ParamWritingLayer)
+        model(tokens)
+        np.testing.assert_array_equal(model.layer(2).input_layernorm.scale[...], 2.0)
+
+
 def _top_level_scan_outputs(model, tokens) -> int:
     jaxpr = jax.make_jaxpr(lambda m: m(tokens))(model)
     (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]

@@ -253,27 +253,29 @@ def _changed(before, variable: nnx.Variable) -> bool:
         a is not b for a, b in zip(leaves, before[0], strict=True))
 
 
-def _call_split(graphdef, body, x, params, state, record: list):
+def _call_split(graphdef, body, x, params, state, record: list, *, stacked: bool):
     """``body(x, layer)`` on the layer merged from `params` and `state` (its non-Param
-    variables), as a function of arrays: ``(body's output, [new value of each non-Param
-    variable the call changed or created])``. The changed ``(path, variable)`` pairs go into
-    `record` while tracing, so the caller knows what the values are (nothing when the layer
-    updates nothing: the program is the plain call)."""
+    variables), as a function of arrays: ``(body's output, [new value of each variable the
+    call changed or created])``. The changed ``(path, variable)`` pairs go into `record` while
+    tracing, so the caller knows what the values are (nothing when the layer updates nothing:
+    the program is the plain call). A stack's parameters are the scan's inputs only, so a
+    forward pass that writes one is refused there."""
     params_before = {path: _snapshot(v) for path, v in nnx.to_flat_state(params)}
     before = {path: _snapshot(v) for path, v in nnx.to_flat_state(state)}
     layer = nnx.merge(graphdef, params, state)
     out = body(x, layer)
     _, params_after, state_after = nnx.split(layer, nnx.Param, ...)
-    for path, v in nnx.to_flat_state(params_after):
-        if _changed(params_before.get(path), v):
-            raise ValueError(
-                f"{type(layer).__name__} sets the nnx.Param at {'.'.join(map(str, path))} in "
-                f"its forward pass, but a scanned or rematerialised layer takes its parameters "
-                f"as inputs and never writes them back; keep state the forward updates in a "
-                f"non-Param nnx.Variable (nnx.BatchStat, nnx.Intermediate or a subclass of "
-                f"nnx.Variable), which comes out per layer")
-    record[:] = [(path, v) for path, v in nnx.to_flat_state(state_after)
-                 if _changed(before.get(path), v)]
+    written = [(path, v) for path, v in nnx.to_flat_state(params_after)
+               if _changed(params_before.get(path), v)]
+    if written and stacked:
+        raise ValueError(
+            f"{type(layer).__name__} sets the nnx.Param at {'.'.join(map(str, written[0][0]))} "
+            f"in its forward pass, but scanned layers take their parameters as scan inputs and "
+            f"never write them back; keep state the forward updates in a non-Param "
+            f"nnx.Variable (nnx.BatchStat, nnx.Intermediate or a subclass of nnx.Variable), "
+            f"which comes out per layer, or set scan_layers=False")
+    record[:] = written + [(path, v) for path, v in nnx.to_flat_state(state_after)
+                           if _changed(before.get(path), v)]
     return out, [v.get_value() for _, v in record]
 
 
@@ -303,16 +305,20 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     remat as per-layer values and is written back: a stack holds each layer's value along its
     leading axis, as the unrolled model holds it in each layer (sown values: stacked per
     layer like the parameters, ``model.layer(i)`` gives layer ``i``'s). Parameters are scan
-    inputs only; state the forward leaves alone is not returned.
+    inputs only (a forward pass that writes one is refused when scanned); state the forward
+    leaves alone is not returned.
     """
     use_remat, policy = remat_policy(remat)
 
     def body(x, layer):
         return layer(x, positions=positions, segment_ids=segment_ids)
 
+    def one_layer(aux):  # a single layer's aux entries as [1, ...]
+        return None if aux is None else jax.tree.map(lambda a: a[None], aux)
+
     if layer.stack_size is None and not use_remat:
         x, aux = body(x, layer)
-        return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+        return x, one_layer(aux)
 
     # The layer as a function of its split state (what nnx.scan / nnx.remat do in tree mode),
     # with the remat policy on that function: the backward pass recomputes one layer at a time.
@@ -320,7 +326,8 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     record: list = []
 
     def call(x, params_and_state):
-        (x, aux), values = _call_split(graphdef, body, x, *params_and_state, record)
+        (x, aux), values = _call_split(graphdef, body, x, *params_and_state, record,
+                                       stacked=layer.stack_size is not None)
         return x, (aux, values)
 
     if use_remat:
@@ -328,7 +335,7 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     if layer.stack_size is None:
         x, (aux, values) = call(x, (params, state))
         _write_back(layer, record, values, stacked=False)
-        return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+        return x, one_layer(aux)
     first = layer.layer_idx
     with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
         x, (aux, values) = jax.lax.scan(call, x, (params, state))
