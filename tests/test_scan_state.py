@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -78,14 +79,15 @@ def _copy_unrolled_into_stacked(unrolled, scanned):
 
 @jax.jit
 def _train_forward(model, tokens):
-    """Logits and the model after a forward + backward pass, as in the train step."""
+    """The model after a forward + backward pass (as in the train step), the logits and the
+    gradient's norm (which a remat that redrew other noise in the backward would change)."""
     def loss(m):
         logits, aux = m(tokens)
         return jnp.mean(jnp.square(logits)) + aux["load_balance_loss"], logits
 
     grad_fn = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-    (_, logits), _ = grad_fn(model)
-    return model, logits
+    (_, logits), grads = grad_fn(model)
+    return model, logits, optax.tree.norm(grads)
 
 
 def _out_rms(model, i):
@@ -107,12 +109,13 @@ def test_noisy_router_counters_and_sown_values_scanned_as_unrolled(remat):
         nnx.update(models["unrolled"], nnx.state(reference))
     ref_logits = []
     for step in range(STEPS):
-        reference, want = _train_forward(reference, tokens)
+        reference, want, want_norm = _train_forward(reference, tokens)
         ref_logits.append(want)
         for name, model in models.items():
-            models[name], got = _train_forward(model, tokens)
+            models[name], got, norm = _train_forward(model, tokens)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name}, step {step}")
+            np.testing.assert_allclose(norm, want_norm, rtol=1e-5, err_msg=f"{name}, {step}")
             for i in range(CONFIG.num_hidden_layers):
                 layer = models[name].layer(i)
                 assert int(layer.calls[...]) == int(reference.layer(i).calls[...]) == step + 1
