@@ -174,6 +174,86 @@ def test_parameters_and_moments_created_sharded(ds_runs):
     assert mu[...].sharding.is_equivalent_to(run["model"].embed_tokens.embedding[...].sharding, 2)
 
 
+# -- custom optimizers and after-step hooks -----------------------------------------------------
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(1e-3, 1e-2, warmup_steps=2, decay_steps=6)
+
+
+def _tiny_mixtral():
+    return Mixtral(TINY_MIXTRAL, inputs_shape=(B, L), rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("how", ["inject_hyperparams", "schedule_argument"])
+def test_custom_optax_optimizer_is_applied_and_its_rate_logged(how):
+    """A user's optax optimizer with its own schedule: three steps change the parameters
+    exactly as optax applied by hand to the same gradients, and the logged lr is the
+    schedule's rate at each step, never the (ignored) lr argument."""
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    if how == "inject_hyperparams":
+        tx = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1)
+        step = S.make_train_step()
+    else:
+        tx = optax.adamw(SCHEDULE, weight_decay=0.1)
+        step = S.make_train_step(schedule=SCHEDULE)
+    model, opt = S.create_sharded(_tiny_mixtral, tx)
+
+    graphdef, params, rest = nnx.split(_tiny_mixtral(), nnx.Param, ...)
+    p = nnx.to_pure_dict(params)
+
+    @jax.jit
+    def ref_step(p, opt_state):
+        def loss(p):
+            return S.loss_fn(nnx.merge(graphdef, p, rest), batch)[0]
+        updates, opt_state = tx.update(jax.grad(loss)(p), opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    opt_state = tx.init(p)
+    for t in range(3):
+        p, opt_state = ref_step(p, opt_state)
+        model, opt, m = step(model, opt, batch, np.float32(123.0))
+        assert float(m["lr"]) == pytest.approx(float(SCHEDULE(t)), rel=1e-6), t
+    assert len({float(SCHEDULE(t)) for t in range(3)}) == 3  # the rate really moved
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, p)
+
+
+def test_unknown_rate_is_not_logged_and_lr_conflicts_are_refused():
+    """An optimizer whose rate the step cannot read logs no lr; make_tx needs the lr
+    argument, and refuses a schedule= it would not apply."""
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    model, opt = S.create_sharded(_tiny_mixtral, optax.adamw(SCHEDULE))
+    model, opt, m = S.make_train_step()(model, opt, batch, np.float32(123.0))
+    assert "lr" not in m and int(opt.step[...]) == 1
+    model, opt = S.create_sharded(_tiny_mixtral, S.make_tx())
+    with pytest.raises(ValueError, match="does not apply: it applies the lr argument"):
+        S.make_train_step(schedule=SCHEDULE)(model, opt, batch, np.float32(1e-3))
+    with pytest.raises(ValueError, match="lr=None; pass this update's rate"):
+        S.make_train_step()(model, opt, batch)
+
+
+def test_after_step_hook_runs_after_the_update():
+    """``after_step(model, aux, *, expert_bias_rate)`` sees the updated model and the aux
+    dict; expert_bias_rate without a hook takes the family's, and Mixtral registers none.
+    step.py reaches the bias update only through the registry."""
+    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    seen = {}
+
+    def after_step(model, aux, *, expert_bias_rate):
+        seen["aux"] = set(aux)
+        model.lm_head.kernel[...] = jnp.full_like(model.lm_head.kernel[...], expert_bias_rate)
+
+    model, opt = S.create_sharded(_tiny_mixtral, S.make_tx())
+    step = S.make_train_step(after_step=after_step, expert_bias_rate=0.5)
+    for _ in range(2):  # the second update starts from the hook's kernel and moves it again
+        model, opt, m = step(model, opt, batch, np.float32(1e-3))
+        np.testing.assert_array_equal(model.lm_head.kernel[...], 0.5)
+    assert {"expert_counts", "load_balance_loss"} <= seen["aux"]
+    with pytest.raises(ValueError, match="family 'mixtral' registers none"):
+        S.make_train_step(expert_bias_rate=1e-3)(model, opt, batch, np.float32(1e-3))
+    source = open(S.__file__).read()
+    assert "zoo.layers" not in source and "update_expert_bias" not in source
+
+
 # -- checkpoints -------------------------------------------------------------------------------
 
 def test_checkpoint_roundtrip_and_corrupt_fallback(tmp_path):

@@ -27,8 +27,3 @@ FLAX_VERSION = version_tuple(flax.__version__)
 # quadratic in the number of parameters (DeepSeek-V3: 43 s instead of 2 s). A numpy counter
 # is updated in place, outside the trace.
 NUMPY_RNG_COUNTER = FLAX_VERSION <= CHECKED_ON
-
-# Graph-mode `nnx.remat` raises TraceContextError on a non-Param variable (the MoE's
-# RouterBias) when the model was merged inside an outer jit; tree mode (graph=False) does
-# not, and a forward pass mutates no variable, so it loses nothing.
-TREE_MODE_REMAT = FLAX_VERSION <= CHECKED_ON

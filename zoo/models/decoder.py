@@ -20,8 +20,11 @@
   ``dropped_fraction``) is stacked per layer.
   The residual stream is constrained to ``("batch", "length", "act_embed")`` after every
   layer; each layer runs under ``jax.named_scope("layer_{i}")`` and, when the config names a
-  ``remat_policy``, under `nnx.remat`. Layers are unrolled (no scan): the dense/MoE mix of
-  DeepSeek-V3 is not uniform and the mini models compile in seconds.
+  ``remat_policy``, under `jax.checkpoint`. With ``scan_layers`` (the default) each run of
+  identical layers (`layer_runs`: DeepSeek-V3's dense and MoE layers form separate runs) is
+  one stacked module scanned by `run_layers`; state a layer's forward pass changes (RNG
+  counts, counters, sown intermediates) is written back per layer, as the unrolled model
+  (``scan_layers=False``) keeps it in each layer; ``model.layer(i)`` is layer ``i`` either way.
 * Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with the key map the modules
   compose (`zoo.layers.hf_keys`: every layer names its own parameters' keys, `DecoderLayer`
   and `CausalLM` compose them; a family only renames what differs, via ``hf_names``).
@@ -239,35 +242,105 @@ def build_stack(layer_cls: type[DecoderLayer], config, *, first: int, count: int
     return stack
 
 
+def _snapshot(variable: nnx.Variable):
+    """A variable's value as ``(leaves, treedef)``: compared by identity after a call."""
+    return jax.tree.flatten(variable.get_value())
+
+
+def _changed(before, variable: nnx.Variable) -> bool:
+    leaves, treedef = _snapshot(variable)
+    return before is None or treedef != before[1] or any(
+        a is not b for a, b in zip(leaves, before[0], strict=True))
+
+
+def _call_split(graphdef, body, x, params, state, record: list, *, stacked: bool):
+    """``body(x, layer)`` on the layer merged from `params` and `state` (its non-Param
+    variables), as a function of arrays: ``(body's output, [new value of each variable the
+    call changed or created])``. The changed ``(path, variable)`` pairs go into `record` while
+    tracing, so the caller knows what the values are (nothing when the layer updates nothing:
+    the program is the plain call). A stack's parameters are the scan's inputs only, so a
+    forward pass that writes one is refused there."""
+    params_before = {path: _snapshot(v) for path, v in nnx.to_flat_state(params)}
+    before = {path: _snapshot(v) for path, v in nnx.to_flat_state(state)}
+    layer = nnx.merge(graphdef, params, state)
+    out = body(x, layer)
+    _, params_after, state_after = nnx.split(layer, nnx.Param, ...)
+    written = [(path, v) for path, v in nnx.to_flat_state(params_after)
+               if _changed(params_before.get(path), v)]
+    if written and stacked:
+        raise ValueError(
+            f"{type(layer).__name__} sets the nnx.Param at {'.'.join(map(str, written[0][0]))} "
+            f"in its forward pass, but scanned layers take their parameters as scan inputs and "
+            f"never write them back; keep state the forward updates in a non-Param "
+            f"nnx.Variable (nnx.BatchStat, nnx.Intermediate or a subclass of nnx.Variable), "
+            f"which comes out per layer, or set scan_layers=False")
+    record[:] = written + [(path, v) for path, v in nnx.to_flat_state(state_after)
+                           if _changed(before.get(path), v)]
+    return out, [v.get_value() for _, v in record]
+
+
+def _write_back(layer: DecoderLayer, record, values, *, stacked: bool) -> None:
+    """Set the variables `record` names to `values` in `layer`, creating the ones the call
+    created (sown intermediates); in a stack they gain the leading ``"layers"`` axis."""
+    if not record:
+        return
+    existing = {path for path, _ in nnx.to_flat_state(nnx.state(layer))}
+    out = []
+    for (path, variable), value in zip(record, values, strict=True):
+        new = variable.copy(value)
+        if stacked and path not in existing:
+            new = spmd.add_axis(new, 0, STACK_METADATA)
+        out.append((path, new))
+    nnx.update(layer, nnx.from_flat_state(out))
+
+
 def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
                segment_ids: jax.Array | None = None, remat: str | None = None):
     """A layer, or a stack (``stack_size``) scanned with `jax.lax.scan`, each layer
     rematerialised as `remat` (a `remat_policy` name) says. Returns ``(x, aux)`` with aux
-    entries stacked per layer (``[n, ...]``), or None for dense layers."""
+    entries stacked per layer (``[n, ...]``), or None for dense layers.
+
+    The state a layer's forward pass changes or creates outside its parameters (RNG counts,
+    counters, batch statistics, sown `nnx.Intermediate` values) comes out of the scan or the
+    remat as per-layer values and is written back: a stack holds each layer's value along its
+    leading axis, as the unrolled model holds it in each layer (sown values: stacked per
+    layer like the parameters, ``model.layer(i)`` gives layer ``i``'s). Parameters are scan
+    inputs only (a forward pass that writes one is refused when scanned); state the forward
+    leaves alone is not returned.
+    """
     use_remat, policy = remat_policy(remat)
 
     def body(x, layer):
         return layer(x, positions=positions, segment_ids=segment_ids)
 
-    if layer.stack_size is None:
-        if use_remat:
-            # tree mode where graph-mode remat breaks on the RouterBias (zoo._flax_compat)
-            body = nnx.remat(body, policy=policy, graph=not _flax_compat.TREE_MODE_REMAT)
+    def one_layer(aux):  # a single layer's aux entries as [1, ...]
+        return None if aux is None else jax.tree.map(lambda a: a[None], aux)
+
+    if layer.stack_size is None and not use_remat:
         x, aux = body(x, layer)
-        return x, None if aux is None else jax.tree.map(lambda a: a[None], aux)
+        return x, one_layer(aux)
 
-    # A scan over the split state (what nnx.scan does in tree mode), with the remat policy
-    # applied to the body: the backward pass recomputes one layer at a time inside the loop.
-    graphdef, state = nnx.split(layer)
+    # The layer as a function of its split state (what nnx.scan / nnx.remat do in tree mode),
+    # with the remat policy on that function: the backward pass recomputes one layer at a time.
+    graphdef, params, state = nnx.split(layer, nnx.Param, ...)
+    record: list = []
 
-    def scan_body(x, layer_state):
-        return body(x, nnx.merge(graphdef, layer_state))
+    def call(x, params_and_state):
+        (x, aux), values = _call_split(graphdef, body, x, *params_and_state, record,
+                                       stacked=layer.stack_size is not None)
+        return x, (aux, values)
 
     if use_remat:
-        scan_body = jax.checkpoint(scan_body, policy=policy, prevent_cse=False)
+        call = jax.checkpoint(call, policy=policy, prevent_cse=layer.stack_size is None)
+    if layer.stack_size is None:
+        x, (aux, values) = call(x, (params, state))
+        _write_back(layer, record, values, stacked=False)
+        return x, one_layer(aux)
     first = layer.layer_idx
     with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
-        return jax.lax.scan(scan_body, x, state)
+        x, (aux, values) = jax.lax.scan(call, x, (params, state))
+    _write_back(layer, record, values, stacked=True)
+    return x, aux
 
 
 # -- model -----------------------------------------------------------------------------------

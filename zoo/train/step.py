@@ -9,8 +9,11 @@
   (the batch is one global array, so ``sum`` is global), plus ``aux_loss_weight`` times the
   model's ``load_balance_loss``.
 * `make_train_step` -- a `jax.jit` of ``(model, optimizer, batch, lr) -> (model, optimizer,
-  metrics)`` with the model and optimizer donated (not on CPU: see there); DeepSeek-V3's
-  expert-bias update runs after the optimizer update, outside the gradient.
+  metrics)`` with the model and optimizer donated (not on CPU: see there). Any optax
+  transformation works; ``metrics["lr"]`` is the rate it applied (the ``lr`` argument for
+  `make_tx`, a schedule's or `optax.inject_hyperparams`' value otherwise). An after-step hook
+  (the family's, e.g. DeepSeek-V3's expert-bias update) runs after the optimizer update,
+  outside the gradient.
 * `create_sharded` / `abstract_state` -- model and optimizer built inside `jax.jit` (every
   parameter and optimizer moment is created on its shards, never whole on one device) or under
   `nnx.eval_shape` (shapes and shardings only: the target of a checkpoint restore).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from zoo.models import registry
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
@@ -83,6 +88,11 @@ def _decay_mask(params):
     return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
+class ScaleByLrState(NamedTuple):
+    """`scale_by_lr`'s (empty) state: in an optimizer's state it marks a transformation that
+    applies the ``lr`` argument of the train step."""
+
+
 def scale_by_lr() -> optax.GradientTransformationExtraArgs:
     """``updates * -lr`` with ``lr`` passed to ``update`` (``optimizer.update(..., lr=lr)``)."""
 
@@ -90,7 +100,7 @@ def scale_by_lr() -> optax.GradientTransformationExtraArgs:
         del params, extra
         return jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates), state
 
-    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformationExtraArgs(lambda params: ScaleByLrState(), update)
 
 
 def make_tx(*, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
@@ -124,48 +134,116 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
         return ce + aux_loss_weight * aux_loss, (ce, aux_loss, aux)
 
 
+def _find(tree, match: Callable[[Any], bool]) -> list[Any]:
+    """The nodes of `tree` (an optimizer state) for which `match` holds, in tree order."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=match) if match(x)]
+
+
+def _takes_lr(opt_state) -> bool:
+    return bool(_find(opt_state, lambda x: isinstance(x, ScaleByLrState)))
+
+
+def _injected_lr(opt_state) -> jax.Array | None:
+    """The ``learning_rate`` an `optax.inject_hyperparams` state holds (None: no such state,
+    or several, which would make "the" rate ambiguous)."""
+    found = _find(opt_state, lambda x: isinstance(getattr(x, "hyperparams", None), Mapping)
+                  and "learning_rate" in x.hyperparams)
+    if len(found) != 1:
+        return None
+    return jnp.asarray(found[0].hyperparams["learning_rate"][...], jnp.float32)
+
+
+def _apply_update(optimizer, model, grads, lr, schedule) -> jax.Array | None:
+    """Run the optimizer's update; return the learning rate it applied, when known."""
+    if _takes_lr(optimizer.opt_state):  # make_tx: the step's lr argument is the rate
+        if lr is None:
+            raise ValueError("the optimizer applies the train step's lr argument (zoo.train."
+                             "step.scale_by_lr, e.g. make_tx()), but lr=None; pass this "
+                             "update's rate: step(model, optimizer, batch, lr)")
+        if schedule is not None:
+            raise ValueError(
+                f"make_train_step(schedule={getattr(schedule, '__name__', schedule)}) would log "
+                f"a rate the optimizer does not apply: it applies the lr argument (zoo.train."
+                f"step.scale_by_lr, e.g. make_tx()); drop schedule= and pass schedule(t) as lr, "
+                f"or build the optimizer on the schedule (e.g. optax.adamw(schedule))")
+        optimizer.update(model, grads, lr=lr)
+        return jnp.asarray(lr, jnp.float32)
+    applied = None if schedule is None else jnp.asarray(schedule(optimizer.step[...]),
+                                                        jnp.float32)
+    optimizer.update(model, grads)
+    return applied if applied is not None else _injected_lr(optimizer.opt_state)
+
+
+def _after_step_hook(model, after_step, expert_bias_rate: float):
+    """`after_step`, else the model's family's registered hook when ``expert_bias_rate > 0``
+    (DeepSeek-V3's expert-bias update), else None."""
+    if after_step is not None or not expert_bias_rate:
+        return after_step
+    family = registry.family_of(model)
+    if family.after_step is None:
+        raise ValueError(f"expert_bias_rate={expert_bias_rate} needs an after-step hook, but "
+                         f"family {family.name!r} registers none (its routers keep no bias to "
+                         f"update); pass expert_bias_rate=0.0, or after_step=")
+    return family.after_step
+
+
 def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0.0,
+                    after_step: Callable[..., None] | None = None,
+                    schedule: Callable[[jax.Array], jax.Array] | None = None,
                     donate: bool | None = None
                     ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
-    """A jitted ``train_step(model, optimizer, batch, lr) -> (model, optimizer, metrics)``.
+    """A jitted ``train_step(model, optimizer, batch, lr=None) -> (model, optimizer, metrics)``.
 
-    The optimizer comes from `make_tx` (``lr``, a float32 scalar, is this update's rate: see
-    `lr_schedule`). Use the returned model and optimizer: with donation the ones passed in are
+    The update is whatever the optimizer's optax transformation does:
+
+    * `make_tx` (any chain with `scale_by_lr`): ``lr``, a float32 scalar, is this update's rate
+      (see `lr_schedule`); it is required, and logged.
+    * any other transformation ignores ``lr``. The logged ``lr`` is the rate it applied:
+      ``schedule(optimizer.step)`` when ``schedule=`` is given (the optax schedule the
+      transformation was built with, e.g. ``optax.adamw(schedule)``; a jax function of the
+      update count), else the ``learning_rate`` of its `optax.inject_hyperparams` state. When
+      neither tells the rate, ``metrics`` has no ``lr`` (never a value that was not applied).
+
+    Use the returned model and optimizer: with donation the ones passed in are
     consumed (their buffers hold the new state). ``donate=None`` donates except on the CPU
     backend: there, an executable loaded from the persistent compilation cache intermittently
     deadlocks in its collectives (jax 0.10.2, 8 virtual devices; donated or not, which is why
     the cache is now off on several CPU devices, `zoo.train.launch.cache_is_safe`), and CPU
     memory is rarely what limits a CPU run.
 
+    ``after_step(model, aux, *, expert_bias_rate)`` runs inside the step after the optimizer
+    update, outside the gradient (``aux``: the model's aux dict, `jax.lax.stop_gradient`-ed).
+    Without one, ``expert_bias_rate > 0`` runs the model family's registered hook
+    (`zoo.models.registry.family_of(model).after_step`; DeepSeek-V3's moves the sigmoid
+    routers' selection bias by ``rate * sign(mean - counts)``).
+
     ``metrics`` holds scalars ``loss`` (the weighted cross-entropy), ``aux_loss`` (the
     load-balance loss, before its weight), ``objective``, ``grad_norm`` (before clipping),
-    ``param_norm`` (after the update), ``lr``, ``weight_sum`` (tokens with a target) and, for
-    MoE models, ``expert_counts`` ``[num_moe_layers, E]``. With ``expert_bias_rate > 0`` the
-    sigmoid routers' selection bias moves by ``rate * sign(mean - counts)`` after the update
-    (`zoo.layers.moe.update_expert_bias`).
+    ``param_norm`` (after the update), ``lr`` (when known, see above), ``weight_sum`` (tokens
+    with a target) and, for MoE models, ``expert_counts`` ``[num_moe_layers, E]``.
     """
 
-    def train_step(model, optimizer, batch, lr):
+    def train_step(model, optimizer, batch, lr=None):
         grad_fn = nnx.value_and_grad(
             lambda m: loss_fn(m, batch, aux_loss_weight=aux_loss_weight),
             argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (objective, (ce, aux_loss, aux)), grads = grad_fn(model)
         grad_norm = optax.tree.norm(grads)
-        optimizer.update(model, grads, lr=lr)
+        applied_lr = _apply_update(optimizer, model, grads, lr, schedule)
         metrics = dict(loss=ce, aux_loss=aux_loss, objective=objective, grad_norm=grad_norm,
                        param_norm=optax.tree.norm(nnx.state(model, nnx.Param)),
-                       lr=jnp.asarray(lr, jnp.float32),
                        weight_sum=jnp.sum(batch["loss_weights"].astype(jnp.float32)))
+        if applied_lr is not None:
+            metrics["lr"] = applied_lr
         if aux.get("dropped_tokens") is not None:  # MoE copies over an all-to-all buffer
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
         counts = aux.get("expert_counts")
         if counts is not None and jnp.size(counts):
-            counts = jnp.asarray(counts)
-            metrics["expert_counts"] = counts
-            if expert_bias_rate:
-                from zoo.layers.moe import update_expert_bias  # models without MoE never need it
-                with jax.named_scope("expert_bias_update"):
-                    update_expert_bias(model, jax.lax.stop_gradient(counts), expert_bias_rate)
+            metrics["expert_counts"] = jnp.asarray(counts)
+        hook = _after_step_hook(model, after_step, expert_bias_rate)
+        if hook is not None:
+            with jax.named_scope("after_step"):
+                hook(model, jax.lax.stop_gradient(aux), expert_bias_rate=expert_bias_rate)
         return model, optimizer, metrics
 
     if donate is None:
