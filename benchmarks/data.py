@@ -221,4 +221,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["data"]))

@@ -304,4 +304,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["moe"]))
