@@ -53,5 +53,6 @@ def test_block_runs(name, code, tmp_path):
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
         pytest.fail(f"{name} ran past {TIMEOUT} s\n--- stderr ---\n{(err or '')[-6000:]}")
-    assert done.returncode == 0, (f"{name} exited {done.returncode}\n--- block ---\n{code}"
-                                  f"--- stderr ---\n{done.stderr[-6000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"{name} exited {done.returncode}\n--- block ---\n{code}"
+                    f"--- stderr ---\n{done.stderr[-6000:]}", pytrace=False)
