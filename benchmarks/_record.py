@@ -110,7 +110,7 @@ def write_tables(path: str, names: list[str], tables, *, merge: bool = False,
         target.mkdir(parents=True, exist_ok=True)
     command = "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     command = re.sub(r" --json(=| )\S+", "", command)
-    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    date = datetime.datetime.now(datetime.UTC).date().isoformat()
     for k, (title, columns, rows) in enumerate(tables):
         name = target.stem if single else names[min(k, len(names) - 1)] + (
             f"_{k}" if k >= len(names) else "")

@@ -32,8 +32,8 @@ RECORDS = DOCS / "benchmarks"
 PAGE = DOCS / "benchmarks.md"
 REQUIRED = ("benchmark", "command", "date", "commit", "machine", "load_average", "columns",
             "rows")
-SECTION = re.compile(r"(<!-- benchmark:(?P<name>[\w.-]+) -->\n)(.*?)(<!-- /benchmark:(?P=name) -->)",
-                     re.DOTALL)
+SECTION = re.compile(r"(<!-- benchmark:(?P<name>[\w.-]+) -->\n)(.*?)"
+                     r"(<!-- /benchmark:(?P=name) -->)", re.DOTALL)
 
 INTRO = """\
 # Benchmarks

@@ -193,8 +193,8 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     Otherwise m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
     divisor of the local kv length that keeps a gathered slice within a quarter of that size,
     so per-device memory stays ~1/cp (a quarter, not all of it: the gathered slice, its layout
-    copies and the backward's per-slice dK/dV are all that size). Either way the bytes moved equal one gather (and one
-    reduce-scatter).
+    copies and the backward's per-slice dK/dV are all that size). Either way the bytes moved
+    equal one gather (and one reduce-scatter).
     """
     s_local = k_shape[1]
     if cp == 1:
