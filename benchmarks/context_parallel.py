@@ -249,4 +249,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from _record import json_main  # --json PATH: the tables as records
+    raise SystemExit(json_main(main, ["cp_memory", "cp_work", "cp_mla_bytes", "cp_ring_hops"]))

@@ -221,4 +221,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["data_throughput"] if "--balance" not in sys.argv else
+                               ["data_balance_rows_per_device"]
+                               if "--rows-per-device" in sys.argv else ["data_balance"]))

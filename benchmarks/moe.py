@@ -296,4 +296,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["moe_bytes"] if "--bytes" in sys.argv else
+                               ["moe_temporaries"] if "--temporaries" in sys.argv else
+                               ["moe_throughput"]))

@@ -37,7 +37,9 @@ def parse_args(argv=None):
     a("--remat", default="full", help="remat policy (none, full, dots_saveable, "
       "save_layer_outputs, ...)")
     a("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides")
-    a("--json", action="store_true", help="also print the row as one JSON line")
+    a("--json", nargs="?", const="-", default=None, metavar="PATH",
+      help="also print the row as one JSON line; with PATH, add the row to that record "
+           "(docs/benchmarks/scale.json, rendered by tools/benchmarks_page.py)")
     return p.parse_args(argv)
 
 
@@ -78,6 +80,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({**row, "dots_by_dtype": r.dots_by_dtype,
                           "fp32_dots": r.fp32_dots()}))
+    if args.json not in (None, "-"):
+        import _record  # benchmarks/, beside this script
+        _record.write_tables(args.json, ["scale"], _record.markdown_tables(markdown([row])),
+                             merge=True)
     return 0
 
 

@@ -288,4 +288,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["train_step"]))

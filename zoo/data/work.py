@@ -18,7 +18,7 @@ multiple of the tile). Two measures per shard:
   enough -- so the count can exceed the tiles an exact mask would need, and layouts that keep a
   shard's documents in consecutive ids pay less for it.
 
-`TILE` (64) is the default of zoo's flash kernel on CPU (``zoo.ops.flash.Q_TILE``/``KV_TILE``);
+`TILE` (64) is the default tile of zoo's flash kernel on CPU (``zoo.ops.flash.CPU_TILES``);
 pass the kernel's tile when it differs. The kernels skip a tile only when it is empty for every
 row of the local batch; both counts here are per row (one row per device), the cost the data
 pipeline can steer. Sliding windows are not modelled (causal document masks only).
@@ -32,7 +32,7 @@ import numpy as np
 
 __all__ = ["TILE", "tile_size", "tile_map", "shard_tiles", "shard_pairs"]
 
-TILE = 64  # zoo's flash kernel default on CPU (zoo.ops.flash.Q_TILE = KV_TILE = 64)
+TILE = 64  # zoo's flash kernel default on CPU (zoo.ops.flash.CPU_TILES = (64, 64))
 _BIG = np.iinfo(np.int32).max
 
 

@@ -323,8 +323,8 @@ def _layout(p: Partitioner, B: int, K: int):
 def _unit_axes(mesh, *named: tuple[str, ...]) -> tuple[str, ...]:
     """The size-1 mesh axes no spec names. `shard_map`'s transpose psums each input's
     cotangent over the axes its spec leaves out; over a size-1 axis that is an all-reduce over
-    one device, which XLA:CPU keeps -- and it writes dq, dk and dv into fresh buffers (5 MiB
-    at the 16k, cp=8 benchmark shape). Named in a spec (a no-op split), they are not summed."""
+    one device, which XLA:CPU keeps -- and it writes dq, dk and dv into fresh buffers. Named
+    in a spec (a no-op split), they are not summed."""
     used = {a for axes in named for a in axes}
     return tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in used)
 

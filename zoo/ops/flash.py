@@ -69,8 +69,8 @@ def loop(trips: int, body, init):
     A fori_loop with a static trip count is a `lax.scan`, and inside `jax.checkpoint` JAX
     partially evaluates a scan's body: whatever depends only on non-differentiated inputs
     (the positions, segments, hence every tile's mask and the compacted tile list) is split
-    off into the forward pass and *stacked* per iteration as a residual (2 GiB of masks per
-    MLA layer at DeepSeek-V3 shapes). The kernels are forward-only code inside a
+    off into the forward pass and *stacked* per iteration as a residual (gigabytes of masks
+    per MLA layer at DeepSeek-V3 shapes). The kernels are forward-only code inside a
     `custom_vjp`, so they never need scan's reverse-mode rule; a while loop is recomputed
     whole by the backward instead. XLA still sees a constant trip count.
     """
@@ -147,7 +147,7 @@ class FlashKernel(BlockKernel):
     """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
     `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
     offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
-    fewer per sub-block decision, which compiles faster; see the README's attention section)."""
+    fewer per sub-block decision, which compiles faster; see docs/attention.md)."""
     q_tile: int | None = None
     kv_tile: int | None = None
     tile_budget: bool = True

@@ -193,9 +193,8 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     Otherwise m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
     divisor of the local kv length that keeps a gathered slice within a quarter of that size,
     so per-device memory stays ~1/cp (a quarter, not all of it: the gathered slice, its layout
-    copies and the backward's per-slice dK/dV are all that size; at 16k, cp=8 a half took
-    23.2 MiB, a quarter 21.0). Either way the bytes moved equal one gather (and one
-    reduce-scatter).
+    copies and the backward's per-slice dK/dV are all that size). Either way the bytes moved
+    equal one gather (and one reduce-scatter).
     """
     s_local = k_shape[1]
     if cp == 1:
@@ -224,7 +223,8 @@ def _pieces(cfg, L, S, kv_groups, kv_split=None):
 
 # keys per ring step at least: a smaller step costs more in per-step latency (and, on GPU,
 # the host reads of its sub-block decisions) than its memory saves; wider on accelerators,
-# whose kernels want wide tiles (`zoo.ops.flash.ACCELERATOR_TILES`) -- not measured there
+# whose kernels want wide tiles (`zoo.ops.flash.ACCELERATOR_TILES`); a floor to check there
+# with benchmarks/accel_attention.py
 MIN_RING_PIECE = {"cpu": 256, "accelerator": 1024}
 
 
@@ -399,8 +399,7 @@ def _one_of(branch, fns, x):
 def _run_if(pred, fn, x):
     """``fn(x) if pred else x`` as a while loop of 0 or 1 trips: XLA keeps the carried
     accumulators in place through it, where a conditional copies them into every branch's
-    loop (16k, cp=8, before the ring's rounds: through a `lax.switch` 29.0 MiB, through these
-    loops 26.3, with separate sub-block results 28.2)."""
+    loop (and separate per-branch results would cost a sub-block's fp32 outputs)."""
     return lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32),
                           lambda c: (c[0] + 1, fn(c[1])), (jnp.int32(0), x))[1]
 
@@ -421,8 +420,8 @@ def _zeros_from(x, shape):
     """fp32 zeros of `shape` computed from `x`, so they cannot exist before `x` does.
 
     XLA:CPU expands optimization barriers before it schedules, so `_zeros_after`'s zeros can
-    still be filled at the program's start; for the q-sized dq accumulator that kept 4 MiB
-    alive through the whole forward at the benchmark's 16k/cp=8 shape (ring and all-gather).
+    still be filled at the program's start, keeping the q-sized dq accumulator alive through
+    the whole forward (ring and all-gather).
     A broadcast of ``0 * x[0]`` (0 where that is not finite) is exactly zero (or -0.0, which
     adds exactly) for every input.
     """
