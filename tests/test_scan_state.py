@@ -154,7 +154,7 @@ def test_a_parameter_written_in_the_forward_is_refused_when_scanned():
     be lost, so it is an error naming the parameter; unrolled under remat it is written back
     as without remat."""
     tokens = jnp.zeros((B, L), jnp.int32)
-    with pytest.raises(ValueError, match="sets the nnx.Param at input_layernorm.scale"):
+    with pytest.raises(ValueError, match=r"sets the nnx\.Param at input_layernorm\.scale"):
         _model(scan=True, layer_cls=ParamWritingLayer)(tokens)
     for remat in (None, "full"):
         model = _model(scan=False, remat=remat, layer_cls=ParamWritingLayer)

@@ -21,7 +21,7 @@ def test_the_training_floor_names_no_family():
 
 
 def test_the_training_floor_stays_readable():
-    """No file over 500 lines and no function over 60 in zoo/train."""
+    """No file over 500 lines and no function over 60 (docstrings aside) in zoo/train."""
     long = []
     for p in sorted(TRAIN.rglob("*.py")):
         text = p.read_text()
@@ -30,6 +30,9 @@ def test_the_training_floor_stays_readable():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
+                doc = node.body[0]  # the docstring is not code
+                if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+                    n -= doc.end_lineno - doc.lineno + 1
                 if n > 60:
                     long.append(f"{p.name}:{node.lineno} {node.name}: {n} lines")
     assert not long, long

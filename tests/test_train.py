@@ -245,7 +245,7 @@ def test_after_step_hook_runs_after_the_update():
     model, opt = S.create_sharded(_tiny_mixtral, S.make_tx())
     step = S.make_train_step(after_step=after_step, expert_bias_rate=0.5)
     for _ in range(2):  # the second update starts from the hook's kernel and moves it again
-        model, opt, m = step(model, opt, batch, np.float32(1e-3))
+        model, opt, _ = step(model, opt, batch, np.float32(1e-3))
         np.testing.assert_array_equal(model.lm_head.kernel[...], 0.5)
     assert {"expert_counts", "load_balance_loss"} <= seen["aux"]
     with pytest.raises(ValueError, match="family 'mixtral' registers none"):

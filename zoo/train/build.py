@@ -217,8 +217,9 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
         schedule = step_lib.lr_schedule(config.lr, config.steps, warmup=warmup,
                                         final_fraction=config.final_lr_fraction)
     bias_rate = config.expert_bias_rate if family.after_step is not None else 0.0
-    train_step = step_lib.make_train_step(aux_loss_weight=config.aux_loss_weight,
-                                          expert_bias_rate=bias_rate, donate=donate)
+    train_step = step_lib.make_train_step(  # a custom tx logs the rate its schedule gives
+        aux_loss_weight=config.aux_loss_weight, expert_bias_rate=bias_rate, donate=donate,
+        schedule=schedule if custom_tx else None)
     data, data_files = (_data(config, partitioner, batch_sharding, tokenizer) if with_data
                         else (None, None))
     return Built(config=config, family=family, model_cls=model_cls, model_config=model_config,
