@@ -276,9 +276,11 @@ def main(argv=None) -> int:
                 print(f"skipped {skipped[-1]}", file=sys.stderr, flush=True)
                 continue
             r = rows[-1]
-            print(f"  {r['model']} {s} ({r['mesh']}): {r['mflop_per_token']:.2f} MFLOP/token "
-                  f"(training), compile {r['compile_s']:.1f} s, step {r['step_s'] * 1e3:.0f} ms, "
-                  f"loss {r['loss']:.3f}", file=sys.stderr, flush=True)
+            print(f"{r['model']}: {r['mflop_per_token']:.2f} MFLOP/token (training = 3x forward, "
+                  f"causal attention at seq_len {args.seq_len})", flush=True)
+            print(f"  {r['model']} {s} ({r['mesh']}): compile {r['compile_s']:.1f} s, step "
+                  f"{r['step_s'] * 1e3:.0f} ms, loss {r['loss']:.3f}", file=sys.stderr,
+                  flush=True)
     print()
     print(format_table(rows, first))
     print(f"\nwall time {time.perf_counter() - started:.0f} s", flush=True)

@@ -157,16 +157,14 @@ class Trainer:
             start = self.step
             if start >= target:
                 return self._already_done(start, target, t_start)
-            for hook in self.hooks:
-                hook.on_start(self)
+            self._hooks("on_start")
             stopped_by, losses, speeds = self._run(target, stop)
         summary = Summary(self.run_dir, start, self.step, self.config.steps, stopped_by,
                           losses[0] if losses else None, losses[-1] if losses else None,
                           statistics.median(speeds[1:] or speeds) if speeds else None,
                           self.compile_s, time.perf_counter() - t_start, self.name)
         self._ckpt.wait()
-        for hook in self.hooks:
-            hook.on_end(self, summary)
+        self._hooks("on_end", summary)
         if jax.process_index() == 0:
             print(summary.line(), flush=True)
         return summary
@@ -186,8 +184,7 @@ class Trainer:
                 self._ckpt.wait()
                 self._ckpt.close()
                 self._ckpt = None
-            for hook in self.hooks:
-                hook.close()
+            self._hooks("close", pass_trainer=False)
             (self._feed or self.built.data).close()
         finally:
             if self._lock is not None:
@@ -199,6 +196,13 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _hooks(self, method: str, *args, pass_trainer: bool = True) -> None:
+        """Call `method` on every hook that has it (a hook's methods are all optional)."""
+        for hook in self.hooks:
+            fn = getattr(hook, method, None)
+            if fn is not None:
+                fn(*((self, *args) if pass_trainer else args))
 
     # -- preparation ---------------------------------------------------------------------------
     def _prepare(self, stop: guard.StopFlag) -> None:
@@ -420,9 +424,10 @@ class Trainer:
         self._monitor.update(f.step, row["loss"])
         self._losses.append(row["loss"])
         self._speeds.append(row["tokens_per_s"])
+        self._hooks("on_step", f.step, row)
         for hook in self.hooks:
-            hook.on_step(self, f.step, row)
-            if self._hook_stop is None and hook.should_stop(self, f.step):
+            should_stop = getattr(hook, "should_stop", None)
+            if self._hook_stop is None and should_stop is not None and should_stop(self, f.step):
                 self._hook_stop = type(hook).__name__
         if self._monitor.diverged:
             raise TrainingDiverged(self._monitor.message(f.step))
@@ -443,8 +448,7 @@ class Trainer:
         self._ckpt.save(step, self.model, self.optimizer, data_state=self._feed.state,
                         config=dict(self.record, **{_HISTORY_KEY: self._monitor.history()}))
         self._saved_step = step
-        for hook in self.hooks:
-            hook.on_checkpoint(self, step)
+        self._hooks("on_checkpoint", step)
 
     def _diverged(self, e: TrainingDiverged) -> TrainingDiverged:
         monitor, ckpt = self._monitor, self._ckpt
