@@ -58,7 +58,7 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers import hf_keys as hfk
 from zoo.models import hf
 from zoo.models.config import REMAT_POLICIES, DecoderConfig
-from zoo.partitioning import Partitioner, resolve
+from zoo.partitioning import Partitioner, mesh_platform, resolve
 
 ACT = ("batch", "length", "act_embed")
 
@@ -69,8 +69,9 @@ ACT = ("batch", "length", "act_embed")
 LAYER_OUTPUT_NAMES = ("attention_out", "mlp_out")
 
 
-def remat_policy(name: str | None):
-    """``(remat?, jax.checkpoint policy)`` for a `remat_policy` name (ValueError if unknown)."""
+def remat_policy(name: str | None, platform: str | None = None):
+    """``(remat?, jax.checkpoint policy)`` for a `remat_policy` name (ValueError if unknown) on
+    `platform` (the mesh's, `zoo.partitioning.mesh_platform`; None: the default device's)."""
     if name is None or name == "none":
         return False, None
     if name == "full":
@@ -80,7 +81,7 @@ def remat_policy(name: str | None):
     if name == "save_layer_outputs":
         return True, jax.checkpoint_policies.save_only_these_names(*LAYER_OUTPUT_NAMES)
     if name == "offload_layer_outputs":
-        if jax.default_backend() == "cpu":
+        if (platform or mesh_platform(None)) == "cpu":
             raise ValueError("remat_policy='offload_layer_outputs' moves layer outputs to "
                              "pinned host memory, which XLA:CPU lacks; use it on GPU/TPU, or "
                              "'save_layer_outputs' here")
@@ -308,7 +309,7 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     inputs only (a forward pass that writes one is refused when scanned); state the forward
     leaves alone is not returned.
     """
-    use_remat, policy = remat_policy(remat)
+    use_remat, policy = remat_policy(remat, layer.partitioner.platform)
 
     def body(x, layer):
         return layer(x, positions=positions, segment_ids=segment_ids)

@@ -102,6 +102,11 @@ class BlockKernel:
     takes_delta = False
     accumulates = False
 
+    def for_platform(self, platform: str) -> BlockKernel:
+        """This kernel with its platform-dependent defaults settled for `platform` (the mesh's,
+        `zoo.partitioning.mesh_platform`); the base class has none."""
+        return self
+
     def partial_plans(self, L: int, S: int) -> tuple:
         return (True,)
 
@@ -134,20 +139,24 @@ def kernel_names() -> tuple[str, ...]:
     return ("auto", *_KERNELS)
 
 
-def get_kernel(kernel: str | BlockKernel) -> BlockKernel:
+def get_kernel(kernel: str | BlockKernel, platform: str | None = None) -> BlockKernel:
     """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
-    or the instance itself."""
+    or the instance itself, settled for `platform` (``"cpu"``/``"gpu"``/``"tpu"``, the mesh's;
+    None: the default device's). ``"auto"`` is tokamax on GPU and TPU, flash on CPU."""
+    if platform is None:
+        from zoo.partitioning import mesh_platform
+        platform = mesh_platform(None)
     if not isinstance(kernel, str):
         if not callable(getattr(kernel, "forward", None)):
             raise ValueError(f"kernel={kernel!r} is neither a registered name "
                              f"{kernel_names()} nor an object with forward/backward methods")
-        return kernel
+        return kernel.for_platform(platform)
     if kernel == "auto":
-        kernel = "tokamax" if jax.default_backend() in ("gpu", "tpu") else "flash"
+        kernel = "tokamax" if platform in ("gpu", "tpu") else "flash"
     if kernel not in _KERNELS:
         raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
                          f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")
-    return _KERNELS[kernel]
+    return _KERNELS[kernel].for_platform(platform)
 
 
 # -- tokamax ---------------------------------------------------------------------------------
@@ -181,15 +190,20 @@ class TokamaxKernel(BlockKernel):
     """
     implementation: tuple[str, ...] | None = None
 
+    def for_platform(self, platform: str) -> TokamaxKernel:
+        if self.implementation is not None:
+            return self
+        names = (("mosaic_gpu", "triton", "xla") if platform == "gpu"
+                 else ("mosaic_tpu", "xla") if platform == "tpu" else ("xla",))
+        return dataclasses.replace(self, implementation=names)
+
     def _ops(self):
         from absl import flags
         from tokamax._src.ops.attention import api  # imported lazily: optional at import time
         if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; the host program may not
             flags.FLAGS.mark_as_parsed()  # use absl (pytest's own -q would be "unknown")
-        backend = jax.default_backend()
-        names = self.implementation or (("mosaic_gpu", "triton", "xla") if backend == "gpu"
-                                        else ("mosaic_tpu", "xla") if backend == "tpu"
-                                        else ("xla",))
+        from zoo.partitioning import mesh_platform
+        names = self.implementation or self.for_platform(mesh_platform(None)).implementation
         return [api.IMPLEMENTATIONS[n] for n in names]
 
     def _kwargs(self, scores, masked, q_pos, kv_pos, q_seg, kv_seg):

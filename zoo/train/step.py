@@ -190,7 +190,7 @@ def _after_step_hook(model, after_step, expert_bias_rate: float):
 def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0.0,
                     after_step: Callable[..., None] | None = None,
                     schedule: Callable[[jax.Array], jax.Array] | None = None,
-                    donate: bool | None = None
+                    donate: bool | None = None, platform: str | None = None
                     ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """A jitted ``train_step(model, optimizer, batch, lr=None) -> (model, optimizer, metrics)``.
 
@@ -205,8 +205,9 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
       neither tells the rate, ``metrics`` has no ``lr`` (never a value that was not applied).
 
     Use the returned model and optimizer: with donation the ones passed in are
-    consumed (their buffers hold the new state). ``donate=None`` donates except on the CPU
-    backend: there, an executable loaded from the persistent compilation cache intermittently
+    consumed (their buffers hold the new state). ``donate=None`` donates except when
+    `platform` (the mesh's, `zoo.partitioning.mesh_platform`; None: the default device's) is
+    the CPU: there, an executable loaded from the persistent compilation cache intermittently
     deadlocks in its collectives (jax 0.10.2, 8 virtual devices; donated or not, which is why
     the cache is now off on several CPU devices, `zoo.train.launch.cache_is_safe`), and CPU
     memory is rarely what limits a CPU run.
@@ -247,7 +248,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
         return model, optimizer, metrics
 
     if donate is None:
-        donate = jax.default_backend() != "cpu"
+        from zoo.partitioning import mesh_platform
+        donate = (platform or mesh_platform(None)) != "cpu"
     return jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
 
 
