@@ -202,6 +202,17 @@ class Partitioner:
         """``"cpu"``/``"gpu"``/``"tpu"`` of the mesh's devices (`mesh_platform`)."""
         return mesh_platform(self.mesh)
 
+    @property
+    def target_device(self) -> Any:
+        """One of the mesh's devices when they are not of the default device's platform (a
+        TPU or GPU topology's devices on a CPU host), else None: kernels that look for the
+        platform on the default device are traced with this one."""
+        devices = getattr(self.mesh, "devices", None)
+        if not isinstance(devices, np.ndarray) or not devices.size:
+            return None
+        first = devices.flat[0]
+        return None if device_platform(first) == mesh_platform(None) else first
+
     def rules(self, scope: str | None = None) -> dict[str, MeshAxes]:
         """The resolved logical-to-mesh table of `scope` (defaults overlaid by the scope)."""
         if scope not in self._table:

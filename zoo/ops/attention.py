@@ -271,7 +271,7 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
         raise ValueError(f"layout={layout!r}; valid values are {_ring.LAYOUTS}: how the "
                          f"sequence lies on the context shards (None: not known)")
     p = resolve(partitioner)
-    kern = get_kernel(kernel, p.platform)
+    kern = get_kernel(kernel, p.platform, p.target_device)
     if implementation == "reference":
         return reference()
     B, L, N, H = q.shape

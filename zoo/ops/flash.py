@@ -156,7 +156,7 @@ class FlashKernel(BlockKernel):
     takes_delta = True  # takes ``delta=`` instead of the global out (see `BlockKernel`)
     accumulates = True  # forward and backward take ``into=`` (see `BlockKernel`)
 
-    def for_platform(self, platform: str) -> FlashKernel:
+    def for_platform(self, platform: str, device=None) -> FlashKernel:
         dq, dk = CPU_TILES if platform == "cpu" else ACCELERATOR_TILES
         return dataclasses.replace(self, q_tile=self.q_tile or dq, kv_tile=self.kv_tile or dk)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,9 +103,11 @@ class BlockKernel:
     takes_delta = False
     accumulates = False
 
-    def for_platform(self, platform: str) -> BlockKernel:
+    def for_platform(self, platform: str, device: Any = None) -> BlockKernel:
         """This kernel with its platform-dependent defaults settled for `platform` (the mesh's,
-        `zoo.partitioning.mesh_platform`); the base class has none."""
+        `zoo.partitioning.mesh_platform`; `device`: one of the mesh's devices when they are
+        not the process's default platform, e.g. a TPU topology's on a CPU host); the base
+        class has none."""
         return self
 
     def partial_plans(self, L: int, S: int) -> tuple:
@@ -139,7 +142,8 @@ def kernel_names() -> tuple[str, ...]:
     return ("auto", *_KERNELS)
 
 
-def get_kernel(kernel: str | BlockKernel, platform: str | None = None) -> BlockKernel:
+def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
+               device: Any = None) -> BlockKernel:
     """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
     or the instance itself, settled for `platform` (``"cpu"``/``"gpu"``/``"tpu"``, the mesh's;
     None: the default device's). ``"auto"`` is tokamax on GPU and TPU, flash on CPU."""
@@ -150,13 +154,13 @@ def get_kernel(kernel: str | BlockKernel, platform: str | None = None) -> BlockK
         if not callable(getattr(kernel, "forward", None)):
             raise ValueError(f"kernel={kernel!r} is neither a registered name "
                              f"{kernel_names()} nor an object with forward/backward methods")
-        return kernel.for_platform(platform)
+        return kernel.for_platform(platform, device)
     if kernel == "auto":
         kernel = "tokamax" if platform in ("gpu", "tpu") else "flash"
     if kernel not in _KERNELS:
         raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
                          f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")
-    return _KERNELS[kernel].for_platform(platform)
+    return _KERNELS[kernel].for_platform(platform, device)
 
 
 # -- tokamax ---------------------------------------------------------------------------------
@@ -185,17 +189,35 @@ class TokamaxKernel(BlockKernel):
     path, and one that cannot take a soft cap (the cap would bend the extra logit).
 
     ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
-    then XLA).
+    then XLA). ``device``: a device of the target mesh when it is not of the process's default
+    platform; the ops are traced with it as the default device, which is where tokamax looks
+    for the platform (its Mosaic kernels refuse a CPU default device even for a TPU mesh).
     The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.
+
+    ``pad_to``: block lengths are padded to a multiple of it with keys and queries the mask
+    hides (outputs and gradients sliced back), for kernels that need whole tiles (Mosaic TPU's
+    splash attention: 128; set on TPU by `for_platform`). The XLA backward runs unpadded.
     """
     implementation: tuple[str, ...] | None = None
+    device: Any = dataclasses.field(default=None, compare=False)
+    pad_to: int | None = None
 
-    def for_platform(self, platform: str) -> TokamaxKernel:
-        if self.implementation is not None:
-            return self
-        names = (("mosaic_gpu", "triton", "xla") if platform == "gpu"
-                 else ("mosaic_tpu", "xla") if platform == "tpu" else ("xla",))
-        return dataclasses.replace(self, implementation=names)
+    def for_platform(self, platform: str, device: Any = None) -> TokamaxKernel:
+        names = self.implementation or (
+            ("mosaic_gpu", "triton", "xla") if platform == "gpu"
+            else ("mosaic_tpu", "xla") if platform == "tpu" else ("xla",))
+        pad = self.pad_to or (128 if platform == "tpu" else None)
+        return dataclasses.replace(self, implementation=names, device=device or self.device,
+                                   pad_to=pad)
+
+    def _pads(self, L: int, S: int) -> tuple[int, int]:
+        if not self.pad_to:
+            return 0, 0
+        return -L % self.pad_to, -S % self.pad_to
+
+    def _padded_mask(self, mask, B: int, L: int, S: int, pq: int, pk: int):
+        mask = jnp.ones((B, 1, L, S), bool) if mask is None else mask
+        return jnp.pad(mask, ((0, 0), (0, 0), (0, pq), (0, pk)))
 
     def _ops(self):
         from absl import flags
@@ -216,13 +238,27 @@ class TokamaxKernel(BlockKernel):
         errors = []
         for op in self._ops():
             try:
-                return op, fn(op)
+                if self.device is None:
+                    return op, fn(op)
+                with jax.default_device(self.device):
+                    return op, fn(op)
             except NotImplementedError as e:
                 errors.append(e)
         raise NotImplementedError(f"no tokamax implementation runs here: {errors}")
 
     def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
         mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
+        (B, L), S = q.shape[:2], k.shape[1]
+        pq, pk = self._pads(L, S)
+        if pq or pk:  # whole tiles: hidden queries and keys, sliced off
+            mask = self._padded_mask(mask, B, L, S, pq, pk)
+            q = _pad_length(q, pq)
+            k, v = _pad_length(k, pk), _pad_length(v, pk)
+            out, lse = self._forward(q, k, v, mask, kw)
+            return out[:, :L], lse[..., :L]
+        return self._forward(q, k, v, mask, kw)
+
+    def _forward(self, q, k, v, mask, kw):
         _, (out, (m, den)) = self._call(
             lambda op: op(q, k, v, mask=mask, return_residuals=True, **kw))
         lse = m.astype(F32) + jnp.log(den.astype(F32))
@@ -236,22 +272,38 @@ class TokamaxKernel(BlockKernel):
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
                  masked):
         mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
-        # the op whose forward runs here (an unused forward call is removed by XLA)
-        op, _ = self._call(lambda op: op(q, k, v, mask=mask, **kw))
+        (B, L), S = q.shape[:2], k.shape[1]
+        pq, pk = self._pads(L, S)
         lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        if op.vjp is not None:
-            ba = op.bind(q, k, v, mask=mask, **kw)
-            kwargs = dict(ba.kwargs)
-            kwargs.pop("return_residuals", None)
-            grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
-                           dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
-            grads = grads[0] if isinstance(grads, tuple) else grads
-            return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
+        if pq or pk:
+            padded = self._padded_mask(mask, B, L, S, pq, pk)
+            qp, kp, vp = _pad_length(q, pq), _pad_length(k, pk), _pad_length(v, pk)
+            op, _ = self._call(lambda op: op(qp, kp, vp, mask=padded, **kw))
+            if op.vjp is not None:
+                dq, dk, dv = self._vjp(op, qp, kp, vp, padded, kw, jnp.pad(
+                    lse_safe, ((0, 0), (0, 0), (0, pq))), _pad_length(out, pq),
+                    _pad_length(dout, pq))
+                return dq[:, :L], dk[:, :S], dv[:, :S]
+        else:  # the op whose forward runs here (an unused forward call is removed by XLA)
+            op, _ = self._call(lambda op: op(q, k, v, mask=mask, **kw))
+            if op.vjp is not None:
+                return self._vjp(op, q, k, v, mask, kw, lse_safe, out, dout)
+        # an op without a VJP op (XLA's, any length): autodiff of an augmented call
         if scores.soft_cap is not None:
             raise ValueError("kernel='tokamax' on its XLA implementation (CPU) cannot take "
                              "logits_soft_cap under context parallelism; use kernel='flash'")
         return self._xla_backward(op, q, k, v, mask, out, lse_safe, dout, scores,
                                   (q_pos, kv_pos, q_seg, kv_seg))
+
+    def _vjp(self, op, q, k, v, mask, kw, lse_safe, out, dout):
+        """The op's own VJP op, given the global output and residuals ``(lse, 1)``."""
+        ba = op.bind(q, k, v, mask=mask, **kw)
+        kwargs = dict(ba.kwargs)
+        kwargs.pop("return_residuals", None)
+        grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
+                       dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
+        grads = grads[0] if isinstance(grads, tuple) else grads
+        return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
 
     def _xla_backward(self, op, q, k, v, mask, out, lse, dout, scores, tokens):
         B, L, N, H = q.shape
@@ -278,6 +330,11 @@ class TokamaxKernel(BlockKernel):
 
         _, vjp = jax.vjp(attend, q, k, v)
         return tuple(g.astype(F32) for g in vjp(dout.astype(q.dtype)))
+
+
+def _pad_length(x, n: int):
+    """`x` [B, L, ...] with `n` zero rows appended along the length."""
+    return x if not n else jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
 
 
 register_kernel("tokamax", TokamaxKernel())

@@ -160,7 +160,7 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         enable_compile_cache()
         try:
             built = build(train, model_config=recipe.config, model_cls=recipe.model_cls,
-                          decoder_layer_cls=recipe.decoder_layer_cls)
+                          decoder_layer_cls=recipe.decoder_layer_cls, devices=_devices(train))
             if train.from_hf:
                 _check_hf(built)
         except ValueError as e:
@@ -170,6 +170,14 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         if run_lock is not None:
             run_lock.release()
         raise
+
+
+def _devices(train: TrainConfig):
+    """The devices to build for: a ``--target``'s (``--rehearse``), else this host's."""
+    if train.target == "cpu":
+        return None
+    from zoo.targets import target_devices
+    return target_devices(train.target)
 
 
 def _check_hf(built) -> None:
