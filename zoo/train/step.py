@@ -238,6 +238,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
             metrics["lr"] = applied_lr
         if aux.get("dropped_tokens") is not None:  # MoE copies over an all-to-all buffer
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
+        if aux.get("moe_rounds") is not None:  # exact overflow: the most rounds any layer ran
+            metrics["moe_rounds"] = jnp.max(aux["moe_rounds"])
         counts = aux.get("expert_counts")
         if counts is not None and jnp.size(counts):
             metrics["expert_counts"] = jnp.asarray(counts)
