@@ -435,12 +435,12 @@ def test_cuda_lowering_holds_ragged_all_to_all(setups, overflow):
     assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
 
 
-def _moe_temp_bytes(ep, dispatch, buffer_factor=None):
+def _moe_temp_bytes(ep, dispatch, buffer_factor=None, overflow="drop"):
     """Per-device temporaries of a MoE forward+backward with 256 tokens per device."""
     part = Partitioner(make_mesh(expert=ep, fsdp=8 // ep), "fsdp")
     moe = MoE(num_experts=16, num_experts_per_tok=2, mlp_dim=128, inputs_shape=(8, 256, 64),
               partitioner=part, dispatch=dispatch, buffer_factor=buffer_factor,
-              rngs=nnx.Rngs(0))
+              overflow=overflow, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
 
     def loss(params, x):
@@ -457,6 +457,17 @@ def test_temporaries_follow_local_work():
     gather = _moe_temp_bytes(8, "all_gather")
     assert a2a <= 1.8 * base, (a2a / base, gather / base)
     assert gather > 1.8 * base  # the bound separates the schemes: all_gather grows with EP
+
+
+def test_exact_overflow_temporaries_stay_near_the_buffer_factors():
+    """Rounds reuse the buffer-factor program's buffers: exact at factor 2 needs at most 1.5x
+    the temporaries of drop at factor 2 (the [M, D] per-copy accumulators), well under the
+    dropless buffers'."""
+    drop = _moe_temp_bytes(8, "all_to_all", buffer_factor=2.0)
+    exact = _moe_temp_bytes(8, "all_to_all", buffer_factor=2.0, overflow="exact")
+    dropless = _moe_temp_bytes(8, "all_to_all")
+    assert exact <= 1.5 * drop, (exact / drop, dropless / drop)
+    assert exact < dropless, (exact / drop, dropless / drop)
 
 
 # -- grouped matmul FLOPs ------------------------------------------------------------------------
