@@ -243,8 +243,11 @@ def test_program_choices_follow_the_mesh_not_the_process(devices, monkeypatch):
     cpu = zoo.Partitioner(zoo.make_mesh(fsdp=8)).platform
     kern = get_kernel("auto", cpu)
     assert isinstance(kern, FlashKernel) and (kern.q_tile, kern.kv_tile) == CPU_TILES
-    tpu = get_kernel("auto", "tpu")
-    assert isinstance(tpu, TokamaxKernel) and tpu.implementation[0] == "mosaic_tpu"
+    tpu = get_kernel("auto", "tpu")  # Mosaic TPU takes no batched (document) masks
+    assert isinstance(tpu, FlashKernel) and (tpu.q_tile, tpu.kv_tile) == ACCELERATOR_TILES
+    assert isinstance(get_kernel("auto", "gpu"), TokamaxKernel)
+    tok = get_kernel("tokamax", "tpu")
+    assert tok.implementation[0] == "mosaic_tpu" and tok.pad_to == 128
     assert get_kernel("tokamax", "gpu").implementation[0] == "mosaic_gpu"
     assert FlashKernel().for_platform("gpu").tiles(4096, 4096) == ACCELERATOR_TILES
     assert FlashKernel(q_tile=16).for_platform("tpu").q_tile == 16  # a user's tile stays

@@ -34,9 +34,9 @@ def test_out_of_memory_is_read_from_the_compilers_message():
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_tpu_target_compiles_the_tpu_program(devices):
     """The mini DeepSeek-V3 step (EP-as-CP) compiled by the TPU compiler for a v5p slice of 8
-    chips: its attention is tokamax's Mosaic kernel (``tpu_custom_call``), not the flash loop
-    a CPU mesh gets, and the compiler's memory verdict is reported. The same step for the CPU
-    mesh has no TPU kernel."""
+    chips: its MoE runs tokamax's Mosaic ragged dot (``tpu_custom_call``), which a CPU mesh
+    never gets, and the compiler's memory verdict is reported. The same step for the CPU mesh
+    has no TPU kernel."""
     from zoo.train.rehearse import rehearse
     kw = dict(mesh="fsdp=2,expert=2,context=2", strategy="ep_as_cp", batch_size=8,
               seq_len=256, overrides={"num_hidden_layers": 2})

@@ -452,20 +452,30 @@ class CausalLM(nnx.Module):
             if a is not None and tuple(a.shape) != (B, L):
                 raise ValueError(f"{name}: {what} has shape {tuple(a.shape)}; expected the "
                                  f"tokens' shape {(B, L)}")
-        c = self.partitioner.constrain
         with jax.named_scope(name.lower()):
-            x = self.embed_tokens(tokens)
-            auxes = []
-            for layer in self.layers:
-                x, aux = self.run_layer(layer, x, positions, segment_ids)
-                if aux is not None:
-                    auxes.append(aux)
-            with jax.named_scope("head"):
-                x = self.norm(x)
-                logits = (self.embed_tokens.attend(x) if self.lm_head is None else
-                          self.lm_head(x))
-                logits = c(logits, ("batch", "length", "act_vocab"))
+            x, auxes = self.trunk(tokens, positions, segment_ids)
+            logits = self.head(x)
         return logits, self.collect_aux(auxes)
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+              ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+        """Embedding and every layer: ``(hidden [B, L, D] before the final norm, per-run aux
+        dicts)`` (what `__call__` and multi-token prediction build on)."""
+        x = self.embed_tokens(tokens)
+        auxes = []
+        for layer in self.layers:
+            x, aux = self.run_layer(layer, x, positions, segment_ids)
+            if aux is not None:
+                auxes.append(aux)
+        return x, auxes
+
+    def head(self, x: jax.Array, norm: nnx.Module | None = None) -> jax.Array:
+        """Logits ``[B, L, V]`` of hidden states: the final norm (or `norm`), then ``lm_head``
+        (the embedding table when tied)."""
+        with jax.named_scope("head"):
+            x = (norm or self.norm)(x)
+            logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+            return self.partitioner.constrain(logits, ("batch", "length", "act_vocab"))
 
     def collect_aux(self, auxes: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
         """Per-run aux dicts (entries ``[n, ...]``) -> ``load_balance_loss`` summed over the MoE

@@ -27,6 +27,7 @@ Legend: B batch, L queries, S keys, N query heads, K kv heads, H q/k head dim, V
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -146,7 +147,10 @@ def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
                device: Any = None) -> BlockKernel:
     """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
     or the instance itself, settled for `platform` (``"cpu"``/``"gpu"``/``"tpu"``, the mesh's;
-    None: the default device's). ``"auto"`` is tokamax on GPU and TPU, flash on CPU."""
+    None: the default device's). ``"auto"`` is tokamax on GPU, flash elsewhere: on TPU
+    tokamax's Mosaic kernel takes only unbatched masks ("Only unbatched boolean masks are
+    supported", tokamax 0.0.12), so packed documents would send it to its XLA implementation,
+    which builds each block's whole logits; zoo's flash kernel tiles them."""
     if platform is None:
         from zoo.partitioning import mesh_platform
         platform = mesh_platform(None)
@@ -156,7 +160,7 @@ def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
                              f"{kernel_names()} nor an object with forward/backward methods")
         return kernel.for_platform(platform, device)
     if kernel == "auto":
-        kernel = "tokamax" if platform in ("gpu", "tpu") else "flash"
+        kernel = "tokamax" if platform == "gpu" else "flash"
     if kernel not in _KERNELS:
         raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
                          f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")
@@ -238,9 +242,7 @@ class TokamaxKernel(BlockKernel):
         errors = []
         for op in self._ops():
             try:
-                if self.device is None:
-                    return op, fn(op)
-                with jax.default_device(self.device):
+                with self._on_device():
                     return op, fn(op)
             except NotImplementedError as e:
                 errors.append(e)
@@ -295,8 +297,17 @@ class TokamaxKernel(BlockKernel):
         return self._xla_backward(op, q, k, v, mask, out, lse_safe, dout, scores,
                                   (q_pos, kv_pos, q_seg, kv_seg))
 
+    def _on_device(self):
+        """Trace with the target mesh's device as the default one (tokamax reads it there)."""
+        return (contextlib.nullcontext() if self.device is None
+                else jax.default_device(self.device))
+
     def _vjp(self, op, q, k, v, mask, kw, lse_safe, out, dout):
         """The op's own VJP op, given the global output and residuals ``(lse, 1)``."""
+        with self._on_device():
+            return self._vjp_call(op, q, k, v, mask, kw, lse_safe, out, dout)
+
+    def _vjp_call(self, op, q, k, v, mask, kw, lse_safe, out, dout):
         ba = op.bind(q, k, v, mask=mask, **kw)
         kwargs = dict(ba.kwargs)
         kwargs.pop("return_residuals", None)
