@@ -149,3 +149,22 @@ def test_mtp_settings_are_checked():
     with pytest.raises(ValueError, match="mtp_loss_weight=nan must be a finite number"):
         DeepSeek3Config.mini(mtp_loss_weight=float("nan"))
     assert DeepSeek3Config.mini(mtp_depth=1).num_params() > DeepSeek3Config.mini().num_params()
+
+
+def test_train_step_updates_the_mtp_layers_bias_too(unsharded):
+    """The after-step bias update takes the MTP layer's expert counts (after the trunk's
+    scanned stack) and moves its selection bias as well."""
+    from zoo.train.step import make_train_step, make_tx
+    model, batch, *_ = unsharded
+    model = nnx.clone(model)
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    before = np.asarray(model.mtp[0].layer.mlp.e_score_correction_bias[...])
+    trunk_before = np.asarray(model.layers[-1].mlp.e_score_correction_bias[...])
+    step = make_train_step(expert_bias_rate=1e-2)
+    model, optimizer, metrics = step(model, optimizer, batch, jnp.float32(1e-3))
+    assert np.isfinite(float(metrics["mtp_loss"]))
+    assert np.asarray(metrics["expert_counts"]).shape[0] == 2  # trunk's MoE layer + MTP's
+    assert not np.allclose(np.asarray(model.mtp[0].layer.mlp.e_score_correction_bias[...]),
+                           before)
+    assert not np.allclose(np.asarray(model.layers[-1].mlp.e_score_correction_bias[...]),
+                           trunk_before)

@@ -428,6 +428,12 @@ def _as_counts(counts: Any) -> Any:
     return counts
 
 
+def _stacked_rows(m: MoE) -> int:
+    """Layers a MoE module holds: its stack size when scanned (weights ``[n, E, D, F]``)."""
+    shape = m.wi_gate[...].shape
+    return int(shape[0]) if len(shape) == 4 else 1
+
+
 def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-3) -> None:
     """DeepSeek-V3's aux-loss-free balancing, in place: ``bias += rate * sign(mean - counts)``.
 
@@ -453,8 +459,15 @@ def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-
         per_layer = [jnp.asarray(_as_counts(c)) for c in counts]
     else:
         counts = jnp.asarray(counts)
+        rows = [_stacked_rows(m) for m in every]
         if len(layers) == 1 and counts.shape == layers[0].e_score_correction_bias.shape:
             per_layer = [counts]
+        elif counts.ndim == 2 and counts.shape[0] == sum(rows) and len(every) > 1:
+            # stacked (scanned) layers among them: each takes its own run of rows
+            ends = np.cumsum(rows)
+            per_layer = [counts[e - n:e].reshape(m.e_score_correction_bias.shape)
+                         for m, n, e in zip(every, rows, ends)
+                         if m.e_score_correction_bias is not None]
         else:
             per_layer = list(counts) if counts.ndim >= 2 else [counts]
     if len(per_layer) == len(every) != len(layers):
