@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ from zoo.train.build import Built, build
 from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
 from zoo.train.config import TrainConfig
 from zoo.train.feed import DataStreamError, Feed
-from zoo.train.records import Summary, changes, normalise, versions
+from zoo.train.records import Summary, changes, normalise, versions, write_json
 
 __all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
            "CompileInterrupted", "DataStreamError"]
@@ -315,10 +314,7 @@ class Trainer:
                     mesh=dict(mesh.shape), versions=versions(),
                     resumed_from=self.step or None, flops_per_token=self.flops_per_token,
                     tokens_per_step=self.tokens_per_step)
-        path = os.path.join(self.run_dir, "run.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(normalise(info), f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json(os.path.join(self.run_dir, "run.json"), info)
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,0 +1,70 @@
+"""What a crash or a fault leaves behind is never a reason to refuse a resume, and what was
+written is never lost: a damaged ``metrics.jsonl`` or ``run.json`` is repaired with the
+damaged lines set aside; an updated state that turns NaN (DeepSeek-V3's expert bias) stops
+the run before it is saved; a checkpoint save that fails stops the run at that save.
+
+In-process `Trainer` runs of a tiny Mixtral/DeepSeek-V3 (CPU, 8 devices).
+"""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from zoo.train import TrainConfig, Trainer, read_metrics
+from zoo.train.hooks import repair_metrics
+from zoo.train.records import write_json
+
+TINY = ("num_hidden_layers=1", "hidden_size=32", "intermediate_size=32",
+        "num_attention_heads=4", "head_dim=8")
+BASE = dict(family="mixtral", preset="mini", overrides=TINY, batch_size=4, seq_len=32,
+            progress=False)
+
+
+def train(run_dir, steps, **kwargs):
+    with Trainer(TrainConfig(**{**BASE, **kwargs}, steps=steps, run_dir=str(run_dir))) as t:
+        return t.train()
+
+
+# -- metrics.jsonl and run.json ----------------------------------------------------------------
+
+def test_repair_metrics_keeps_good_rows_and_sets_damaged_lines_aside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps(dict(step=s, loss=1.0 / s)).encode() for s in range(1, 6)]
+    path.write_bytes(b"\n".join([good[0], b"garbage{{", good[1], b"\xff\xfe{}", good[2],
+                                 b"[1, 2]", good[3], good[4], b'{"step": 6, "lo']))
+    with pytest.warns(UserWarning, match=r"4 damaged line\(s\) \(line 2, 4, 6, 9\) moved to "
+                                         r".*metrics.jsonl.corrupt"):
+        assert repair_metrics(str(path), 4) == [2, 4, 6, 9]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]  # step 5 is redone
+    assert path.read_bytes().endswith(b"\n")
+    corrupt = (tmp_path / "metrics.jsonl.corrupt").read_bytes().split(b"\n")
+    assert corrupt == [b"garbage{{", b"\xff\xfe{}", b"[1, 2]", b'{"step": 6, "lo', b""]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean file: nothing to say, nothing rewritten
+        assert repair_metrics(str(path), 4) == []
+
+
+def test_a_damaged_run_json_is_set_aside(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_bytes(b'{"config": {"st')
+    with pytest.warns(UserWarning, match="run.json was damaged.*moved it to .*run.json.corrupt"):
+        write_json(str(path), {"a": (1, 2)})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    assert (tmp_path / "run.json.corrupt").read_bytes() == b'{"config": {"st'
+    assert not (tmp_path / "run.json.tmp").exists()
+
+
+def test_a_garbage_metrics_line_does_not_block_the_resume(tmp_path, devices):
+    """The issue's repro: 20 steps (checkpoints at 10 and 20), a garbage line appended, then
+    the run resumed to 30: it finishes with 30 rows, the garbage kept aside."""
+    train(tmp_path, 20, checkpoint_every=10)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("garbage{{\n")
+    with pytest.warns(UserWarning, match="1 damaged line"):
+        summary = train(tmp_path, 30, checkpoint_every=10)
+    assert (summary.start_step, summary.step) == (20, 30)
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 31))
+    assert (tmp_path / "metrics.jsonl.corrupt").read_text() == "garbage{{\n"
+    assert np.all(np.isfinite([r["loss"] for r in read_metrics(tmp_path)]))
