@@ -23,7 +23,8 @@ BASE = dict(family="mixtral", preset="mini", overrides=TINY, batch_size=4, seq_l
 
 
 def train(run_dir, steps, **kwargs):
-    with Trainer(TrainConfig(**{**BASE, **kwargs}, steps=steps, run_dir=str(run_dir))) as t:
+    settings = {**BASE, **kwargs, "steps": steps, "run_dir": str(run_dir)}
+    with Trainer(TrainConfig(**settings)) as t:
         return t.train()
 
 
@@ -68,3 +69,48 @@ def test_a_garbage_metrics_line_does_not_block_the_resume(tmp_path, devices):
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 31))
     assert (tmp_path / "metrics.jsonl.corrupt").read_text() == "garbage{{\n"
     assert np.all(np.isfinite([r["loss"] for r in read_metrics(tmp_path)]))
+
+
+# -- the NaN guard and the expert bias ---------------------------------------------------------
+
+DEEPSEEK = dict(family="deepseek3", preset="mini", batch_size=4, seq_len=32, progress=False,
+                overrides=("num_hidden_layers=2", "hidden_size=32", "intermediate_size=64",
+                           "moe_intermediate_size=16", "kv_lora_rank=16", "q_lora_rank=16",
+                           "qk_rope_head_dim=8", "qk_nope_head_dim=8", "v_head_dim=8"))
+
+
+def nan_bias_rate(config):
+    """`build(config)` with its train step updating the expert bias at rate NaN (what
+    ``--expert-bias-rate nan`` did before the flags refused it)."""
+    from zoo.train import build
+    from zoo.train import step as step_lib
+    built = build(config)
+    built.train_step = step_lib.make_train_step(aux_loss_weight=built.config.aux_loss_weight,
+                                                expert_bias_rate=float("nan"))
+    return built
+
+
+def test_a_nan_expert_bias_stops_the_run_before_it_is_saved(tmp_path, devices):
+    """DeepSeek-V3's bias updated at a NaN rate (flag validation bypassed): the loss stays
+    finite, but the guard sees the bias, stops at the first step, saves nothing from it and
+    names the checkpoint on disk."""
+    from zoo.train.checkpoint import Checkpointer
+    from zoo.train.trainer import TrainingDiverged
+    train(tmp_path, 2, **DEEPSEEK, checkpoint_every=1)
+    config = TrainConfig(**DEEPSEEK, steps=6, checkpoint_every=1, run_dir=str(tmp_path))
+    with pytest.raises(TrainingDiverged) as e, Trainer(nan_bias_rate(config)) as t:
+        t.train()
+    message = str(e.value)
+    assert "step 3: the updated state" in message and "e_score_correction_bias" in message
+    assert "NaN/Inf value(s)" in message
+    assert f"the last good checkpoint is step 2 in {tmp_path / 'checkpoints'}" in message
+    assert Checkpointer(tmp_path / "checkpoints").steps() == [1, 2]
+
+
+def test_the_divergence_message_says_when_there_is_no_checkpoint(tmp_path, devices):
+    from zoo.train.trainer import TrainingDiverged
+    config = TrainConfig(**DEEPSEEK, steps=3, checkpoint_every=1, run_dir=str(tmp_path))
+    with pytest.raises(TrainingDiverged, match="there is no checkpoint to resume from in"), \
+            Trainer(nan_bias_rate(config)) as t:
+        t.train()
+    assert not list((tmp_path / "checkpoints").glob("[0-9]*"))

@@ -152,6 +152,14 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def steps_on_disk(self) -> list[int]:
+        """The steps whose checkpoint is complete on disk now: Orbax writes each into a
+        temporary folder and names it ``<step>`` only when it is whole."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
