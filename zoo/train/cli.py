@@ -175,9 +175,8 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
 def _check_hf(built) -> None:
     """``--from-hf``: the checkpoint's keys and shapes against the model, before compiling."""
     from zoo.models import hf
-    check = getattr(hf, "check_checkpoint", None)
-    if check is not None:
-        check(built.config.from_hf, built.make_model)
+    hf.check_checkpoint(built.config.from_hf, built.make_model,
+                        what=f"--from-hf {built.config.from_hf}")
 
 
 # -- main ----
