@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from test_recipes import COMMON, ROOT, TINY, losses, recipe, run_main, sub_env
@@ -343,3 +344,27 @@ def test_stop_agreement_reduces_on_the_devices(devices):
     agree = guard.StopAgreement(zoo.make_mesh(fsdp=2, expert=2, context=2))
     assert agree.shape == (8,) and len(agree.sharding.addressable_devices) == 8
     assert int(jax.device_get(agree(True))) == 1 and int(jax.device_get(agree(False))) == 0
+
+
+# -- --from-hf ---------------------------------------------------------------------------------
+
+def test_from_hf_with_a_transposed_tensor_exits_2_before_compiling(tmp_path, capsys, devices):
+    """A checkpoint whose embedding is transposed (same size): refused in seconds, one line
+    naming the key, the checkpoint's shape and the expected one; nothing compiled."""
+    from flax import nnx
+    from safetensors.numpy import load_file, save_file
+
+    from zoo.models.mixtral import Mixtral, MixtralConfig, to_hf
+    overrides = TINY["mini_mixtral"][1::2]
+    config = cli.apply_overrides(MixtralConfig.mini(), overrides)
+    to_hf(Mixtral(config, inputs_shape=(4, 32), rngs=nnx.Rngs(0)), tmp_path / "hf")
+    name = str(tmp_path / "hf" / "model.safetensors")
+    tensors = load_file(name)
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = np.ascontiguousarray(embed.T)
+    save_file(tensors, name)
+    err = refuse([*BASE, "--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run")],
+                 capsys)
+    want = f"model.embed_tokens.weight: checkpoint {embed.shape[::-1]}, expected {embed.shape}"
+    assert want in err and f"--from-hf {tmp_path / 'hf'}" in err
+    assert "compiling the train step" not in err
