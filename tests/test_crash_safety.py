@@ -6,13 +6,18 @@ the run before it is saved; a checkpoint save that fails stops the run at that s
 In-process `Trainer` runs of a tiny Mixtral/DeepSeek-V3 (CPU, 8 devices).
 """
 
+import errno
 import json
+import os
+import time
 import warnings
 
 import numpy as np
+import optax
 import pytest
 
 from zoo.train import TrainConfig, Trainer, read_metrics
+from zoo.train.hooks import OnStep
 from zoo.train.hooks import repair_metrics
 from zoo.train.records import write_json
 
@@ -114,3 +119,91 @@ def test_the_divergence_message_says_when_there_is_no_checkpoint(tmp_path, devic
             Trainer(nan_bias_rate(config)) as t:
         t.train()
     assert not list((tmp_path / "checkpoints").glob("[0-9]*"))
+
+
+# -- failed saves ------------------------------------------------------------------------------
+
+def fail_saves(monkeypatch, steps, error=errno.ENOSPC, delay_s=0.0):
+    """Orbax's write of the ``config`` item of checkpoints `steps` raises OSError(`error`)
+    (a full disk, a read-only file system) after `delay_s` seconds."""
+    import orbax.checkpoint as ocp
+    real = ocp.JsonCheckpointHandler._save_fn
+
+    async def write(self, x, directory):
+        step = int(os.path.basename(os.path.dirname(str(directory))).split(".")[0])
+        if step in steps:
+            time.sleep(delay_s)
+            raise OSError(error, os.strerror(error), str(directory))
+        return await real(self, x, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", write)
+
+
+def tiny_state():
+    from flax import nnx
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("error,words", [(errno.ENOSPC, "no space left on the device"),
+                                         (errno.EROFS, "the file system is read-only"),
+                                         (errno.EACCES, "permission denied")])
+def test_a_failed_save_is_named_with_the_last_good_checkpoint(tmp_path, monkeypatch, error,
+                                                              words):
+    from zoo.train.checkpoint import Checkpointer, CheckpointSaveFailed
+    fail_saves(monkeypatch, {2}, error)
+    ckpt = Checkpointer(tmp_path)
+    model, optimizer = tiny_state()
+    ckpt.save(1, model, optimizer, data_state={}, config={})
+    ckpt.save(2, model, optimizer, data_state={}, config={})
+    with pytest.raises(CheckpointSaveFailed) as e:
+        ckpt.wait()
+    message = str(e.value)
+    assert f"saving the checkpoint of step 2 failed: {words}" in message
+    assert f"the last good checkpoint is step 1 in {tmp_path}" in message
+    assert "rerun the same command to resume" in message
+    with pytest.raises(CheckpointSaveFailed):  # no later save starts after a failed one
+        ckpt.save(3, model, optimizer, data_state={}, config={})
+    t = time.perf_counter()
+    ckpt.close()  # does not raise again, does not hang
+    assert time.perf_counter() - t < 15
+    assert Checkpointer(tmp_path).steps_on_disk() == [1]
+
+
+def test_a_save_that_hangs_is_bounded(tmp_path, monkeypatch):
+    from zoo.train.checkpoint import Checkpointer, CheckpointSaveFailed
+    fail_saves(monkeypatch, {1}, delay_s=3.0)
+    ckpt = Checkpointer(tmp_path, save_timeout_s=0.5)
+    model, optimizer = tiny_state()
+    ckpt.save(1, model, optimizer, data_state={}, config={})
+    ckpt.check()  # still going: no verdict yet
+    with pytest.raises(CheckpointSaveFailed, match=r"step 1 failed: it did not finish within "
+                                                   r"0.5 s.*there is no checkpoint in"):
+        ckpt.wait()
+    ckpt.close()
+
+
+def test_a_failed_save_stops_the_run_at_that_save(tmp_path, monkeypatch, devices):
+    """The save of step 10 fails (a full disk): the run stops before the next save is due
+    (step 15) with CheckpointSaveFailed naming checkpoint 5; rerun with space again, it
+    resumes from 5 and its losses equal a straight run's."""
+    from zoo.train.trainer import CheckpointSaveFailed
+    straight = train(tmp_path / "straight", 20, checkpoint_every=5)
+    assert straight.step == 20
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        fail_saves(m, {10})
+        seen = []
+        config = TrainConfig(**BASE, steps=20, checkpoint_every=5, run_dir=str(run_dir))
+        with pytest.raises(CheckpointSaveFailed) as e, \
+                Trainer(config, hooks=[OnStep(lambda s, row: seen.append(s))]) as t:
+            t.train()
+    assert "saving the checkpoint of step 10 failed: no space left on the device" in str(e.value)
+    assert f"the last good checkpoint is step 5 in {run_dir / 'checkpoints'}" in str(e.value)
+    assert 10 <= seen[-1] < 15, seen
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == ["5"]
+    summary = train(run_dir, 20, checkpoint_every=5)
+    assert (summary.start_step, summary.step) == (5, 20)
+    got = [r["loss"] for r in read_metrics(run_dir)]
+    want = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

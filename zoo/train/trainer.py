@@ -23,7 +23,10 @@
   bar, TensorBoard, W&B and the loss plot by default, plus the caller's ``hooks=``.
 * **checkpoints** -- every ``checkpoint_every`` steps, at the end of each `train`, and when
   SIGTERM/SIGINT (or a hook's ``should_stop``) arrives: the step in flight finishes and is
-  saved; several processes agree through a flag reduced on the devices with the step.
+  saved; several processes agree through a flag reduced on the devices with the step. Each
+  asynchronous save's result is checked at every step after it and before the next save
+  starts: a failed one (no space, read-only, permission) or one past the save timeout raises
+  `CheckpointSaveFailed`, naming the last good checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ import numpy as np
 from zoo.train import guard, hooks as hooks_lib
 from zoo.train import step as step_lib
 from zoo.train.build import Built, build
-from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
+from zoo.train.checkpoint import (CheckpointSaveFailed, Checkpointer, shape_differences,
+                                  to_pure)
 from zoo.train.config import TrainConfig
 from zoo.train.feed import DataStreamError, Feed
 from zoo.train.records import Summary, changes, normalise, versions, write_json
 
 __all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
-           "CompileInterrupted", "DataStreamError"]
+           "CompileInterrupted", "DataStreamError", "CheckpointSaveFailed"]
 
 _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
 
@@ -180,9 +184,8 @@ class Trainer:
         """Finish pending saves, close the loggers and the data, release the run dir."""
         try:
             if self._ckpt is not None:
-                self._ckpt.wait()
-                self._ckpt.close()
-                self._ckpt = None
+                ckpt, self._ckpt = self._ckpt, None
+                ckpt.close()  # waits for the save in flight (bounded)
             self._hooks("close", pass_trainer=False)
             (self._feed or self.built.data).close()
         finally:
@@ -403,7 +406,9 @@ class Trainer:
                          t_data)
 
     def _finish(self, f: _InFlight) -> None:
-        """Read step `f`'s metrics (waits for it), check them, hand them to the hooks."""
+        """Read step `f`'s metrics (waits for it), check them, hand them to the hooks; raise
+        `CheckpointSaveFailed` as soon as a save in flight is known to have failed."""
+        self._ckpt.check()
         out = jax.device_get(f.out)
         if f.stop is not None and int(jax.device_get(f.stop)):
             self._stop_agreed = True
