@@ -207,3 +207,32 @@ def test_a_failed_save_stops_the_run_at_that_save(tmp_path, monkeypatch, devices
     got = [r["loss"] for r in read_metrics(run_dir)]
     want = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- resuming on changed data ------------------------------------------------------------------
+
+def test_a_changed_corpus_is_refused_unless_restarted(tmp_path, devices):
+    """Resuming on other --data: refused naming --data-changed restart; with it, the weights
+    and optimizer come back (the step count goes on), the stream restarts on the new files,
+    and run.json records the restart."""
+    from zoo.data import PipelineStateMismatch
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    (tmp_path / "b.txt").write_text("pack my box with five dozen liquor jugs. " * 60)
+    run_dir = tmp_path / "run"
+    train(run_dir, 4, checkpoint_every=2, data=(str(tmp_path / "a.txt"),))
+    with pytest.raises(PipelineStateMismatch, match="pass --data-changed restart"):
+        train(run_dir, 8, checkpoint_every=2, data=(str(tmp_path / "b.txt"),))
+    config = TrainConfig(**BASE, steps=8, checkpoint_every=2, run_dir=str(run_dir),
+                         data=(str(tmp_path / "b.txt"),), data_changed="restart")
+    with Trainer(config) as t:
+        summary = t.train()
+        assert int(t.optimizer.step[...]) == 8  # Adam's count went on from the checkpoint
+    assert (summary.start_step, summary.step) == (4, 8)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 9))
+    restarts = json.loads((run_dir / "run.json").read_text())["data_restarts"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 4
+    assert any("b.txt" in c for c in restarts[0]["changes"])
+    # the checkpoints now hold the new data's stream: a plain resume on it needs no flag
+    summary = train(run_dir, 10, checkpoint_every=2, data=(str(tmp_path / "b.txt"),))
+    assert (summary.start_step, summary.step) == (8, 10)
+    assert len(json.loads((run_dir / "run.json").read_text())["data_restarts"]) == 1

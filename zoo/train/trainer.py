@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -145,6 +146,7 @@ class Trainer:
         self._saved_step: int | None = None
         self._agree = None
         self._feed: Feed | None = None
+        self._data_restart: dict[str, Any] | None = None  # set when resuming on other data
         self.abandoned: list[threading.Thread] = []  # still running after a signal stopped
         #                                               the compile
 
@@ -280,15 +282,25 @@ class Trainer:
                     f"to resume")
             warnings.warn(f"model config changed since step {step} without changing shapes; "
                           f"resuming anyway: {'; '.join(changed)}", stacklevel=3)
-        saved_args, now_args = saved.get("data_arguments"), self.record.get("data_arguments")
-        if saved_args and now_args and saved_args != now_args:
-            from zoo.data import PipelineStateMismatch
-            diffs = [f"{k}: saved {saved_args.get(k)!r}, now {v!r}"
-                     for k, v in now_args.items() if saved_args.get(k) != v]
-            raise PipelineStateMismatch(
-                f"{self._ckpt.directory} (step {step}) holds a data-pipeline state saved with "
-                f"other arguments: {'; '.join(diffs)}. Resume with the saved arguments, or "
-                f"start a new run (another --run-dir) to use the new ones")
+        self._check_data_arguments(step, saved.get("data_arguments"))
+
+    def _check_data_arguments(self, step: int, saved: dict | None) -> None:
+        """Other data than the checkpoint's: refused, or (``data_changed="restart"``) noted
+        so the restore keeps the weights and optimizer and starts the stream afresh."""
+        now = self.record.get("data_arguments")
+        if not saved or not now or saved == now:
+            return
+        diffs = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+                 if saved.get(k) != v]
+        if self.config.data_changed == "restart":
+            self._data_restart = dict(step=step, changes=diffs)
+            return
+        from zoo.data import PipelineStateMismatch
+        raise PipelineStateMismatch(
+            f"{self._ckpt.directory} (step {step}) holds a data-pipeline state saved with "
+            f"other arguments: {'; '.join(diffs)}. Resume with the saved arguments; or pass "
+            f"--data-changed restart to keep the weights and optimizer and restart the data "
+            f"stream on the new data; or start a new run (another --run-dir)")
 
     def _restore_or_create(self, model, optimizer) -> list:
         restored = self._ckpt.restore(model, optimizer) if self._ckpt.steps() else None
@@ -297,7 +309,12 @@ class Trainer:
             self.step, self._saved_step = 0, None
             return []
         self.model, self.optimizer = restored.model, restored.optimizer
-        self._feed.set_state(restored.data)
+        if self._data_restart is None:
+            self._feed.set_state(restored.data)
+        elif jax.process_index() == 0:
+            print(f"{self.name}: the data changed since step {restored.step} "
+                  f"({'; '.join(self._data_restart['changes'])}); --data-changed restart: the "
+                  f"data stream starts afresh", file=sys.stderr, flush=True)
         self.step = self._saved_step = restored.step
         changed = [c for c in changes({k: v for k, v in restored.config.items()
                                         if k not in ("model", _HISTORY_KEY)},
@@ -316,8 +333,19 @@ class Trainer:
                     process_count=jax.process_count(), backend=jax.default_backend(),
                     mesh=dict(mesh.shape), versions=versions(),
                     resumed_from=self.step or None, flops_per_token=self.flops_per_token,
-                    tokens_per_step=self.tokens_per_step)
+                    tokens_per_step=self.tokens_per_step,
+                    data_restarts=self._data_restarts())
         write_json(os.path.join(self.run_dir, "run.json"), info)
+
+    def _data_restarts(self) -> list[dict[str, Any]]:
+        """run.json's record of the resumes that restarted the data (``--data-changed
+        restart``): the earlier ones, kept from the previous run.json, and this one."""
+        try:
+            with open(os.path.join(self.run_dir, "run.json")) as f:
+                earlier = list(json.load(f).get("data_restarts") or [])
+        except (OSError, ValueError, AttributeError, TypeError):
+            earlier = []
+        return earlier + ([self._data_restart] if self._data_restart else [])
 
     @property
     def tokens_per_step(self) -> int:
