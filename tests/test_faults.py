@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -90,6 +91,10 @@ def inputs(tmp_path_factory):
     (d / "good.txt").write_text("plain text " * 100)
     (d / "notext.jsonl").write_text('{"body": "x"}\n{"body": "y"}\n')
     (d / "notes.txt").write_text("this is not a tokenizer\n")
+    (d / "blank.jsonl").write_text('{"text": ""}\n' * 50)
+    # a first KiB of text, then 98% invalid UTF-8
+    (d / "mostly_bad.txt").write_bytes(b"plain text " * 100 + bytes(
+        rng.randrange(0x80, 0x100) if i % 50 else 0x41 for i in range(20000)))
     (d / "empty").mkdir()
     return d
 
@@ -103,6 +108,10 @@ def inputs(tmp_path_factory):
       "not UTF-8", "leave --data out"]),
     (["--data", "{d}/notext.jsonl"], ["--data", "notext.jsonl", 'no string "text" field']),
     (["--data", "{d}/missing.txt"], ["--data", "missing.txt (does not exist)", "leave --data"]),
+    (["--data", "{d}/blank.jsonl"], ["--data: no document in the 1 file(s)", "blank.jsonl",
+                                     'every "text" is ""']),
+    (["--data", "{d}/mostly_bad.txt"], ["--data: 1 of 1 files are not text", "mostly_bad.txt (",
+                                        "are not UTF-8, more than the 10% allowed"]),
     (["--data", "{d}/empty"], ["--data", "empty (a folder with no", "leave --data out"]),
     (["--tokenizer", "{d}/notes.txt"], ["--tokenizer", "notes.txt", "cannot be loaded",
                                         "tokenizer.json"]),
@@ -334,6 +343,34 @@ def test_text_sniffing(tmp_path, inputs):
     assert validate.sniff_text(str(tmp_path / "cut.txt")) is None
     (tmp_path / "bad.txt").write_bytes(b"a" * 900 + b"\xff" * 20)
     assert "20 of the first 920 bytes" in validate.sniff_text(str(tmp_path / "bad.txt"))
+
+
+def test_large_files_are_sampled_past_their_head(tmp_path):
+    """A file whose head is text but whose body is not: refused from samples of the body;
+    a few stray bytes in a large text file are not."""
+    big = tmp_path / "big.txt"
+    body = bytearray(b"text " * 400_000)  # 2 MB: sampled in windows
+    big.write_bytes(bytes(body))
+    assert validate.sniff_text(str(big)) is None
+    for i in range(2000, len(body), 7):
+        body[i] = 0xFF
+    big.write_bytes(bytes(body))
+    assert "more than the 10% allowed" in validate.sniff_text(str(big))
+    body = bytearray(b"text " * 400_000)
+    body[500_000:500_010] = b"\xff" * 10
+    big.write_bytes(bytes(body))
+    assert validate.sniff_text(str(big)) is None
+
+
+def test_a_corpus_smaller_than_one_batch_is_warned_about(tmp_path):
+    (tmp_path / "tiny.txt").write_text("hello")
+    with pytest.warns(UserWarning, match=r"holds 5 bytes, fewer than one batch's 4 x 32 = 128"):
+        validate.warn_small_corpus([str(tmp_path / "tiny.txt")], 4, 32)
+    (tmp_path / "ok.txt").write_text("x" * 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate.warn_small_corpus([str(tmp_path / "ok.txt")], 4, 32)
+        validate.warn_small_corpus(None, 4, 32)  # the built-in corpus
 
 
 def test_stop_agreement_reduces_on_the_devices(devices):

@@ -129,7 +129,9 @@ def _check_inputs(recipe: Recipe, parser, args, train: TrainConfig, lock: bool):
         writable = validate.check_run_dir(train.run_dir)
         if lock and jax.process_index() == 0:
             run_lock = RunLock(writable).acquire()
-        validate.check_data(train.data_files)
+        files = validate.check_data(train.data_files)
+        if jax.process_index() == 0:
+            validate.warn_small_corpus(files, train.batch_size, train.seq_len)
         validate.load_tokenizer(train.tokenizer)
         if train.wandb:
             from zoo.train.hooks import Wandb

@@ -142,8 +142,13 @@ class StopFlag:
 
 
 def last_checkpoint(ckpt) -> str:
-    """Names the newest checkpoint complete on disk (not one still being written), or says
-    there is none."""
+    """Names the newest checkpoint complete on disk once the save in flight has finished (or
+    failed, or timed out), or says there is none."""
+    from zoo.train.checkpoint import CheckpointSaveFailed
+    try:
+        ckpt.wait()
+    except CheckpointSaveFailed:
+        pass  # name what is on disk; the failed save was, or is about to be, reported
     done = ckpt.steps_on_disk()
     return (f"the last good checkpoint is step {done[-1]} in {ckpt.directory}" if done
             else f"there is no checkpoint to resume from in {ckpt.directory}")
