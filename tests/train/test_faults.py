@@ -224,6 +224,29 @@ def test_data_that_vanishes_mid_run_stops_cleanly(tmp_path, devices, capsys):
     assert f"the last good checkpoint is step {saved[-1]}" in err
 
 
+def test_a_failed_save_exits_5_and_the_rerun_resumes(base, tmp_path, capsys, monkeypatch):
+    """The disk fills at the save of step 4 (a fault injected at Orbax's write): exit 5 with
+    one paragraph naming the error, checkpoint 2 and how to resume, no traceback; the rerun
+    resumes from 2 and gives the losses of the straight run (`base`)."""
+    from test_crash_safety import fail_saves
+    run_dir = tmp_path / "run"
+    argv = [*BASE, "--checkpoint-every", "2", "--run-dir", str(run_dir)]
+    with monkeypatch.context() as m:
+        fail_saves(m, {4}, delay_s=2.0)  # the other items written: no writer outlives it
+        capsys.readouterr()
+        code, steps = run_main("mini_mixtral", argv)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_SAVE, err[-3000:]
+    assert "saving the checkpoint of step 4 failed: no space left on the device" in err
+    assert f"the last good checkpoint is step 2 in {run_dir / 'checkpoints'}" in err
+    assert "rerun the same command to resume" in err and "Traceback" not in err
+    assert steps[-1] < 6 or steps == list(range(1, 7))
+    assert not (run_dir / LOCK_NAME).exists()
+    code, steps = run_main("mini_mixtral", argv)
+    assert code == 0 and steps == [3, 4, 5, 6]
+    np.testing.assert_allclose(losses(run_dir)[1], losses(base)[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.e2e
 def test_a_signal_during_the_compile_exits_promptly(tmp_path):
     """SIGTERM while the train step compiles: a line saying nothing was trained, exit 0 within

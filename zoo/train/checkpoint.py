@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import threading
@@ -68,6 +69,20 @@ def _causes(e: BaseException):
         seen.add(id(x))
         yield x
         stack += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+
+
+class _QuietSaveTracebacks(logging.Filter):
+    """Orbax logs a failed background save with each thread's traceback (hundreds of lines);
+    `CheckpointSaveFailed` says it in one paragraph, so those records lose their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.levelno >= logging.ERROR and \
+                f"{os.sep}orbax{os.sep}" in (record.pathname or ""):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _QuietSaveTracebacks()
 
 
 def _watch(fn: Callable[[], Any], name: str) -> tuple[threading.Thread, dict[str, Any]]:
@@ -193,6 +208,8 @@ class Checkpointer:
         self.save_timeout_s = float(save_timeout_s)
         self.failed: CheckpointSaveFailed | None = None
         self._waiter: tuple[int, threading.Thread, dict[str, Any]] | None = None
+        if _QUIET not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_QUIET)
         self._protected = _Protected()
         policy = pp.AnyPreservationPolicy([pp.LatestN(max_to_keep), self._protected])
         options = ocp.CheckpointManagerOptions(
