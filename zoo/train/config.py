@@ -193,6 +193,10 @@ class DataSection:
     seq_len: int = _field(256, "tokens per row")
     data_timeout: float = _field(
         300.0, "seconds a step may wait for its batch before the run stops cleanly (exit 4)")
+    data_changed: Literal["refuse", "restart"] = _field(
+        "refuse", "resuming a run dir whose checkpoint read other data (files, tokenizer, ...): "
+                  "refuse (exit 2), or restart: weights and optimizer restored, the data stream "
+                  "started afresh on the new files (recorded in run.json)")
 
     def __post_init__(self):
         _check(isinstance(self.data_timeout, (int, float)) and self.data_timeout > 0,

@@ -44,6 +44,7 @@ from zoo.models import registry
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
+           "nonfinite_state",
            "BATCH_KEYS"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
@@ -241,6 +242,15 @@ def _after_step_hook(model, after_step, expert_bias_rate: float):
     return family.after_step
 
 
+def nonfinite_state(model) -> dict[str, jax.Array]:
+    """``{path: count}`` of NaN/Inf values in each floating-point variable of `model` that is
+    not an `nnx.Param` (the state an after-step hook updates, e.g. DeepSeek-V3's expert bias;
+    the NaN guard reads it, as it reads the loss and the norms). Empty: no such variable."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    return {".".join(map(str, path)): jnp.sum(~jnp.isfinite(v[...])).astype(jnp.int32)
+            for path, v in flat if jnp.issubdtype(jnp.result_type(v[...]), jnp.floating)}
+
+
 def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0.0,
                     after_step: Callable[..., None] | None = None,
                     schedule: Callable[[jax.Array], jax.Array] | None = None,
@@ -275,7 +285,9 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
     ``metrics`` holds scalars ``loss`` (the weighted cross-entropy), ``aux_loss`` (the
     load-balance loss, before its weight), ``objective``, ``grad_norm`` (before clipping),
     ``param_norm`` (after the update), ``lr`` (when known, see above), ``weight_sum`` (tokens
-    with a target) and, for MoE models, ``expert_counts`` ``[num_moe_layers, E]``.
+    with a target), for MoE models ``expert_counts`` ``[num_moe_layers, E]``, and
+    ``nonfinite_state`` (`nonfinite_state`, after the after-step hook) when the model holds
+    floating-point state besides its parameters.
     """
 
     def train_step(model, optimizer, batch, lr=None):
@@ -303,6 +315,9 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
         if hook is not None:
             with jax.named_scope("after_step"):
                 hook(model, jax.lax.stop_gradient(aux), expert_bias_rate=expert_bias_rate)
+        nonfinite = nonfinite_state(model)
+        if nonfinite:
+            metrics["nonfinite_state"] = nonfinite
         return model, optimizer, metrics
 
     if donate is None:
