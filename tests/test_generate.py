@@ -18,13 +18,19 @@ one ``max_new_tokens`` throughout, so the prefill and decode steps compile once 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
+import io
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import zoo.generate as G
 from zoo.models import deepseek3, mixtral, qwen3_moe
@@ -193,3 +199,44 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
     p = Partitioner(make_mesh(**MESHES[strategy]), strategy)
     model = deepseek3.from_hf(r.path, partitioner=p)
     assert G.generate(model, PROMPTS, max_new_tokens=NEW) == greedy
+
+
+# -- command line -----------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_DEEPSEEK = ["--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                 "--set", "intermediate_size=64", "--set", "moe_intermediate_size=16",
+                 "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
+                 "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
+                 "--set", "v_head_dim=8"]
+
+
+def test_command_line(tmp_path, devices, capsys):
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes" / "mini_deepseek3.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert recipe.main(["--steps", "2", "--batch-size", "4", "--seq-len", "32",
+                            "--no-progress", *TINY_DEEPSEEK, "--run-dir", str(run)]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zoo.generate", "--run", str(run), "--prompt", "def fib(n):",
+         "--max-new-tokens", "5"], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text, stats = proc.stdout.strip().splitlines()[-2:]
+    assert text.startswith("def fib(n):")
+    width = (16 + 8) * 2 * 4  # MLA: (kv_lora_rank + qk_rope_head_dim) x layers x fp32
+    assert "tokens/s" in stats and f"cache {width:,} bytes/token" in stats
+    # bad input: exit 2 with the reason
+    from zoo.generate import main
+    (tmp_path / "empty").mkdir()
+    for argv, message in (
+            (["--run", str(tmp_path / "empty"), "--prompt", "x"], "holds no checkpoint"),
+            (["--run", str(run), "--prompt", ""], "--prompt is empty"),
+            (["--run", str(run), "--prompt", "x" * 5000], "exceeds the model's 4096")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -228,7 +229,7 @@ def _prefill_attention(attn, h, positions, segment_ids, out: dict):
 
 
 def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
-    B, L = tokens.shape
+    L = tokens.shape[1]
     segment_ids = segment_ids.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0).astype(jnp.int32)
     dtype = jnp.dtype(model.config.dtype)
@@ -254,7 +255,7 @@ def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p", "max_length"))
-def _prefill_jit(graphdef, state, tokens, segment_ids, *, p, max_length):
+def _prefill_jit(state, tokens, segment_ids, *, graphdef, p, max_length):
     return _prefill(nnx.merge(graphdef, state), p, tokens, segment_ids, max_length)
 
 
@@ -268,8 +269,8 @@ def prefill(model, tokens, segment_ids, *, max_length: int) -> tuple[jax.Array, 
         raise ValueError(f"prefill: max_length={max_length} is shorter than the prompts "
                          f"({tokens.shape[1]}); give room for the tokens to generate")
     graphdef, state = _split(model, unsharded=False)
-    return _prefill_jit(graphdef, state, tokens, segment_ids, p=model.partitioner,
-                        max_length=max_length)
+    return _compiled(_prefill_jit, dict(graphdef=graphdef, p=model.partitioner,
+                                        max_length=max_length), state, tokens, segment_ids)
 
 
 # -- decode ----------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def _decode(model, p: Partitioner, cache: KVCache, tokens):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p"), donate_argnames=("cache",))
-def _decode_jit(graphdef, state, cache, tokens, *, p):
+def _decode_jit(state, cache, tokens, *, graphdef, p):
     return _decode(nnx.merge(graphdef, state), p, cache, tokens)
 
 
@@ -351,8 +352,31 @@ def decode(model, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
         raise ValueError(f"decode: the cache is full ({cache.max_length} slots); prefill with "
                          f"a larger max_length")
     graphdef, state = _split(model, unsharded=True)
-    return _decode_jit(graphdef, state, cache, jnp.asarray(tokens, jnp.int32),
-                       p=model.partitioner)
+    return _compiled(_decode_jit, dict(graphdef=graphdef, p=model.partitioner), state, cache,
+                     np.asarray(tokens, np.int32))
+
+
+# -- compiled steps --------------------------------------------------------------------------
+
+_COMPILED: dict[Any, Any] = {}
+_STATS: dict[str, float] = {"compile_s": 0.0}
+
+
+def _compiled(fn, static: dict[str, Any], *args):
+    """``fn(*args, **static)`` through an executable compiled once per static values and
+    argument shapes, dtypes and shardings (compile time goes to ``_STATS["compile_s"]``)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (fn, tuple(static.items()), tree,
+           tuple((np.shape(a), np.result_type(a), getattr(a, "sharding", None)) for a in leaves))
+    exe = _COMPILED.get(key)
+    if exe is None:
+        start = time.perf_counter()
+        exe = fn.lower(*args, **static).compile()
+        _STATS["compile_s"] += time.perf_counter() - start
+        if len(_COMPILED) >= 32:
+            _COMPILED.clear()
+        _COMPILED[key] = exe
+    return exe(*args)
 
 
 # -- sampling --------------------------------------------------------------------------------
@@ -425,10 +449,13 @@ def _round_up(n: int, m: int) -> int:
 
 def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                          top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                         stop: int | Sequence[int] | None = None, tokenizer=None
+                         stop: int | Sequence[int] | None = None, tokenizer=None,
+                         stats: dict[str, Any] | None = None
                          ) -> tuple[list[list[int]], list[np.ndarray]]:
     """`generate`'s token ids and, per prompt, the float32 logits each new token was drawn
-    from (``[n_i, V]``); always token ids, even with a tokenizer."""
+    from (``[n_i, V]``); always token ids, even with a tokenizer. ``stats``, a dict, receives
+    the seconds spent compiling, in prefill and in the decode steps (compilation excluded),
+    their token counts and the cache's bytes per token."""
     from zoo.models.decoder import nominal_inputs_shape
     ids = _as_prompts(model, prompts, tokenizer)
     V = model.config.vocab_size
@@ -451,24 +478,38 @@ def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: fl
     segs = np.zeros((B, L), np.int32)
     for i, row in enumerate(ids):  # left padding: every row's last token in the last slot
         tokens[i, L - len(row):], segs[i, L - len(row):] = row, 1
+    compile_before = _STATS["compile_s"]
+    start = time.perf_counter()
     logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
+    logits = np.asarray(logits)
+    prefill_compile = _STATS["compile_s"] - compile_before
+    prefill_s = time.perf_counter() - start - prefill_compile
     key = jax.random.key(seed)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
     graphdef, state = _split(model, unsharded=True)
+    static = dict(graphdef=graphdef, p=p)
     out: list[list[int]] = [[] for _ in ids]
     kept: list[list[np.ndarray]] = [[] for _ in ids]
     done = np.zeros(n, bool)
+    start, steps, host = time.perf_counter(), 0, None
     for step in range(max_new_tokens):
         if step:
-            logits, cache = _decode_jit(graphdef, state, cache, next_tokens, p=p)
-        next_tokens = _sample(logits, key, step, **sampling)
-        host, host_logits = np.asarray(next_tokens), np.asarray(logits)
+            logits, cache = _compiled(_decode_jit, static, state, cache, host)
+            logits, steps = np.asarray(logits), steps + 1
+        host = np.asarray(_sample(logits, key, step, **sampling))
+        host_logits = logits
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
             kept[i].append(host_logits[i])
             done[i] = int(host[i]) in stops
         if done.all():
             break
+    if stats is not None:  # seconds without compilation
+        compile_s = _STATS["compile_s"] - compile_before
+        stats.update(compile_s=compile_s, prefill_tokens=sum(map(len, ids)),
+                     prefill_s=prefill_s, decode_steps=steps,
+                     decode_s=time.perf_counter() - start - (compile_s - prefill_compile),
+                     batch=n, padded_shape=(B, L), cache_bytes_per_token=cache.bytes_per_token())
     return out, [np.stack(rows) for rows in kept]
 
 
@@ -501,6 +542,93 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
     return texts[0] if isinstance(prompts, str) else texts
 
 
+# -- command line ----------------------------------------------------------------------------
+
+def _parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="python -m zoo.generate",
+        description="Generate text from a training run's latest checkpoint (--run) or a Hugging "
+                    "Face checkpoint folder (--hf).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run dir (its checkpoints/, config and "
+                     "tokenizer)")
+    src.add_argument("--hf", metavar="PATH", help="a Hugging Face checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None, help="--run: this checkpoint step "
+                   "(default the newest)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's; "
+                   "--hf: PATH/tokenizer.json if present, else bytes)")
+    return p
+
+
+def _load_hf(path: str):
+    import json
+    import os
+
+    from zoo.models import registry
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--hf {path}: has no config.json; pass a Hugging Face checkpoint "
+                         f"folder (config.json + *.safetensors)")
+    with open(config) as f:
+        model_type = json.load(f).get("model_type")
+    for family in registry.families():
+        if model_type in family.model_cls.hf_model_types:
+            return family.model_cls.from_hf(path)
+    known = sorted(t for f in registry.families() for t in f.model_cls.hf_model_types)
+    raise ValueError(f"--hf {path}: model_type={model_type!r} is not one zoo loads ({known})")
+
+
+def _load(args):
+    """(model, tokenizer) for the command line's --run / --hf."""
+    import os
+
+    from zoo.train.validate import load_tokenizer
+    if args.hf:
+        model = _load_hf(args.hf)
+        default = os.path.join(args.hf, "tokenizer.json")
+        return model, load_tokenizer(args.tokenizer or (default if os.path.exists(default)
+                                                        else None))
+    from zoo.train.load import load
+    if not os.path.isdir(args.run):
+        raise ValueError(f"--run {args.run}: is not a directory; pass a run dir (the "
+                         f"recipes' --run-dir, e.g. runs/mini_deepseek3)")
+    loaded = load(args.run, step=args.step)
+    return loaded.model, load_tokenizer(args.tokenizer or loaded.config.tokenizer)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:,.1f} tokens/s" if seconds > 0 else "n/a tokens/s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring): 0 on success, 2 on bad input."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty; give at least one character of text")
+    try:
+        model, tokenizer = _load(args)
+        stats: dict[str, Any] = {}
+        ids, _ = generate_with_logits(
+            model, [args.prompt], max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            tokenizer=tokenizer, stats=stats)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(args.prompt + tokenizer.decode(ids[0]))
+    n_pre, n_dec = stats["prefill_tokens"], stats["decode_steps"] * stats["batch"]
+    print(f"prefill: {n_pre} tokens, {_rate(n_pre, stats['prefill_s'])}; decode: {n_dec} "
+          f"tokens, {_rate(n_dec, stats['decode_s'])}; compile {stats['compile_s']:.1f} s; "
+          f"cache {stats['cache_bytes_per_token']:,} bytes/token")
+    return 0
+
+
 if __name__ == "__main__":
-    from zoo.generate_cli import main
     raise SystemExit(main())
