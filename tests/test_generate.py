@@ -1,9 +1,9 @@
 """`zoo.generate`: cached generation against independent references.
 
-* transformers' ``generate(do_sample=False)`` on tiny random Mixtral, DeepSeek-V3 (MLA with a
-  query LoRA, YaRN, group-limited sigmoid routing with a perturbed bias) and Qwen3-MoE
-  checkpoints: 32 greedy tokens for a batch of prompts of different lengths (each prompt run
-  alone by transformers);
+* transformers' ``generate(do_sample=False)`` on the conformance suite's tiny random Mixtral
+  (sliding window 6), DeepSeek-V3 (MLA with a query LoRA, YaRN, group-limited sigmoid routing
+  with a perturbed bias) and Qwen3-MoE checkpoints: 32 greedy tokens for a batch of prompts
+  of different lengths (each prompt run alone by transformers);
 * every step's cached logits against the model's own no-cache forward over prompt +
   continuation (fp32, relative error < 1e-5);
 * the MLA cache's bytes (``kv_lora_rank + qk_rope_head_dim`` per token per layer);
@@ -27,10 +27,13 @@ import pathlib
 import subprocess
 import sys
 
+import conformance
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_conformance import DEEPSEEK_TINY
+from test_conformance import FAMILIES as conformance_families
 
 import zoo.generate as G
 from zoo.models import deepseek3, mixtral, qwen3_moe
@@ -43,30 +46,8 @@ NEW = 32
 PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
 
 
-def hf_configs():
-    return {
-        "mixtral": (mixtral, transformers.MixtralConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
-            num_experts_per_tok=2, max_position_embeddings=64,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-        "deepseek3": (deepseek3, transformers.DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-            max_position_embeddings=64, rope_parameters=dict(
-                rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0,
-                beta_fast=32, beta_slow=1))),
-        "qwen3_moe": (qwen3_moe, transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
-            max_position_embeddings=64,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    }
+FAMILIES = {spec.name: spec for spec in conformance_families}
+MODULES = {"mixtral": mixtral, "deepseek3": deepseek3, "qwen3_moe": qwen3_moe}
 
 
 @dataclasses.dataclass
@@ -77,29 +58,34 @@ class Ref:
 
 
 def _reference(name, tmp_path_factory) -> Ref:
-    family, cfg = hf_configs()[name]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    model = model.float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.add_(0.2 * torch.randn_like(p))
-        for bname, b in model.named_buffers():
-            if "e_score_correction_bias" in bname:
-                b.copy_(0.05 * torch.randn_like(b))
-    path = tmp_path_factory.mktemp(f"{name}_gen")
-    model.save_pretrained(path)
+    """The conformance suite's tiny transformers model (norms and router biases perturbed;
+    Mixtral with a sliding window of 6) with room for 64 positions, and its greedy tokens for
+    each prompt run alone (no padding semantics in the reference)."""
+    if name in _REFS:
+        return _REFS[name]
+    spec = FAMILIES[name]
+
+    def hf_config():
+        cfg = spec.hf_config()
+        cfg.max_position_embeddings = 64
+        return cfg
+
+    ref = conformance.reference(dataclasses.replace(spec, hf_config=hf_config),
+                                tmp_path_factory)
     out = []
     with torch.no_grad():
-        for prompt in PROMPTS:  # alone: no padding semantics in the reference
-            seq = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+        for prompt in PROMPTS:
+            seq = ref.model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
             out.append(seq[0, len(prompt):].tolist())
-    return Ref(family, path, out)
+    _REFS[name] = Ref(MODULES[name], ref.path, out)
+    return _REFS[name]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "deepseek3", "qwen3_moe"])
+_REFS: dict[str, Ref] = {}
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
 def ref(request, tmp_path_factory):
     return request.param, _reference(request.param, tmp_path_factory)
 
@@ -143,10 +129,12 @@ def test_mla_cache_holds_latent_and_rotary_key(ds):
     assert G.cache_bytes_per_token(model) == shapes.bytes_per_token() == want
     full = deepseek3.DeepSeek3.abstract(deepseek3.DeepSeek3Config.deepseek_v3())
     assert G.cache_bytes_per_token(full, jnp.bfloat16) == 576 * 61 * 2
-    # a real cache after prefill has those bytes too, and its latent is normalised
-    tokens = np.asarray([PROMPTS[0]], np.int32)
-    _, cache = G.prefill(model, tokens, np.ones_like(tokens), max_length=12)
+    # a real cache has those bytes too (the shapes `generate` prefills: compiled already)
+    tokens = np.zeros((len(PROMPTS), 7), np.int32)
+    tokens[:, -2:] = 1
+    _, cache = G.prefill(model, tokens, (tokens > 0).astype(np.int32), max_length=7 + NEW - 1)
     assert cache.bytes_per_token() == want
+    assert cache.layers[0]["latent_pe"].shape == (1, 3, 7 + NEW - 1, 16 + 8)
     gqa = mixtral.Mixtral.abstract(mixtral.MixtralConfig.mixtral_8x7b())
     assert G.cache_bytes_per_token(gqa, jnp.bfloat16) == 2 * 8 * 128 * 32 * 2
 
@@ -204,22 +192,16 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
 # -- command line -----------------------------------------------------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY_DEEPSEEK = ["--set", "num_hidden_layers=2", "--set", "hidden_size=32",
-                 "--set", "intermediate_size=64", "--set", "moe_intermediate_size=16",
-                 "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
-                 "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
-                 "--set", "v_head_dim=8"]
-
-
 def test_command_line(tmp_path, devices, capsys):
     spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes" / "mini_deepseek3.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     run = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert recipe.main(["--steps", "2", "--batch-size", "4", "--seq-len", "32",
-                            "--no-progress", *TINY_DEEPSEEK, "--run-dir", str(run)]) == 0
+        assert recipe.main(["--steps", "1", "--batch-size", "4", "--seq-len", "32",
+                            "--no-progress", *DEEPSEEK_TINY, "--run-dir", str(run)]) == 0
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, "-m", "zoo.generate", "--run", str(run), "--prompt", "def fib(n):",
          "--max-new-tokens", "5"], capture_output=True, text=True, env=env, cwd=ROOT,

@@ -367,7 +367,8 @@ def _compiled(fn, static: dict[str, Any], *args):
     argument shapes, dtypes and shardings (compile time goes to ``_STATS["compile_s"]``)."""
     leaves, tree = jax.tree.flatten(args)
     key = (fn, tuple(static.items()), tree,
-           tuple((np.shape(a), np.result_type(a), getattr(a, "sharding", None)) for a in leaves))
+           tuple((np.shape(a), getattr(a, "dtype", type(a)), getattr(a, "sharding", None))
+                 for a in leaves))
     exe = _COMPILED.get(key)
     if exe is None:
         start = time.perf_counter()
