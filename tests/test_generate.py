@@ -192,6 +192,8 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
 # -- command line -----------------------------------------------------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
 def test_command_line(tmp_path, devices, capsys):
     spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes" / "mini_deepseek3.py")
     recipe = importlib.util.module_from_spec(spec)
