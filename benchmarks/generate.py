@@ -1,7 +1,7 @@
 """Generation: decode tokens/s with the KV cache against the naive full recompute, and cache sizes.
 
 * Decode table: for each mini model (``mini`` presets, random weights, one device, batch 1)
-  and context length, the cached decode step (`zoo.generate.decode` over a cache of
+  and context length, the cached decode step (`zoo.generate.Decoder.decode` over a cache of
   ``context + steps`` slots, filled by `zoo.generate.prefill`) against the naive loop's step
   (the whole ``[1, context]`` buffer through ``model(...)`` for each new token). Every program
   is compiled before it is timed; the median of ``--steps`` steps is kept.
@@ -59,12 +59,13 @@ def decode_row(name: str, context: int, steps: int) -> tuple[float, float]:
     logits, cache = G.prefill(model, tokens, np.ones_like(tokens),
                               max_length=context + steps + 1)
     token = np.asarray(jnp.argmax(logits, -1), np.int32)
-    logits, cache = G.decode(model, cache, token)  # compiles
+    decoder = G.Decoder(model)
+    logits, cache = decoder.decode(cache, token)  # compiles
     jax.block_until_ready(logits)
     state = {"cache": cache}
 
     def cached():
-        out, state["cache"] = G.decode(model, state["cache"], token)
+        out, state["cache"] = decoder.decode(state["cache"], token)
         jax.block_until_ready(out)
 
     forward = jax.jit(lambda m, t: m(t)[0][:, -1])

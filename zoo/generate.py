@@ -52,8 +52,8 @@ from zoo.layers.moe import MoE
 from zoo.ops.attention import dot_product_attention
 from zoo.partitioning import UNSHARDED, Partitioner
 
-__all__ = ["KVCache", "cache_bytes_per_token", "decode", "generate", "generate_with_logits",
-           "prefill"]
+__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "decode", "generate",
+           "generate_with_logits", "prefill"]
 
 ACT = ("batch", "length", "act_embed")
 
@@ -347,13 +347,25 @@ def _decode_jit(state, cache, tokens, *, graphdef, p):
 
 def decode(model, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
     """One step: ``tokens [B]`` (each row's newest token) -> (float32 logits [B, V], the cache
-    with one more slot). The input cache is donated (do not reuse it)."""
+    with one more slot). The input cache is donated (do not reuse it). Each call splits the
+    model; a loop makes one `Decoder` and calls its ``decode``."""
     if int(cache.length) >= cache.max_length:
         raise ValueError(f"decode: the cache is full ({cache.max_length} slots); prefill with "
                          f"a larger max_length")
-    graphdef, state = _split(model, unsharded=True)
-    return _compiled(_decode_jit, dict(graphdef=graphdef, p=model.partitioner), state, cache,
-                     np.asarray(tokens, np.int32))
+    return Decoder(model).decode(cache, tokens)
+
+
+class Decoder:
+    """`decode` for one model, split once: ``logits, cache = decoder.decode(cache, tokens)``
+    (a model whose parameters change afterwards needs a new one)."""
+
+    def __init__(self, model):
+        self.graphdef, self.state = _split(model, unsharded=True)
+        self.partitioner = model.partitioner
+
+    def decode(self, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
+        return _compiled(_decode_jit, dict(graphdef=self.graphdef, p=self.partitioner),
+                         self.state, cache, np.asarray(tokens, np.int32))
 
 
 # -- compiled steps --------------------------------------------------------------------------
@@ -457,6 +469,13 @@ def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: fl
     from (``[n_i, V]``); always token ids, even with a tokenizer. ``stats``, a dict, receives
     the seconds spent compiling, in prefill and in the decode steps (compilation excluded),
     their token counts and the cache's bytes per token."""
+    return _generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, seed=seed, stop=stop, tokenizer=tokenizer,
+                     stats=stats, keep_logits=True)
+
+
+def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop,
+              tokenizer, stats, keep_logits: bool):
     from zoo.models.decoder import nominal_inputs_shape
     ids = _as_prompts(model, prompts, tokenizer)
     V = model.config.vocab_size
@@ -482,26 +501,26 @@ def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: fl
     compile_before = _STATS["compile_s"]
     start = time.perf_counter()
     logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
-    logits = np.asarray(logits)
+    jax.block_until_ready(logits)
     prefill_compile = _STATS["compile_s"] - compile_before
     prefill_s = time.perf_counter() - start - prefill_compile
     key = jax.random.key(seed)
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    graphdef, state = _split(model, unsharded=True)
-    static = dict(graphdef=graphdef, p=p)
+    decoder = Decoder(model)
     out: list[list[int]] = [[] for _ in ids]
     kept: list[list[np.ndarray]] = [[] for _ in ids]
     done = np.zeros(n, bool)
     start, steps, host = time.perf_counter(), 0, None
     for step in range(max_new_tokens):
         if step:
-            logits, cache = _compiled(_decode_jit, static, state, cache, host)
-            logits, steps = np.asarray(logits), steps + 1
+            logits, cache = decoder.decode(cache, host)
+            steps += 1
         host = np.asarray(_sample(logits, key, step, **sampling))
-        host_logits = logits
+        host_logits = np.asarray(logits) if keep_logits else None
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
-            kept[i].append(host_logits[i])
+            if keep_logits:
+                kept[i].append(host_logits[i])
             done[i] = int(host[i]) in stops
         if done.all():
             break
@@ -511,7 +530,7 @@ def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: fl
                      prefill_s=prefill_s, decode_steps=steps,
                      decode_s=time.perf_counter() - start - (compile_s - prefill_compile),
                      batch=n, padded_shape=(B, L), cache_bytes_per_token=cache.bytes_per_token())
-    return out, [np.stack(rows) for rows in kept]
+    return out, [np.stack(rows) if rows else np.zeros((0, V), np.float32) for rows in kept]
 
 
 def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -534,9 +553,9 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
 
     Returns a list (one per prompt) of token-id lists, or of strings with a tokenizer.
     """
-    ids, _ = generate_with_logits(model, prompts, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  stop=stop, tokenizer=tokenizer)
+    ids, _ = _generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed, stop=stop, tokenizer=tokenizer,
+                       stats=None, keep_logits=False)
     if tokenizer is None:
         return ids
     texts = [tokenizer.decode(row) for row in ids]
@@ -617,10 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, tokenizer = _load(args)
         stats: dict[str, Any] = {}
-        ids, _ = generate_with_logits(
+        ids, _ = _generate(
             model, [args.prompt], max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            tokenizer=tokenizer, stats=stats)
+            stop=None, tokenizer=tokenizer, stats=stats, keep_logits=False)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(args.prompt + tokenizer.decode(ids[0]))
