@@ -10,7 +10,9 @@
 * sampling: a seed is reproducible, another seed differs, temperature 1 differs from greedy,
   top-k=1 equals greedy; stop tokens;
 * scanned and unrolled layers agree; fsdp, cp and ep_as_cp on 8 virtual devices equal the
-  unsharded tokens.
+  unsharded tokens;
+* ``python -m zoo.generate --run DIR`` on a run the recipe just trained, and its exit 2 on bad
+  input.
 
 Module-scoped fixtures share each reference and the compiled programs (one prompt batch and
 one ``max_new_tokens`` throughout, so the prefill and decode steps compile once per model).
