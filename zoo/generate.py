@@ -515,7 +515,7 @@ def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed
         if step:
             logits, cache = decoder.decode(cache, host)
             steps += 1
-        host = np.asarray(_sample(logits, key, step, **sampling))
+        host = np.asarray(_compiled(_sample, sampling, logits, key, np.int32(step)))
         host_logits = np.asarray(logits) if keep_logits else None
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
