@@ -27,7 +27,9 @@ def parse_args(argv=None):
     a = p.add_argument
     a("--model", default="deepseek_v3",
       help="deepseek_v3, mixtral_8x7b, mixtral_8x22b, deepseek3_mini, mixtral_mini")
-    a("--devices", type=int, default=256, help="virtual CPU devices")
+    a("--devices", type=int, default=256, help="virtual CPU devices (with --target cpu)")
+    a("--target", default="cpu", help="cpu, or a TPU slice compiled by the TPU compiler "
+      "here, e.g. tpu:v5p:8x8x4 (256 v5p chips; needs libtpu)")
     a("--mesh", default=None, help="e.g. fsdp=4,expert=64 (default fsdp=<devices>)")
     a("--strategy", default="fsdp", choices=("fsdp", "cp", "ep_as_cp"))
     a("--batch-size", type=int, default=256, help="global rows")
@@ -43,10 +45,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-COLUMNS = ("model", "devices", "mesh", "strategy", "batch x seq", "dtype", "remat", "params GiB",
-           "opt GiB", "temp GiB", "peak GiB", "compile s", "HLO ops", "HLO/model FLOPs",
+COLUMNS = ("model", "target", "devices", "mesh", "strategy", "batch x seq", "dtype", "remat",
+           "params GiB", "opt GiB", "temp GiB", "peak GiB", "compile s", "HLO ops",
+           "HLO/model FLOPs",
            "all-gather GB", "reduce-scatter GB", "all-reduce GB", "all-to-all GB",
-           "collective-permute GB")
+           "collective-permute GB", "fits")
 
 
 def markdown(rows: list[dict]) -> str:
@@ -62,14 +65,16 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from zoo.train.rehearse import rehearse, set_virtual_devices
-    set_virtual_devices(args.devices)  # before anything starts jax's backend
+    if args.target == "cpu":
+        set_virtual_devices(args.devices)  # before anything starts jax's backend
 
     overrides = args.overrides  # parsed from the config's field types, as the recipes do
     remat = None if args.remat in ("none", "None") else args.remat
     try:
         r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy,
                      batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                     param_dtype=args.param_dtype, remat=remat, overrides=overrides)
+                     param_dtype=args.param_dtype, remat=remat, overrides=overrides,
+                     target=args.target)
     except ValueError as e:  # a bad --set names the field and the fix
         raise SystemExit(str(e)) from None
     row = r.row()

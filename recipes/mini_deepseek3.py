@@ -1,4 +1,5 @@
-"""Train a mini DeepSeek-V3 (MLA, 16 routed experts + 1 shared, aux-loss-free balancing).
+"""Train a mini DeepSeek-V3 (MLA, 16 routed experts + 1 shared, aux-loss-free balancing, one
+multi-token-prediction module).
 
     python recipes/mini_deepseek3.py                     # 8 virtual CPU devices, EP-as-CP
     python recipes/mini_deepseek3.py --steps 1000 --set hidden_size=256
@@ -18,6 +19,7 @@ RECIPE = cli.Recipe(
     description=__doc__.split("\n")[0],
     train=TrainConfig(
         family="deepseek3", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
+        overrides=("mtp_depth=1",),          # as DeepSeek-V3 trains: one MTP module (weight 0.3)
         steps=200, batch_size=8, seq_len=256,
         lr=3e-3,                             # peak; warmup min(100, steps/10), cosine to 10%
         checkpoint_every=50,

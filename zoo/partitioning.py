@@ -69,6 +69,32 @@ ACTIVATION_AXES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", 
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+_PLATFORM_NAMES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def device_platform(device: Any) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: the platform a device (or a topology's device
+    description, `jax.experimental.topologies`) belongs to (``cuda``/``rocm`` are ``"gpu"``)."""
+    name = str(getattr(device, "platform", "cpu")).lower()
+    return _PLATFORM_NAMES.get(name, name)
+
+
+def mesh_platform(mesh: Any = None) -> str:
+    """The platform of `mesh`'s devices: the target a program over this mesh is compiled for.
+
+    Every program choice that depends on the platform (kernels, tile sizes, ring pieces,
+    donation, host offload) reads this, never `jax.default_backend()`: a mesh of TPU devices
+    from `jax.experimental.topologies` compiles the TPU program on a CPU-only host. Without a
+    mesh (or with an `AbstractMesh`, which has no devices) the program runs on the default
+    device, whose platform it is.
+    """
+    devices = getattr(mesh, "devices", None)
+    if isinstance(devices, np.ndarray) and devices.size:
+        return device_platform(devices.flat[0])
+    return device_platform(jax.devices()[0])
+
+
 def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1, context: int = 1,
               tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
     """A mesh with axes ``("data", "fsdp", "expert", "context", "tensor")`` over `devices`.
@@ -171,6 +197,22 @@ class Partitioner:
         self._table = table
 
     # -- resolution -------------------------------------------------------------------------
+    @property
+    def platform(self) -> str:
+        """``"cpu"``/``"gpu"``/``"tpu"`` of the mesh's devices (`mesh_platform`)."""
+        return mesh_platform(self.mesh)
+
+    @property
+    def target_device(self) -> Any:
+        """One of the mesh's devices when they are not of the default device's platform (a
+        TPU or GPU topology's devices on a CPU host), else None: kernels that look for the
+        platform on the default device are traced with this one."""
+        devices = getattr(self.mesh, "devices", None)
+        if not isinstance(devices, np.ndarray) or not devices.size:
+            return None
+        first = devices.flat[0]
+        return None if device_platform(first) == mesh_platform(None) else first
+
     def rules(self, scope: str | None = None) -> dict[str, MeshAxes]:
         """The resolved logical-to-mesh table of `scope` (defaults overlaid by the scope)."""
         if scope not in self._table:

@@ -68,10 +68,12 @@ from jax.sharding import PartitionSpec as P
 from zoo.layers import hf_keys as hfk
 from zoo.layers.mlp import MLP
 from zoo.ops import moe as ops
+from zoo.ops.moe_rounds import all_to_all_rounds
 from zoo.partitioning import Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
 DISPATCHES = ("auto", "all_to_all", "all_gather")
+OVERFLOWS = ("drop", "exact")
 
 
 class RouterBias(nnx.Variable):
@@ -102,6 +104,10 @@ class MoE(nnx.Module):
         ``"tokamax"`` or ``"ragged_dot"``.
       buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
         (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
+      overflow: what all_to_all does with copies beyond ``buffer_factor``'s buffers: ``"drop"``
+        (the default) or ``"exact"`` (`zoo.ops.moe_rounds.all_to_all_rounds`: they travel in
+        further rounds over the same buffers, nothing is dropped; ``aux["moe_rounds"]`` is the
+        most rounds any device ran). It adds no parameters or variables.
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.
@@ -121,7 +127,8 @@ class MoE(nnx.Module):
                  num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
                  capacity_factor: float | None = None, dispatch: str = "auto",
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 overflow: str = "drop", dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         p = resolve(partitioner)
         batch, length, embed = p.check_inputs_shape(inputs_shape, what="MoE")
         E, k = num_experts, num_experts_per_tok
@@ -154,6 +161,14 @@ class MoE(nnx.Module):
         if buffer_factor is not None and dispatch == "all_gather":
             raise ValueError(f"buffer_factor={buffer_factor} sizes all_to_all receive buffers; "
                              f"dispatch='all_gather' has none (use capacity_factor there)")
+        if overflow not in OVERFLOWS:
+            raise ValueError(f"overflow={overflow!r} must be one of {OVERFLOWS}: 'drop' drops "
+                             f"the copies beyond the all_to_all buffers, 'exact' sends them in "
+                             f"further rounds")
+        if overflow == "exact" and dispatch == "all_gather":
+            raise ValueError("overflow='exact' runs all_to_all in rounds; dispatch='all_gather' "
+                             "has no buffers to overflow (pass dispatch='all_to_all' with a "
+                             "buffer_factor)")
         if capacity_factor is not None and dispatch == "all_to_all":
             raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
                              "capacity after the gather); with dispatch='all_to_all' bound the "
@@ -175,7 +190,7 @@ class MoE(nnx.Module):
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
-        self.grouped_matmul = grouped_matmul
+        self.grouped_matmul, self.overflow = grouped_matmul, overflow
         self.dispatch_requested = dispatch
         self.dispatch = self._resolve_dispatch(dispatch, batch * length)
         if buffer_factor is not None and self.dispatch == "all_gather":
@@ -288,6 +303,12 @@ class MoE(nnx.Module):
     def experts(self, x: jax.Array, weights: jax.Array, indices: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
         """Routed experts on ``x [B, L, D]``: ``(y [B, L, D], dropped copies, global)``."""
+        y, dropped, _ = self._experts(x, weights, indices)
+        return y, dropped
+
+    def _experts(self, x, weights, indices):
+        """`experts` and the most all_to_all rounds any device ran (1 unless exact)."""
+        one = jnp.ones((), jnp.int32)
         B, L, D = x.shape
         k = self.num_experts_per_tok
         dtype = self.dtype or x.dtype
@@ -296,7 +317,7 @@ class MoE(nnx.Module):
         if p.mesh is None:
             y, dropped = self.local_experts(x.reshape(B * L, D), indices.reshape(B * L, k),
                                             weights.reshape(B * L, k), wg, wu, wo, 0)
-            return y.reshape(B, L, D).astype(dtype), dropped
+            return y.reshape(B, L, D).astype(dtype), dropped, one
 
         tok, plan, replicated = self._token_plan()
         spec_in, spec_out = (p.spec(("experts", "embed", "mlp"), "moe"),
@@ -335,26 +356,31 @@ class MoE(nnx.Module):
                 y = jax.lax.psum_scatter(y, a, scatter_dimension=d, tiled=True)
             if replicated:
                 y = jax.lax.psum(y, replicated)
-            return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
+            dropped = jax.lax.psum(dropped, token_axes) if token_axes else dropped
+            return y, jnp.stack([dropped, jnp.ones((), jnp.int32)])
 
         def all_to_all_body(x, weights, indices, wg, wu, wo):
             wg, wu, wo = gather_weights(wg, wu, wo)
             nb, nl = x.shape[:2]
             t = nb * nl
             cap = ops.a2a_capacity(t, k, num_local, n_ep, self.buffer_factor)
-            y, dropped = ops.all_to_all_experts(
+            exchange = ops.all_to_all_experts if self.overflow == "drop" else all_to_all_rounds
+            y, stat = exchange(
                 x.reshape(t, D), indices.reshape(t, k), weights.reshape(t, k), wg, wu, wo,
                 axis_name=ep_axes[0] if len(ep_axes) == 1 else ep_axes, num_shards=n_ep,
                 capacity=cap, impl=self.grouped_matmul)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
-            return y, jax.lax.psum(dropped, token_axes)
+            if self.overflow == "drop":  # stat: this device's dropped copies
+                return y, jnp.stack([jax.lax.psum(stat, token_axes), jnp.ones((), jnp.int32)])
+            return y, jnp.stack([jnp.zeros((), jnp.int32), jax.lax.pmax(stat, token_axes)])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
                            out_specs=(tok, P()))
-        return fn(x.astype(dtype), weights, indices, wg, wu, wo)
+        y, stats = fn(x.astype(dtype), weights, indices, wg, wu, wo)
+        return y, stats[0], stats[1]
 
     # -- forward -------------------------------------------------------------------------------
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -373,14 +399,18 @@ class MoE(nnx.Module):
                 loss = ops.load_balance_loss(scores, counts, k=self.num_experts_per_tok,
                                              scoring=self.scoring)
             with jax.named_scope("experts"):
-                y, dropped = self.experts(x, weights, indices)
+                if type(self).experts is MoE.experts:
+                    y, dropped, rounds = self._experts(x, weights, indices)
+                else:  # a subclass's own experts
+                    y, dropped = self.experts(x, weights, indices)
+                    rounds = jnp.ones((), jnp.int32)
             if self.shared_experts is not None:
                 with jax.named_scope("shared_experts"):
                     y = y + self.shared_experts(x).astype(y.dtype)
             y = p.constrain(y, ACT)
         copies = B * L * self.num_experts_per_tok
         aux = dict(load_balance_loss=loss, expert_counts=counts, dropped_tokens=dropped,
-                   dropped_fraction=dropped.astype(jnp.float32) / copies)
+                   dropped_fraction=dropped.astype(jnp.float32) / copies, moe_rounds=rounds)
         return y, aux
 
 
@@ -396,6 +426,12 @@ def _as_counts(counts: Any) -> Any:
     if isinstance(counts, Mapping) and "expert_counts" in counts:
         return counts["expert_counts"]
     return counts
+
+
+def _stacked_rows(m: MoE) -> int:
+    """Layers a MoE module holds: its stack size when scanned (weights ``[n, E, D, F]``)."""
+    shape = m.wi_gate[...].shape
+    return int(shape[0]) if len(shape) == 4 else 1
 
 
 def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-3) -> None:
@@ -423,8 +459,15 @@ def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-
         per_layer = [jnp.asarray(_as_counts(c)) for c in counts]
     else:
         counts = jnp.asarray(counts)
+        rows = [_stacked_rows(m) for m in every]
         if len(layers) == 1 and counts.shape == layers[0].e_score_correction_bias.shape:
             per_layer = [counts]
+        elif counts.ndim == 2 and counts.shape[0] == sum(rows) and len(every) > 1:
+            # stacked (scanned) layers among them: each takes its own run of rows
+            ends = np.cumsum(rows)
+            per_layer = [counts[e - n:e].reshape(m.e_score_correction_bias.shape)
+                         for m, n, e in zip(every, rows, ends)
+                         if m.e_score_correction_bias is not None]
         else:
             per_layer = list(counts) if counts.ndim >= 2 else [counts]
     if len(per_layer) == len(every) != len(layers):

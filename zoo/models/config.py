@@ -119,6 +119,8 @@ class DecoderConfig:
     moe_dispatch: str = zoo_field("auto")  # MoE(dispatch=): "all_to_all", "all_gather", "auto"
     moe_grouped_matmul: str = zoo_field("auto")  # MoE(grouped_matmul=): blocked on CPU, tokamax
     moe_buffer_factor: float | None = zoo_field(None)  # all_to_all receive buffers; None: dropless
+    # MoE(overflow=): copies beyond the buffers "drop" or travel in further rounds ("exact")
+    moe_overflow: str = zoo_field("drop")
     remat_policy: str | None = zoo_field(None)  # None or one of REMAT_POLICIES
     scan_layers: bool = zoo_field(True)  # runs of identical layers as one lax.scan
     # (a dtype is immutable: RUF009 cannot tell)
@@ -147,6 +149,10 @@ class DecoderConfig:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
                                  f"bfloat16)")
+        if self.moe_overflow not in ("drop", "exact"):
+            raise ValueError(f"{what}: moe_overflow={self.moe_overflow!r} must be 'drop' (copies "
+                             f"beyond the all_to_all buffers are dropped) or 'exact' (they "
+                             f"travel in further rounds)")
         for name in ("capacity_factor", "moe_buffer_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -182,7 +188,7 @@ class DecoderConfig:
         """Keyword arguments of `zoo.layers.MoE` taken from the zoo fields."""
         return dict(capacity_factor=self.capacity_factor, dispatch=self.moe_dispatch,
                     grouped_matmul=self.moe_grouped_matmul, buffer_factor=self.moe_buffer_factor,
-                    dtype=self.dtype, param_dtype=self.param_dtype)
+                    overflow=self.moe_overflow, dtype=self.dtype, param_dtype=self.param_dtype)
 
     # -- Hugging Face config.json ---------------------------------------------------------------
     @classmethod

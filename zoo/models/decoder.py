@@ -58,7 +58,7 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers import hf_keys as hfk
 from zoo.models import hf
 from zoo.models.config import REMAT_POLICIES, DecoderConfig
-from zoo.partitioning import Partitioner, resolve
+from zoo.partitioning import Partitioner, mesh_platform, resolve
 
 ACT = ("batch", "length", "act_embed")
 
@@ -69,8 +69,9 @@ ACT = ("batch", "length", "act_embed")
 LAYER_OUTPUT_NAMES = ("attention_out", "mlp_out")
 
 
-def remat_policy(name: str | None):
-    """``(remat?, jax.checkpoint policy)`` for a `remat_policy` name (ValueError if unknown)."""
+def remat_policy(name: str | None, platform: str | None = None):
+    """``(remat?, jax.checkpoint policy)`` for a `remat_policy` name (ValueError if unknown) on
+    `platform` (the mesh's, `zoo.partitioning.mesh_platform`; None: the default device's)."""
     if name is None or name == "none":
         return False, None
     if name == "full":
@@ -80,7 +81,7 @@ def remat_policy(name: str | None):
     if name == "save_layer_outputs":
         return True, jax.checkpoint_policies.save_only_these_names(*LAYER_OUTPUT_NAMES)
     if name == "offload_layer_outputs":
-        if jax.default_backend() == "cpu":
+        if (platform or mesh_platform(None)) == "cpu":
             raise ValueError("remat_policy='offload_layer_outputs' moves layer outputs to "
                              "pinned host memory, which XLA:CPU lacks; use it on GPU/TPU, or "
                              "'save_layer_outputs' here")
@@ -314,7 +315,7 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     inputs only (a forward pass that writes one is refused when scanned); state the forward
     leaves alone is not returned.
     """
-    use_remat, policy = remat_policy(remat)
+    use_remat, policy = remat_policy(remat, layer.partitioner.platform)
 
     def body(x, layer):
         return layer(x, positions=positions, segment_ids=segment_ids)
@@ -457,20 +458,30 @@ class CausalLM(nnx.Module):
             if a is not None and tuple(a.shape) != (B, L):
                 raise ValueError(f"{name}: {what} has shape {tuple(a.shape)}; expected the "
                                  f"tokens' shape {(B, L)}")
-        c = self.partitioner.constrain
         with jax.named_scope(name.lower()):
-            x = self.embed_tokens(tokens)
-            auxes = []
-            for layer in self.layers:
-                x, aux = self.run_layer(layer, x, positions, segment_ids)
-                if aux is not None:
-                    auxes.append(aux)
-            with jax.named_scope("head"):
-                x = self.norm(x)
-                logits = (self.embed_tokens.attend(x) if self.lm_head is None else
-                          self.lm_head(x))
-                logits = c(logits, ("batch", "length", "act_vocab"))
+            x, auxes = self.trunk(tokens, positions, segment_ids)
+            logits = self.head(x)
         return logits, self.collect_aux(auxes)
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+              ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
+        """Embedding and every layer: ``(hidden [B, L, D] before the final norm, per-run aux
+        dicts)`` (what `__call__` and multi-token prediction build on)."""
+        x = self.embed_tokens(tokens)
+        auxes = []
+        for layer in self.layers:
+            x, aux = self.run_layer(layer, x, positions, segment_ids)
+            if aux is not None:
+                auxes.append(aux)
+        return x, auxes
+
+    def head(self, x: jax.Array, norm: nnx.Module | None = None) -> jax.Array:
+        """Logits ``[B, L, V]`` of hidden states: the final norm (or `norm`), then ``lm_head``
+        (the embedding table when tied)."""
+        with jax.named_scope("head"):
+            x = (norm or self.norm)(x)
+            logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+            return self.partitioner.constrain(logits, ("batch", "length", "act_vocab"))
 
     def collect_aux(self, auxes: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
         """Per-run aux dicts (entries ``[n, ...]``) -> ``load_balance_loss`` summed over the MoE

@@ -12,9 +12,17 @@
   (aux-loss-free balancing: `zoo.layers.moe.update_expert_bias`), group-limited top-k
   (``n_group``/``topk_group``), weights normalised (``norm_topk_prob``) and scaled by
   ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts.
-* Multi-token prediction (MTP) is not implemented: the `deepseek_v3` preset and its parameter
-  count (671,026,404,352) are the Hugging Face model without the MTP module, and `from_hf`
-  ignores the checkpoint's MTP layer (``model.layers.61.*``).
+* Multi-token prediction (``mtp_depth`` modules, `MTP`; DeepSeek-V3 trains with one): module
+  ``d`` combines the previous depth's hidden state (the trunk's, before the final norm, for
+  ``d = 1``) with the embedding of the token ``d`` ahead, ``eh_proj([enorm(emb); hnorm(h)])``,
+  runs one more MoE decoder layer and predicts the token ``d + 1`` ahead through the shared
+  embedding and ``lm_head`` (its own final norm). ``model(tokens, ..., mtp_tokens=[d, B, L])``
+  returns their logits in ``aux["mtp_logits"]``; `zoo.train.step.loss_fn` adds
+  ``mtp_loss_weight`` times their mean cross-entropy (`mtp_targets` finds each token's
+  successor from positions and segment ids, so any sequence layout works). The `deepseek_v3`
+  preset's parameter count (671,026,404,352) is without MTP (``mtp_depth=0``, the Hugging Face
+  model), and `from_hf` ignores a checkpoint's MTP layer (``model.layers.61.*``): MTP modules
+  start fresh.
 * `DeepSeek3Config` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names plus the
   base's zoo-only fields (``dtype``, ``param_dtype``, ``remat_policy``, the attention and MoE
   choices).
@@ -30,16 +38,23 @@ Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hv v_head_dim, E routed experts, F exp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 
-from zoo.layers.mla import MLA
-from zoo.layers.rope import RoPE, YaRN
-from zoo.models.config import DecoderConfig, check_positive, nullable
-from zoo.models import registry
-from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-__all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "from_hf", "to_hf"]
+from zoo.layers.linear import Linear
+from zoo.layers.mla import MLA
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rope import RoPE, YaRN
+from zoo.models.config import DecoderConfig, check_positive, nullable, zoo_field
+from zoo.models import registry
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io, run_layers
+
+__all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "MTP", "from_hf", "to_hf"]
 
 
 # DeepSeek-V3's context extension: 4k pre-training context stretched 40x (YaRN is frozen, so
@@ -90,6 +105,10 @@ class DeepSeek3Config(DecoderConfig):
     rope_scaling: YaRN | None = V3_YARN
     rope_interleave: bool = True
     aux_loss_alpha: float = 1e-4  # weight of aux["load_balance_loss"] (DeepSeek's seq-wise alpha)
+    # multi-token prediction: modules (DeepSeek-V3 trains with 1) and their loss weight
+    # (DeepSeek: 0.3, then 0.1 for the last 4.8T tokens)
+    mtp_depth: int = zoo_field(0)
+    mtp_loss_weight: float = zoo_field(0.3)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
@@ -106,6 +125,16 @@ class DeepSeek3Config(DecoderConfig):
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"{what}: first_k_dense_replace={self.first_k_dense_replace} must be "
                              f"between 0 and num_hidden_layers={self.num_hidden_layers}")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"{what}: mtp_depth={self.mtp_depth!r} must be an int >= 0 (the "
+                             f"multi-token-prediction modules; DeepSeek-V3 trains with 1)")
+        if not (isinstance(self.mtp_loss_weight, (int, float)) and self.mtp_loss_weight >= 0
+                and math.isfinite(self.mtp_loss_weight)):
+            raise ValueError(f"{what}: mtp_loss_weight={self.mtp_loss_weight!r} must be a finite "
+                             f"number >= 0 (DeepSeek-V3: 0.3)")
+        if self.mtp_depth and self.num_hidden_layers + self.mtp_depth <= self.first_k_dense_replace:
+            raise ValueError(f"{what}: the MTP layers are MoE layers; first_k_dense_replace="
+                             f"{self.first_k_dense_replace} leaves none")
         if self.n_shared_experts < 0:
             raise ValueError(f"{what}: n_shared_experts={self.n_shared_experts} must be >= 0")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YaRN):
@@ -169,8 +198,9 @@ class DeepSeek3Config(DecoderConfig):
         dense = 3 * D * self.intermediate_size
         moe = D * self.n_routed_experts + 3 * D * self.moe_intermediate_size * (
             self.num_experts_per_tok + self.n_shared_experts)
+        mtp = self.mtp_depth * (attn + moe + 2 * D * D + D * self.vocab_size)
         return (self.num_hidden_layers * attn + self.first_k_dense_replace * dense
-                + self.num_moe_layers * moe + D * self.vocab_size)
+                + self.num_moe_layers * moe + D * self.vocab_size + mtp)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """Training (forward + backward = 3x forward) FLOPs per token at this sequence length:
@@ -178,7 +208,8 @@ class DeepSeek3Config(DecoderConfig):
         ``S`` the keys a query sees on average (``(seq_len + 1) / 2`` when causal)."""
         keys = (seq_len + 1) / 2 if causal else seq_len
         attn = 2 * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * keys
-        return 3 * (2 * self.active_matmul_params() + self.num_hidden_layers * attn)
+        layers = self.num_hidden_layers + self.mtp_depth
+        return 3 * (2 * self.active_matmul_params() + layers * attn)
 
 
 class DeepSeek3DecoderLayer(DecoderLayer):
@@ -209,16 +240,78 @@ class DeepSeek3DecoderLayer(DecoderLayer):
             **config.moe_options(), rngs=rngs)
 
 
+class MTP(nnx.Module):
+    """One multi-token-prediction module (DeepSeek-V3, section 2.2): ``h' = eh_proj([enorm(e);
+    hnorm(h)])`` of the previous depth's hidden state ``h`` and the embedding ``e`` of the
+    token ``depth`` ahead, then one decoder layer (index ``num_hidden_layers + depth - 1``);
+    the model's embedding and ``lm_head`` are shared, the final norm is its own (``norm``)."""
+
+    def __init__(self, config: DeepSeek3Config, *, depth: int, layer_cls: type[DecoderLayer],
+                 inputs_shape, partitioner, rngs: nnx.Rngs):
+        D, eps, pd = config.hidden_size, config.rms_norm_eps, config.param_dtype
+        norm = lambda: RMSNorm(D, eps=eps, partitioner=partitioner, param_dtype=pd, rngs=rngs)
+        self.depth = depth
+        self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
+        self.eh_proj = Linear(2 * D, D, in_axes=("embed",), out_axes=(None,),
+                              partitioner=partitioner, dtype=config.dtype, param_dtype=pd,
+                              rngs=rngs)
+        self.layer = layer_cls(config, layer_idx=config.num_hidden_layers + depth - 1,
+                               inputs_shape=inputs_shape, partitioner=partitioner, rngs=rngs)
+
+    def __call__(self, h, embedded, positions, segment_ids, remat):
+        x = jnp.concatenate([self.enorm(embedded), self.hnorm(h).astype(embedded.dtype)], -1)
+        x = self.eh_proj(x)
+        return run_layers(self.layer, x, positions=positions, segment_ids=segment_ids,
+                          remat=remat)
+
+
 class DeepSeek3(CausalLM):
     """The DeepSeek-V3 causal LM: ``logits, aux = model(tokens, positions=..., segment_ids=...)``.
 
     ``DeepSeek3(config, *, inputs_shape=(batch, length), partitioner=None, rngs,
-    decoder_layer_cls=None)``; see `zoo.models.decoder.CausalLM`.
+    decoder_layer_cls=None)``; see `zoo.models.decoder.CausalLM`. With ``config.mtp_depth``
+    modules (`MTP`), ``mtp_tokens=`` ``[depth, B, L]`` (row ``d``: the token ``d + 1`` places
+    ahead of each position, `zoo.train.step.mtp_targets`) adds their logits to the aux dict as
+    ``aux["mtp_logits"]`` ``[depth, B, L, V]``; their MoE layers' aux entries follow the
+    trunk's.
     """
 
     config_cls: ClassVar[type] = DeepSeek3Config
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeek3DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
+
+    def __init__(self, config: DeepSeek3Config, *, rngs: nnx.Rngs, **kwargs):
+        super().__init__(config, rngs=rngs, **kwargs)
+        layer_cls = kwargs.get("decoder_layer_cls") or type(self).decoder_layer_cls
+        self.mtp = nnx.List([
+            MTP(config, depth=d + 1, layer_cls=layer_cls,
+                inputs_shape=(*self.inputs_shape, config.hidden_size),
+                partitioner=self.partitioner, rngs=rngs) for d in range(config.mtp_depth)])
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if mtp_tokens is None or not len(self.mtp):
+            return super().__call__(tokens, positions=positions, segment_ids=segment_ids)
+        B, L = tokens.shape
+        if tuple(mtp_tokens.shape) != (len(self.mtp), B, L):
+            raise ValueError(f"DeepSeek3: mtp_tokens has shape {tuple(mtp_tokens.shape)}; "
+                             f"expected (mtp_depth, batch, length) = {(len(self.mtp), B, L)}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        with jax.named_scope("deepseek3"):
+            h, auxes = self.trunk(tokens, positions, segment_ids)
+            logits = self.head(h)
+            mtp_logits = []
+            for d, module in enumerate(self.mtp):
+                with jax.named_scope(f"mtp_{d + 1}"):
+                    h, aux = module(h, self.embed_tokens(mtp_tokens[d]), positions,
+                                    segment_ids, self.config.remat_policy)
+                    auxes.append(aux)
+                    mtp_logits.append(self.head(h, module.norm))
+        out = self.collect_aux(auxes)
+        out["mtp_logits"] = jnp.stack(mtp_logits)
+        return logits, out
 
 
 from_hf, to_hf = family_io(DeepSeek3, "DeepSeek-V3",

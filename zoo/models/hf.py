@@ -14,6 +14,9 @@
   their rows (``hf_keys(prefix)``); a model composes them.
 * `LayerStack` -- a scanned model's stacked ``[layers, ...]`` variable: one `Tensor` row per
   layer (the unrolled model's row), read and written a layer at a time.
+* `check_checkpoint` / `check_tensors` -- a checkpoint folder against a model from the
+  safetensors headers alone: every key there with its parameter's shape (a transposed tensor
+  of the same size is refused), unreadable files named, unused tensors warned about.
 * `load_into` -- fills an abstract model (`nnx.eval_shape`) variable by variable: each array is
   assembled with `jax.make_array_from_callback` straight into its sharding, every device
   receiving only its shard (a stacked expert tensor reads only the experts a shard holds), so
@@ -27,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import struct
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,9 +46,9 @@ from jax.sharding import NamedSharding
 from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
-__all__ = ["CheckpointReader", "LayerStack", "Tensor", "copy", "export_tensors", "linear",
-           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint",
-           "stacked_linear", "zoo_only"]
+__all__ = ["CheckpointReader", "LayerStack", "Tensor", "check_checkpoint", "check_tensors",
+           "copy", "expected_shapes", "export_tensors", "linear", "load_into", "read_config",
+           "rope_from_hf", "rope_to_hf", "save_checkpoint", "stacked_linear", "zoo_only"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -63,8 +68,7 @@ def read_config(path: str | os.PathLike, model_types: Sequence[str], *,
         raise ValueError(f"{loader}: {path!r} has no {CONFIG_NAME}; a Hugging Face checkpoint "
                          f"folder holds config.json beside its *.safetensors (download the whole "
                          f"repository, e.g. `huggingface-cli download REPO --local-dir DIR`)")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    cfg = _read_json(cfg_file, loader)
     model_type = cfg.get("model_type")
     if model_type not in model_types:
         raise ValueError(f"{loader}: {cfg_file} has model_type={model_type!r}, which this "
@@ -72,6 +76,20 @@ def read_config(path: str | os.PathLike, model_types: Sequence[str], *,
                          f"; use the loader of that family, e.g. zoo.models.mixtral.from_hf for "
                          f"'mixtral' and zoo.models.deepseek3.from_hf for 'deepseek_v3'")
     return cfg
+
+
+def _read_json(name: str, what: str) -> dict[str, Any]:
+    """A JSON object from file `name`; an unreadable one is a `ValueError` naming it."""
+    try:
+        with open(name, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{what}: {name} cannot be read as JSON ({type(e).__name__}: "
+                         f"{str(e)[:200]}); download the checkpoint folder again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: {name} holds {type(value).__name__}, not a JSON object; "
+                         f"download the checkpoint folder again")
+    return value
 
 
 def rope_from_hf(cfg: dict[str, Any], *, default_theta: float,
@@ -165,21 +183,40 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self.block_size = tuple(block_size)
         index = os.path.join(self.path, INDEX_NAME)
+        self._headers: dict[str, tuple[dict, int]] = {}
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_json(index, "checkpoint").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"checkpoint: {index} has no \"weight_map\" object; download "
+                                 f"the checkpoint folder again")
             self._file = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+            lost = sorted({f for f in self._file.values() if not os.path.isfile(f)})
+            if lost:
+                keys = [k for k, f in self._file.items() if f == lost[0]]
+                raise ValueError(f"checkpoint: {len(lost)} shard(s) that {index} lists are "
+                                 f"missing: {', '.join(lost[:4])} (holding e.g. {keys[:2]}); "
+                                 f"download the missing files again")
         else:
             files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
             if not files:
                 raise ValueError(f"{self.path!r} holds no *.safetensors files; zoo reads the "
                                  f"safetensors format only (convert *.bin with transformers' "
                                  f"save_pretrained(safe_serialization=True))")
-            self._file = {}
-            for name in files:
-                for key in _header(name):
-                    self._file[key] = name
-        self._headers: dict[str, dict] = {}
+            self._file = {key: name for name in files for key in self._header(name)[0]}
+
+    def _header(self, name: str) -> tuple[dict, int]:
+        if name not in self._headers:
+            self._headers[name] = _read_header(name)
+        return self._headers[name]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor `key` from its file's header (no tensor data is read)."""
+        name = self._file[key]
+        info = self._header(name)[0].get(key)
+        if info is None:
+            raise ValueError(f"checkpoint: {INDEX_NAME} places {key!r} in {name}, which does "
+                             f"not hold it; download the checkpoint folder again")
+        return tuple(info["shape"])
 
     def keys(self) -> list[str]:
         return list(self._file)
@@ -197,6 +234,7 @@ class CheckpointReader:
 
     def _read(self, key: str) -> np.ndarray:
         name = self._file[key]
+        self.shape(key)  # the header is whole and holds the key
         try:
             from safetensors import safe_open
             with safe_open(name, framework="numpy") as f:
@@ -204,11 +242,13 @@ class CheckpointReader:
         except (AttributeError, TypeError, ValueError):
             # numpy lacks some dtypes (FP8): map the bytes with ml_dtypes instead
             return self._read_raw(name, key)
+        except Exception as e:  # safetensors' own errors do not always name the file
+            raise ValueError(f"checkpoint: tensor {key!r} cannot be read from {name} "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
 
     def _read_raw(self, name: str, key: str) -> np.ndarray:
-        if name not in self._headers:
-            self._headers[name] = _header(name, with_offsets=True)
-        info, data_start = self._headers[name][key]
+        header, data_start = self._header(name)
+        info = header[key]
         dtype = _RAW_DTYPES.get(info["dtype"])
         if dtype is None:
             raise ValueError(f"tensor {key!r} in {name} has dtype {info['dtype']}, which zoo "
@@ -219,14 +259,26 @@ class CheckpointReader:
         return np.asarray(raw).view(dtype).reshape(info["shape"])
 
 
-def _header(name: str, with_offsets: bool = False):
-    with open(name, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    if not with_offsets:
-        return list(header)
-    return {k: (v, 8 + n) for k, v in header.items()}
+def _read_header(name: str) -> tuple[dict[str, Any], int]:
+    """``({key: {"dtype", "shape", "data_offsets"}}, data start)`` of a safetensors file; a
+    truncated or garbled file is a `ValueError` naming it."""
+    size = os.path.getsize(name)
+    try:
+        with open(name, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"a {n}-byte header in a {size}-byte file")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (struct.error, ValueError, TypeError, KeyError, IndexError) as e:
+        raise ValueError(f"checkpoint: {name} is not a readable safetensors file ({e}); it is "
+                         f"truncated or damaged: download it again") from None
+    if 8 + n + end > size:
+        raise ValueError(f"checkpoint: {name} is truncated: its header places tensor data up "
+                         f"to byte {8 + n + end}, but the file has {size} bytes; download it "
+                         f"again")
+    return header, 8 + n
 
 
 def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
@@ -307,6 +359,76 @@ def uncovered(model: nnx.Module, table: Iterable[Tensor | LayerStack], *, what: 
         raise ValueError(f"{what}: the key map names variables the model lacks: {extra[:4]}")
 
 
+def _hf_shape(row: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face tensor shape of one zoo row of `shape` (`Tensor.to_hf`'s output)."""
+    if row.in_ndim is None:
+        return shape
+    return (math.prod(shape[row.in_ndim:]), math.prod(shape[:row.in_ndim]))
+
+
+def expected_shapes(model: nnx.Module, table: Iterable[Tensor | LayerStack]
+                    ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{Hugging Face key: (the shape it must have, the row it fills)}`` for abstract `model`."""
+    values = dict(_flat_variables(model))
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for row in table:
+        if row.zoo_only or row.path not in values:
+            continue
+        shape = tuple(values[row.path].get_value().shape)
+        name = ".".join(map(str, row.path))
+        stack = isinstance(row, LayerStack)
+        for i, r in enumerate(row.rows if stack else (row,)):
+            where = f"{name}[{i}]" if stack else name
+            want = _hf_shape(r, shape[1 + stack:] if r.stacked else shape[stack:])
+            out.update({k: (want, f"zoo {where}[{e}]" if r.stacked else f"zoo {where}")
+                        for e, k in enumerate(r.keys)})
+    return out
+
+
+def check_tensors(model: nnx.Module, table: Iterable[Tensor | LayerStack],
+                  reader: CheckpointReader, *, what: str) -> None:
+    """Every tensor `table` names is in the checkpoint with the shape of the parameter it
+    fills (from the safetensors headers: no tensor is read). A tensor transposed or reshaped to
+    the same size is refused like a missing one; tensors no parameter takes are ignored with a
+    warning (an FP8 weight's ``*_scale_inv`` is taken with its weight)."""
+    table = list(table)
+    uncovered(model, table, what=what)
+    want = expected_shapes(model, table)
+    missing = [k for k in want if k not in reader]
+    if missing:
+        raise ValueError(f"{what}: checkpoint {reader.path!r} lacks {len(missing)} tensor(s) "
+                         f"the model's key map names, e.g. {missing[:4]}; is config.json "
+                         f"from the same checkpoint as the weights, and does every swapped layer "
+                         f"map its parameters to this checkpoint's names?")
+    wrong = [f"{k}: checkpoint {tuple(reader.shape(k))}, expected {shape} ({row})"
+             for k, (shape, row) in want.items() if tuple(reader.shape(k)) != shape]
+    if wrong:
+        raise ValueError(f"{what}: {len(wrong)} tensor(s) of checkpoint {reader.path!r} have "
+                         f"another shape than the parameter they fill: {'; '.join(wrong[:4])}"
+                         f"{' ...' if len(wrong) > 4 else ''}. A transposed or reshaped tensor "
+                         f"is not loaded; is config.json from the same checkpoint as the "
+                         f"weights, and were the tensors saved in Hugging Face's layout?")
+    extra = [k for k in reader.keys() if k not in want
+             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in want)]
+    if extra:
+        warnings.warn(f"{what}: ignoring {len(extra)} tensor(s) of checkpoint {reader.path!r} "
+                      f"that no zoo parameter takes, e.g. {extra[:4]}", stacklevel=3)
+
+
+def check_checkpoint(path: str | os.PathLike, make_model: Callable[[], nnx.Module], *,
+                     what: str = "from_hf") -> None:
+    """Check the checkpoint folder `path` against the model `make_model` builds (abstractly,
+    `nnx.eval_shape`): config.json and the index readable, every shard present and whole,
+    every tensor there with its parameter's shape. Reads headers only, no tensor data, so it
+    runs in seconds before anything is compiled; raises a `ValueError` naming the file or the
+    key (see `check_tensors`)."""
+    model = nnx.eval_shape(make_model)
+    raw = read_config(path, type(model).hf_model_types, loader=what)
+    quant = raw.get("quantization_config") or {}
+    reader = CheckpointReader(path, block_size=quant.get("weight_block_size", (128, 128)))
+    check_tensors(model, model.hf_key_map(), reader, what=what)
+
+
 def load_into(model: nnx.Module, table: Iterable[Tensor | LayerStack], reader: CheckpointReader,
               *, what: str, initial: dict[tuple[Any, ...], jax.Array] | None = None
               ) -> nnx.Module:
@@ -318,17 +440,11 @@ def load_into(model: nnx.Module, table: Iterable[Tensor | LayerStack], reader: C
     Raises (`uncovered`) if a variable has no row, and if the checkpoint lacks a key.
     """
     table = list(table)
-    uncovered(model, table, what=what)
+    check_tensors(model, table, reader, what=what)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     rows = {t.path: t for t in table}
     initial = initial or {}
-    missing_keys = [k for t in rows.values() for k in t.keys if k not in reader]
-    if missing_keys:
-        raise ValueError(f"{what}: checkpoint {reader.path!r} lacks {len(missing_keys)} tensor(s)"
-                         f" the model's key map names, e.g. {missing_keys[:4]}; is config.json "
-                         f"from the same checkpoint as the weights, and does every swapped layer "
-                         f"map its parameters to this checkpoint's names?")
     for path, var in flat:
         row = rows[path]
         sharding = _sharding_of(var)

@@ -270,12 +270,12 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     if layout not in _ring.LAYOUTS:
         raise ValueError(f"layout={layout!r}; valid values are {_ring.LAYOUTS}: how the "
                          f"sequence lies on the context shards (None: not known)")
-    kern = get_kernel(kernel)
+    p = resolve(partitioner)
+    kern = get_kernel(kernel, p.platform, p.target_device)
     if implementation == "reference":
         return reference()
     B, L, N, H = q.shape
     S = kpos.shape[1]
-    p = resolve(partitioner)
     for name, n in (("query length", L), ("kv length", S)):  # any order of the tokens is exact
         p.check_sequence(n, name=name, balanced=layout == "balanced")
     p.check_heads(N, num_kv_heads)
@@ -301,7 +301,7 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     # the plan's assumption, checked on the whole batch (one scalar all devices agree on)
     ok = (_ring.sequence_order_ok(layout, cp, *tokens) if hops is not None
           else jnp.ones((), bool))
-    cfg = dataclasses.replace(cfg, hops=hops, rounds=rounds)
+    cfg = dataclasses.replace(cfg, hops=hops, rounds=rounds, platform=p.platform)
     return _sharded(cfg, p, q, payload, params, sinks, ok, *tokens, plain=expand is None)
 
 

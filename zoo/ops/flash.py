@@ -144,8 +144,9 @@ class TilePlan:
 
 @dataclasses.dataclass(frozen=True)
 class FlashKernel(BlockKernel):
-    """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by platform (`CPU_TILES` on CPU,
-    `ACCELERATOR_TILES` elsewhere), shrunk to divisors of the block lengths. ``tile_budget``:
+    """Pure-JAX flash kernel; ``q_tile``/``kv_tile`` default by the mesh's platform
+    (`CPU_TILES` on CPU, `ACCELERATOR_TILES` elsewhere; `for_platform`, which the attention op
+    applies), shrunk to divisors of the block lengths. ``tile_budget``:
     offer the `TilePlan` budget for partially masked blocks (False: every tile, one branch
     fewer per sub-block decision, which compiles faster; see docs/attention.md)."""
     q_tile: int | None = None
@@ -155,9 +156,15 @@ class FlashKernel(BlockKernel):
     takes_delta = True  # takes ``delta=`` instead of the global out (see `BlockKernel`)
     accumulates = True  # forward and backward take ``into=`` (see `BlockKernel`)
 
+    def for_platform(self, platform: str, device=None) -> FlashKernel:
+        dq, dk = CPU_TILES if platform == "cpu" else ACCELERATOR_TILES
+        return dataclasses.replace(self, q_tile=self.q_tile or dq, kv_tile=self.kv_tile or dk)
+
     def tiles(self, L: int, S: int) -> tuple[int, int]:
-        dq, dk = CPU_TILES if jax.default_backend() == "cpu" else ACCELERATOR_TILES
-        return tile_size(L, self.q_tile or dq), tile_size(S, self.kv_tile or dk)
+        if self.q_tile is None or self.kv_tile is None:  # used outside the attention op
+            from zoo.partitioning import mesh_platform
+            return self.for_platform(mesh_platform(None)).tiles(L, S)
+        return tile_size(L, self.q_tile), tile_size(S, self.kv_tile)
 
     def partial_plans(self, L: int, S: int) -> tuple[TilePlan, ...]:
         """Static plans for a partially masked [L, S] block: a budget of half the tiles plus

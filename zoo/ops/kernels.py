@@ -27,8 +27,10 @@ Legend: B batch, L queries, S keys, N query heads, K kv heads, H q/k head dim, V
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +104,13 @@ class BlockKernel:
     takes_delta = False
     accumulates = False
 
+    def for_platform(self, platform: str, device: Any = None) -> BlockKernel:
+        """This kernel with its platform-dependent defaults settled for `platform` (the mesh's,
+        `zoo.partitioning.mesh_platform`; `device`: one of the mesh's devices when they are
+        not the process's default platform, e.g. a TPU topology's on a CPU host); the base
+        class has none."""
+        return self
+
     def partial_plans(self, L: int, S: int) -> tuple:
         return (True,)
 
@@ -134,20 +143,28 @@ def kernel_names() -> tuple[str, ...]:
     return ("auto", *_KERNELS)
 
 
-def get_kernel(kernel: str | BlockKernel) -> BlockKernel:
+def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
+               device: Any = None) -> BlockKernel:
     """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
-    or the instance itself."""
+    or the instance itself, settled for `platform` (``"cpu"``/``"gpu"``/``"tpu"``, the mesh's;
+    None: the default device's). ``"auto"`` is tokamax on GPU, flash elsewhere: on TPU
+    tokamax's Mosaic kernel takes only unbatched masks ("Only unbatched boolean masks are
+    supported", tokamax 0.0.12), so packed documents would send it to its XLA implementation,
+    which builds each block's whole logits; zoo's flash kernel tiles them."""
+    if platform is None:
+        from zoo.partitioning import mesh_platform
+        platform = mesh_platform(None)
     if not isinstance(kernel, str):
         if not callable(getattr(kernel, "forward", None)):
             raise ValueError(f"kernel={kernel!r} is neither a registered name "
                              f"{kernel_names()} nor an object with forward/backward methods")
-        return kernel
+        return kernel.for_platform(platform, device)
     if kernel == "auto":
-        kernel = "tokamax" if jax.default_backend() in ("gpu", "tpu") else "flash"
+        kernel = "tokamax" if platform == "gpu" else "flash"
     if kernel not in _KERNELS:
         raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
                          f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")
-    return _KERNELS[kernel]
+    return _KERNELS[kernel].for_platform(platform, device)
 
 
 # -- tokamax ---------------------------------------------------------------------------------
@@ -176,20 +193,43 @@ class TokamaxKernel(BlockKernel):
     path, and one that cannot take a soft cap (the cap would bend the extra logit).
 
     ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
-    then XLA).
+    then XLA). ``device``: a device of the target mesh when it is not of the process's default
+    platform; the ops are traced with it as the default device, which is where tokamax looks
+    for the platform (its Mosaic kernels refuse a CPU default device even for a TPU mesh).
     The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.
+
+    ``pad_to``: block lengths are padded to a multiple of it with keys and queries the mask
+    hides (outputs and gradients sliced back), for kernels that need whole tiles (Mosaic TPU's
+    splash attention: 128; set on TPU by `for_platform`). The XLA backward runs unpadded.
     """
     implementation: tuple[str, ...] | None = None
+    device: Any = dataclasses.field(default=None, compare=False)
+    pad_to: int | None = None
+
+    def for_platform(self, platform: str, device: Any = None) -> TokamaxKernel:
+        names = self.implementation or (
+            ("mosaic_gpu", "triton", "xla") if platform == "gpu"
+            else ("mosaic_tpu", "xla") if platform == "tpu" else ("xla",))
+        pad = self.pad_to or (128 if platform == "tpu" else None)
+        return dataclasses.replace(self, implementation=names, device=device or self.device,
+                                   pad_to=pad)
+
+    def _pads(self, L: int, S: int) -> tuple[int, int]:
+        if not self.pad_to:
+            return 0, 0
+        return -L % self.pad_to, -S % self.pad_to
+
+    def _padded_mask(self, mask, B: int, L: int, S: int, pq: int, pk: int):
+        mask = jnp.ones((B, 1, L, S), bool) if mask is None else mask
+        return jnp.pad(mask, ((0, 0), (0, 0), (0, pq), (0, pk)))
 
     def _ops(self):
         from absl import flags
         from tokamax._src.ops.attention import api  # imported lazily: optional at import time
         if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; the host program may not
             flags.FLAGS.mark_as_parsed()  # use absl (pytest's own -q would be "unknown")
-        backend = jax.default_backend()
-        names = self.implementation or (("mosaic_gpu", "triton", "xla") if backend == "gpu"
-                                        else ("mosaic_tpu", "xla") if backend == "tpu"
-                                        else ("xla",))
+        from zoo.partitioning import mesh_platform
+        names = self.implementation or self.for_platform(mesh_platform(None)).implementation
         return [api.IMPLEMENTATIONS[n] for n in names]
 
     def _kwargs(self, scores, masked, q_pos, kv_pos, q_seg, kv_seg):
@@ -202,13 +242,25 @@ class TokamaxKernel(BlockKernel):
         errors = []
         for op in self._ops():
             try:
-                return op, fn(op)
+                with self._on_device():
+                    return op, fn(op)
             except NotImplementedError as e:
                 errors.append(e)
         raise NotImplementedError(f"no tokamax implementation runs here: {errors}")
 
     def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, scores, masked):
         mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
+        (B, L), S = q.shape[:2], k.shape[1]
+        pq, pk = self._pads(L, S)
+        if pq or pk:  # whole tiles: hidden queries and keys, sliced off
+            mask = self._padded_mask(mask, B, L, S, pq, pk)
+            q = _pad_length(q, pq)
+            k, v = _pad_length(k, pk), _pad_length(v, pk)
+            out, lse = self._forward(q, k, v, mask, kw)
+            return out[:, :L], lse[..., :L]
+        return self._forward(q, k, v, mask, kw)
+
+    def _forward(self, q, k, v, mask, kw):
         _, (out, (m, den)) = self._call(
             lambda op: op(q, k, v, mask=mask, return_residuals=True, **kw))
         lse = m.astype(F32) + jnp.log(den.astype(F32))
@@ -222,22 +274,47 @@ class TokamaxKernel(BlockKernel):
     def backward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, dout, *, scores,
                  masked):
         mask, kw = self._kwargs(scores, masked, q_pos, kv_pos, q_seg, kv_seg)
-        # the op whose forward runs here (an unused forward call is removed by XLA)
-        op, _ = self._call(lambda op: op(q, k, v, mask=mask, **kw))
+        (B, L), S = q.shape[:2], k.shape[1]
+        pq, pk = self._pads(L, S)
         lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        if op.vjp is not None:
-            ba = op.bind(q, k, v, mask=mask, **kw)
-            kwargs = dict(ba.kwargs)
-            kwargs.pop("return_residuals", None)
-            grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
-                           dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
-            grads = grads[0] if isinstance(grads, tuple) else grads
-            return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
+        if pq or pk:
+            padded = self._padded_mask(mask, B, L, S, pq, pk)
+            qp, kp, vp = _pad_length(q, pq), _pad_length(k, pk), _pad_length(v, pk)
+            op, _ = self._call(lambda op: op(qp, kp, vp, mask=padded, **kw))
+            if op.vjp is not None:
+                dq, dk, dv = self._vjp(op, qp, kp, vp, padded, kw, jnp.pad(
+                    lse_safe, ((0, 0), (0, 0), (0, pq))), _pad_length(out, pq),
+                    _pad_length(dout, pq))
+                return dq[:, :L], dk[:, :S], dv[:, :S]
+        else:  # the op whose forward runs here (an unused forward call is removed by XLA)
+            op, _ = self._call(lambda op: op(q, k, v, mask=mask, **kw))
+            if op.vjp is not None:
+                return self._vjp(op, q, k, v, mask, kw, lse_safe, out, dout)
+        # an op without a VJP op (XLA's, any length): autodiff of an augmented call
         if scores.soft_cap is not None:
             raise ValueError("kernel='tokamax' on its XLA implementation (CPU) cannot take "
                              "logits_soft_cap under context parallelism; use kernel='flash'")
         return self._xla_backward(op, q, k, v, mask, out, lse_safe, dout, scores,
                                   (q_pos, kv_pos, q_seg, kv_seg))
+
+    def _on_device(self):
+        """Trace with the target mesh's device as the default one (tokamax reads it there)."""
+        return (contextlib.nullcontext() if self.device is None
+                else jax.default_device(self.device))
+
+    def _vjp(self, op, q, k, v, mask, kw, lse_safe, out, dout):
+        """The op's own VJP op, given the global output and residuals ``(lse, 1)``."""
+        with self._on_device():
+            return self._vjp_call(op, q, k, v, mask, kw, lse_safe, out, dout)
+
+    def _vjp_call(self, op, q, k, v, mask, kw, lse_safe, out, dout):
+        ba = op.bind(q, k, v, mask=mask, **kw)
+        kwargs = dict(ba.kwargs)
+        kwargs.pop("return_residuals", None)
+        grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
+                       dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
+        grads = grads[0] if isinstance(grads, tuple) else grads
+        return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
 
     def _xla_backward(self, op, q, k, v, mask, out, lse, dout, scores, tokens):
         B, L, N, H = q.shape
@@ -264,6 +341,11 @@ class TokamaxKernel(BlockKernel):
 
         _, vjp = jax.vjp(attend, q, k, v)
         return tuple(g.astype(F32) for g in vjp(dout.astype(q.dtype)))
+
+
+def _pad_length(x, n: int):
+    """`x` [B, L, ...] with `n` zero rows appended along the length."""
+    return x if not n else jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
 
 
 register_kernel("tokamax", TokamaxKernel())

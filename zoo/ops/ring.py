@@ -89,6 +89,7 @@ class Config:
     sinks: bool = False
     hops: tuple[int, ...] | None = None  # `hop_plan`'s shard offsets; None: the full ring
     rounds: int | None = None  # the full ring's rounds (`ring_rounds`); None: by memory
+    platform: str = "cpu"  # the mesh's (`zoo.partitioning.mesh_platform`): ring piece floor
 
 
 LAYOUTS = (None, "contiguous", "balanced")
@@ -228,7 +229,7 @@ def _pieces(cfg, L, S, kv_groups, kv_split=None):
 MIN_RING_PIECE = {"cpu": 256, "accelerator": 1024}
 
 
-def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None) -> int:
+def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None, platform="cpu") -> int:
     """Rounds n of the full ring, from local shapes [B, L/cp, N, H], [B, S/cp, K, H],
     [B, S/cp, K, V] of the *expanded* K/V: each round streams one of n equal key pieces of
     every shard around the ring, so the ring's own buffers -- the piece computed on, the one
@@ -236,7 +237,7 @@ def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None) -> int:
 
     The smallest power of two n that brings one piece's K and V within 1/16 of the local
     queries (the four buffers within a quarter), as long as n divides the local kv length and
-    a piece keeps at least ``min_piece`` keys (default `MIN_RING_PIECE` of the backend); 1 at
+    a piece keeps at least ``min_piece`` keys (default `MIN_RING_PIECE` of `platform`); 1 at
     cp=1. At the benchmark's 16k, cp=8 shape (2,048 local tokens, 8 heads, 2 kv heads) that is
     8 rounds of 256 keys on CPU (2 of 1,024 on an accelerator).
     """
@@ -244,7 +245,7 @@ def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None) -> int:
     if cp == 1:
         return 1
     if min_piece is None:
-        min_piece = MIN_RING_PIECE["cpu" if jax.default_backend() == "cpu" else "accelerator"]
+        min_piece = MIN_RING_PIECE["cpu" if platform == "cpu" else "accelerator"]
     kv = s_local * k_shape[2] * (k_shape[3] + v_shape[3])
     budget = q_shape[1] * q_shape[2] * q_shape[3] / 16
     n = 1
@@ -257,7 +258,7 @@ def _rounds(cfg, q, params, payload) -> tuple[int, int]:
     """(rounds of the full ring, key sub-blocks per piece): ``cfg.rounds`` or `ring_rounds`;
     a piece is split so that key sub-blocks are never coarser than ``split`` per block."""
     k, v = jax.eval_shape(lambda: _expand(cfg, params, payload))
-    n = cfg.rounds or ring_rounds(_cp(cfg), q.shape, k.shape, v.shape)
+    n = cfg.rounds or ring_rounds(_cp(cfg), q.shape, k.shape, v.shape, platform=cfg.platform)
     per = k.shape[1] // n
     ks = max(1, cfg.split // n)
     return n, ks if per % ks == 0 else 1

@@ -154,10 +154,10 @@ def _aux_weight(config: TrainConfig, model_config: Any) -> float:
 def _partitioner(config: TrainConfig, devices: Sequence[Any] | None):
     import jax
 
-    from zoo.partitioning import MeshShape, Partitioner
+    from zoo.partitioning import MeshShape, Partitioner, device_platform
     from zoo.train.launch import default_mesh
     devices = list(devices) if devices is not None else jax.devices()
-    platform = devices[0].platform
+    platform = device_platform(devices[0])
     mesh_text = config.mesh or default_mesh(len(devices), platform)
     strategy = config.strategy or ("ep_as_cp" if platform == "cpu" else "fsdp")
     shape = MeshShape.parse(mesh_text)
@@ -219,6 +219,7 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
     bias_rate = config.expert_bias_rate if family.after_step is not None else 0.0
     train_step = step_lib.make_train_step(  # a custom tx logs the rate its schedule gives
         aux_loss_weight=config.aux_loss_weight, expert_bias_rate=bias_rate, donate=donate,
+        platform=platform,
         schedule=schedule if custom_tx else None)
     data, data_files = (_data(config, partitioner, batch_sharding, tokenizer) if with_data
                         else (None, None))

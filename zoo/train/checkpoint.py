@@ -25,9 +25,12 @@ manager without deleting it (the loop moves the checkpoints a divergence made su
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,7 +42,71 @@ from etils import epath
 from flax import nnx
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-__all__ = ["Checkpointer", "Restored", "shape_differences", "all_processes_agree"]
+__all__ = ["Checkpointer", "Restored", "shape_differences", "all_processes_agree",
+           "CheckpointSaveFailed", "SAVE_TIMEOUT_S"]
+
+SAVE_TIMEOUT_S = 600.0  # the longest wait for one checkpoint save before it counts as failed
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint save failed (no space, read-only, permission, ...) or did not finish within
+    the save timeout. The checkpoints already on disk are untouched."""
+
+
+_ERRNO_WORDS = {errno.ENOSPC: "no space left on the device",
+                errno.EDQUOT: "the disk quota is exceeded",
+                errno.EROFS: "the file system is read-only",
+                errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+
+
+def _causes(e: BaseException):
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        stack += [x.__cause__, x.__context__, *getattr(x, "exceptions", ())]
+
+
+class _QuietSaveTracebacks(logging.Filter):
+    """Orbax logs a failed background save with each thread's traceback (hundreds of lines);
+    `CheckpointSaveFailed` says it in one paragraph, so those records lose their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.levelno >= logging.ERROR and \
+                f"{os.sep}orbax{os.sep}" in (record.pathname or ""):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _QuietSaveTracebacks()
+
+
+def _watch(fn: Callable[[], Any], name: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """`fn()` in a daemon thread (joined with a timeout by the caller); its exception lands in
+    the returned dict's ``"error"``."""
+    out: dict[str, Any] = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def save_failure_reason(e: BaseException) -> str:
+    """What went wrong, in words first (no space, read-only, permission), then the error."""
+    for x in _causes(e):
+        if isinstance(x, OSError) and x.errno in _ERRNO_WORDS:
+            return f"{_ERRNO_WORDS[x.errno]} ({type(x).__name__}: {x})"
+    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 # -- per-process JSON item (the data iterators) ------------------------------------------------
@@ -136,8 +203,13 @@ class Checkpointer:
     ITEMS = ("state", "data", "config")
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, save_timeout_s: float = SAVE_TIMEOUT_S):
         self.directory = os.path.abspath(os.fspath(directory))
+        self.save_timeout_s = float(save_timeout_s)
+        self.failed: CheckpointSaveFailed | None = None
+        self._waiter: tuple[int, threading.Thread, dict[str, Any]] | None = None
+        if _QUIET not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_QUIET)
         self._protected = _Protected()
         policy = pp.AnyPreservationPolicy([pp.LatestN(max_to_keep), self._protected])
         options = ocp.CheckpointManagerOptions(
@@ -151,6 +223,14 @@ class Checkpointer:
     # -- queries -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
+
+    def steps_on_disk(self) -> list[int]:
+        """The steps whose checkpoint is complete on disk now: Orbax writes each into a
+        temporary folder and names it ``<step>`` only when it is whole."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -167,11 +247,47 @@ class Checkpointer:
     # -- save / restore ------------------------------------------------------------------------
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *, data_state: Any,
              config: Mapping[str, Any]) -> None:
-        """Start saving `step` (asynchronous; see `wait`). All processes must call it."""
+        """Start saving `step` (asynchronous; see `check` and `wait`) once the previous save is
+        known to have succeeded (`CheckpointSaveFailed` otherwise). All processes call it."""
+        self.wait()
         args = ocp.args.Composite(state=ocp.args.StandardSave(to_pure(model, optimizer)),
                                   data=DataStateSave(data_state),
                                   config=ocp.args.JsonSave(dict(config)))
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._failure(step, save_failure_reason(e)) from None
+        self._waiter = (step, *_watch(self.manager.wait_until_finished, f"zoo-save-{step}"))
+
+    def check(self, timeout_s: float = 0.0) -> None:
+        """Raise `CheckpointSaveFailed` if the save in flight failed, or (``timeout_s > 0``)
+        has not finished within `timeout_s` seconds; return at once while it is still going
+        (``timeout_s=0``), or when there is none."""
+        if self.failed is not None:
+            raise self.failed
+        if self._waiter is None:
+            return
+        step, thread, out = self._waiter
+        thread.join(timeout_s)
+        if thread.is_alive():
+            if timeout_s > 0:
+                raise self._failure(step, f"it did not finish within {timeout_s:g} s (a hung "
+                                          f"or very slow file system)")
+            return
+        self._waiter = None
+        if "error" in out:
+            raise self._failure(step, save_failure_reason(out["error"]))
+
+    def _failure(self, step: int, reason: str) -> CheckpointSaveFailed:
+        done = self.steps_on_disk()
+        last = (f"the last good checkpoint is step {done[-1]} in {self.directory}" if done
+                else f"there is no checkpoint in {self.directory} yet")
+        self.failed = CheckpointSaveFailed(
+            f"saving the checkpoint of step {step} failed: {reason}. Training stopped there; "
+            f"{last} (checkpoints on disk are never replaced by a partial one). Free space or "
+            f"make the run dir writable, then rerun the same command to resume"
+            f"{' from it' if done else ''}")
+        return self.failed
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None, *,
                 check: Callable[[int, dict[str, Any]], None] | None = None,
@@ -265,7 +381,16 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in flight is on disk (at most ``save_timeout_s``); raises
+        `CheckpointSaveFailed` if it failed or timed out."""
+        self.check(self.save_timeout_s)
 
     def close(self) -> None:
-        self.manager.close()
+        """Wait for the save in flight (bounded), then close the manager; after a failed save
+        the manager is closed without raising again (the error was raised already)."""
+        if self.failed is None:
+            self.wait()
+        thread, out = _watch(self.manager.close, "zoo-ckpt-close")
+        thread.join(self.save_timeout_s if self.failed is None else 10.0)
+        if "error" in out and self.failed is None:
+            raise out["error"]

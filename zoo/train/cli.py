@@ -21,7 +21,8 @@ to resume; during the compile: nothing trained); 2 bad flags or inputs, a run di
 another run, or a checkpoint of other model shapes or other data arguments; 3 the loss (or the
 gradient/parameter norm, or an updated state) became NaN/Inf or diverged: the last good
 checkpoint is kept; 4 the data stream failed, stalled (``--data-timeout``) or its files
-vanished or shrank: the state reached is saved first.
+vanished or shrank: the state reached is saved first; 5 a checkpoint save failed (no space,
+read-only, permission) or hung: the run stops at that save, the checkpoints on disk are kept.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from zoo.train.launch import DEFAULT_CPU_DEVICES, default_mesh, set_cpu_devices
 
 __all__ = ["Recipe", "make_parser", "parse", "setup", "main", "run", "apply_overrides",
            "config_to_json", "config_to_python", "set_cpu_devices", "default_mesh",
-           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA"]
+           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA", "EXIT_SAVE"]
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_DATA = 4
+EXIT_SAVE = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,9 @@ def _check_inputs(recipe: Recipe, parser, args, train: TrainConfig, lock: bool):
         writable = validate.check_run_dir(train.run_dir)
         if lock and jax.process_index() == 0:
             run_lock = RunLock(writable).acquire()
-        validate.check_data(train.data_files)
+        files = validate.check_data(train.data_files)
+        if jax.process_index() == 0:
+            validate.warn_small_corpus(files, train.batch_size, train.seq_len)
         validate.load_tokenizer(train.tokenizer)
         if train.wandb:
             from zoo.train.hooks import Wandb
@@ -160,7 +164,7 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         enable_compile_cache()
         try:
             built = build(train, model_config=recipe.config, model_cls=recipe.model_cls,
-                          decoder_layer_cls=recipe.decoder_layer_cls)
+                          decoder_layer_cls=recipe.decoder_layer_cls, devices=_devices(train))
             if train.from_hf:
                 _check_hf(built)
         except ValueError as e:
@@ -172,12 +176,19 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
         raise
 
 
+def _devices(train: TrainConfig):
+    """The devices to build for: a ``--target``'s (``--rehearse``), else this host's."""
+    if train.target == "cpu":
+        return None
+    from zoo.targets import target_devices
+    return target_devices(train.target)
+
+
 def _check_hf(built) -> None:
     """``--from-hf``: the checkpoint's keys and shapes against the model, before compiling."""
     from zoo.models import hf
-    check = getattr(hf, "check_checkpoint", None)
-    if check is not None:
-        check(built.config.from_hf, built.make_model)
+    hf.check_checkpoint(built.config.from_hf, built.make_model,
+                        what=f"--from-hf {built.config.from_hf}")
 
 
 # -- main ----
@@ -220,8 +231,8 @@ def _train(recipe: Recipe, built, on_step) -> int:
 
     from zoo.data import PipelineStateMismatch
     from zoo.train import hooks
-    from zoo.train.trainer import (CompileInterrupted, DataStreamError, IncompatibleCheckpoint,
-                                   Trainer, TrainingDiverged)
+    from zoo.train.trainer import (CheckpointSaveFailed, CompileInterrupted, DataStreamError,
+                                   IncompatibleCheckpoint, Trainer, TrainingDiverged)
     t = built.config
     if jax.process_index() == 0:
         print(f"{recipe.name}: {jax.device_count()} {jax.default_backend()} devices in "
@@ -241,6 +252,9 @@ def _train(recipe: Recipe, built, on_step) -> int:
     except DataStreamError as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DATA
+    except CheckpointSaveFailed as e:
+        print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_SAVE
     except CompileInterrupted as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         _abandoned.extend(trainer.abandoned)

@@ -193,6 +193,10 @@ class DataSection:
     seq_len: int = _field(256, "tokens per row")
     data_timeout: float = _field(
         300.0, "seconds a step may wait for its batch before the run stops cleanly (exit 4)")
+    data_changed: Literal["refuse", "restart"] = _field(
+        "refuse", "resuming a run dir whose checkpoint read other data (files, tokenizer, ...): "
+                  "refuse (exit 2), or restart: weights and optimizer restored, the data stream "
+                  "started afresh on the new files (recorded in run.json)")
 
     def __post_init__(self):
         _check(isinstance(self.data_timeout, (int, float)) and self.data_timeout > 0,
@@ -235,9 +239,20 @@ class RunSection:
     rehearse: bool = _field(
         False, "compile the train step for --devices virtual devices and print per-device "
                "memory, FLOPs and collectives instead of training")
+    target: str = _field(
+        "cpu", "with --rehearse: the devices to compile for, 'cpu' or a TPU slice such as "
+               "tpu:v5p:8x8x4 (the TPU compiler runs here; needs libtpu)")
 
     def __post_init__(self):
         _at_least_one(self, "steps")
+        from zoo.targets import parse_target
+        try:
+            parse_target(self.target)
+        except ValueError as e:
+            raise ValueError(str(e).replace("target=", "--target ", 1)) from None
+        _check(self.target == "cpu" or self.rehearse, "target", self.target,
+               "compiles without training, so it needs --rehearse",
+               "add --rehearse (or drop --target to train here)")
         _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer", "e.g. 0")
         _check(isinstance(self.divergence_factor, (int, float))
                and self.divergence_factor > 1, "divergence_factor", self.divergence_factor,

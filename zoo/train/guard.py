@@ -39,10 +39,15 @@ WINDOW = 100   # steps whose best loss sets the bound
 PATIENCE = 10  # steps in a row above the bound that stop the run
 
 
-def check_finite(metrics: Mapping[str, float]) -> list[str]:
-    """``["loss nan", ...]`` for the watched metrics that are not finite."""
-    return [f"{k} {float(metrics[k])}" for k in ("loss", "grad_norm", "param_norm")
-            if not math.isfinite(float(metrics[k]))]
+def check_finite(metrics: Mapping[str, Any]) -> list[str]:
+    """``["loss nan", ...]`` for the watched metrics that are not finite: the loss, the norms
+    and every updated state (``nonfinite_state``: ``{path: count}``, see
+    `zoo.train.step.nonfinite_state`)."""
+    bad = [f"{k} {float(metrics[k])}" for k in ("loss", "grad_norm", "param_norm")
+           if not math.isfinite(float(metrics[k]))]
+    state = metrics.get("nonfinite_state") or {}
+    return bad + [f"the updated state {path} holds {int(n)} NaN/Inf value(s)"
+                  for path, n in state.items() if int(n)]
 
 
 class DivergenceMonitor:
@@ -137,9 +142,16 @@ class StopFlag:
 
 
 def last_checkpoint(ckpt) -> str:
-    last = ckpt.latest_step()
-    return (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
-            else "there is no checkpoint to resume from")
+    """Names the newest checkpoint complete on disk once the save in flight has finished (or
+    failed, or timed out), or says there is none."""
+    from zoo.train.checkpoint import CheckpointSaveFailed
+    try:
+        ckpt.wait()
+    except CheckpointSaveFailed:
+        pass  # name what is on disk; the failed save was, or is about to be, reported
+    done = ckpt.steps_on_disk()
+    return (f"the last good checkpoint is step {done[-1]} in {ckpt.directory}" if done
+            else f"there is no checkpoint to resume from in {ckpt.directory}")
 
 
 def last_good(ckpt, first_rise: int) -> int | None:

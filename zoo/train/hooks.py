@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Hook", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot", "OnStep",
-           "default_hooks", "read_metrics", "plot_loss", "metrics_row", "SCALARS"]
+           "default_hooks", "read_metrics", "repair_metrics", "plot_loss", "metrics_row",
+           "SCALARS"]
 
 # the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
@@ -65,50 +66,87 @@ def _main_process() -> bool:
 
 # -- metrics.jsonl -----------------------------------------------------------------------------
 
+def _parse_row(line: bytes) -> dict[str, Any] | None:
+    """A metrics row from one line of bytes (None: garbage, bad UTF-8, not a JSON object)."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl`` (empty if none)."""
+    """The rows of ``run_dir/metrics.jsonl`` (empty if none); damaged lines are skipped."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        rows = [_parse_row(line) for line in f if line.strip()]
+    return [r for r in rows if r is not None]
 
 
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drop rows past `step`: steps run after the last checkpoint are about to be redone."""
+def repair_metrics(path: str, step: int) -> list[int]:
+    """Make ``metrics.jsonl`` fit a run resumed at `step`: rows past `step` are dropped (those
+    steps are about to be redone), a torn last line (no newline: a write cut short) is cut, and
+    any damaged line (garbage, bad UTF-8, JSON that is not an object; the torn one included)
+    is appended to ``metrics.jsonl.corrupt``, never lost, and named in a warning. Returns the
+    damaged lines' 1-based numbers."""
     if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
-    if len(kept) != len(lines):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    torn = lines[-1]  # b"" when the file ends with a newline
+    kept, bad = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        row = _parse_row(line)
+        if row is None:
+            bad.append(n)
+        elif not isinstance(row.get("step"), int) or row["step"] <= step:
+            kept.append(line)
+    if bad:
+        with open(path + ".corrupt", "ab") as f:
+            f.write(b"".join(lines[n - 1] + b"\n" for n in bad))
+    if len(kept) != len(lines) - 1 or torn:
+        with open(path + ".tmp", "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept))
         os.replace(path + ".tmp", path)
+    if bad:
+        import warnings
+        warnings.warn(f"{path}: {len(bad)} damaged line(s) (line {', '.join(map(str, bad))}) "
+                      f"moved to {path}.corrupt; the other rows are kept", stacklevel=2)
+    return bad
 
 
 class MetricsFile(Hook):
-    """One JSON line per step in ``RUN_DIR/metrics.jsonl``; a resumed run first drops the rows
-    past its checkpoint, then appends."""
+    """One JSON line per step in ``RUN_DIR/metrics.jsonl``, each written whole by one
+    ``write`` call on an unbuffered append-only file (``fsync=True`` also syncs it to disk);
+    a resumed run first repairs the file (`repair_metrics`), then appends."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, *, fsync: bool = False):
         self.path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
-        self._file = None
+        self.fsync = fsync
+        self._fd: int | None = None
 
     def on_start(self, trainer) -> None:
-        if _main_process() and self._file is None:
-            _truncate_metrics(self.path, trainer.step)
-            self._file = open(self.path, "a")
+        if _main_process() and self._fd is None:
+            repair_metrics(self.path, trainer.step)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def on_step(self, trainer, step, row) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
+        if self._fd is not None:
+            data = (json.dumps(row) + "\n").encode()
+            written = os.write(self._fd, data)
+            if written < len(data):  # e.g. the disk filled: finish the row or fail
+                os.write(self._fd, data[written:])
+            if self.fsync:
+                os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def metrics_row(f, out: Mapping[str, Any], dt: float, tokens_per_step: int,

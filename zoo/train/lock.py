@@ -71,7 +71,13 @@ class RunLock:
             self.held = False
             holder = self._read(self.path)
             if holder is not None and holder.get("token") == self.info["token"]:
-                os.unlink(self.path)
+                try:
+                    os.unlink(self.path)
+                except OSError as e:  # e.g. the file system turned read-only
+                    import warnings
+                    warnings.warn(f"could not remove the lock {self.path} ({e}); the next run "
+                                  f"on this host takes it over, its pid being gone",
+                                  stacklevel=2)
 
     def __enter__(self) -> RunLock:
         return self.acquire()

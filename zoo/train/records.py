@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["Summary", "normalise", "versions", "changes"]
+__all__ = ["Summary", "normalise", "versions", "changes", "write_json"]
 
 
 @dataclasses.dataclass
@@ -77,3 +79,24 @@ def changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any]) -> list[str
     a, b = _leaves(dict(saved or {})), _leaves(dict(now))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k)]
+
+
+def write_json(path: str, value: Any) -> None:
+    """Write `value` to `path` atomically (a temporary file, synced, then renamed over it), so
+    a crash leaves the old file or the new one, never half of one. An existing file that is
+    not a JSON object is set aside to ``<path>.corrupt`` with a warning, not overwritten."""
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                ok = isinstance(json.loads(f.read().decode("utf-8")), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ok = False
+        if not ok:
+            os.replace(path, path + ".corrupt")
+            warnings.warn(f"{path} was damaged (not a JSON object); moved it to "
+                          f"{path}.corrupt and wrote a new one", stacklevel=2)
+    with open(path + ".tmp", "w") as f:
+        json.dump(normalise(value), f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -81,6 +82,18 @@ class Rehearsal:
     collective_bytes: dict[str, float]
     dots_by_dtype: dict[str, int]  # dot ops of the lowered program by operand dtype
     dot_names: dict[str, list[str]]  # dtype -> the dots' op names (named scopes)
+    target: str = "cpu"            # the platform compiled for (`zoo.targets`)
+    device_kind: str = ""          # e.g. "TPU v5" (v5p)
+    hbm_bytes: int | None = None   # the device's memory, where known (`zoo.targets.hbm_bytes`)
+    oom: bool = False              # the compiler refused the program: out of device memory
+    custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled program
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits the device's memory (None: capacity unknown, e.g. CPU)."""
+        if self.oom:
+            return False
+        return None if self.hbm_bytes is None else self.peak_bytes <= self.hbm_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -97,18 +110,21 @@ class Rehearsal:
 
     def row(self) -> dict[str, Any]:
         """The README table's columns."""
-        out = {"model": self.label, "devices": self.devices, "mesh": self.mesh,
+        out = {"model": self.label, "target": self.device_kind or self.target,
+               "devices": self.devices, "mesh": self.mesh,
                "strategy": self.strategy, "batch x seq": f"{self.batch_size} x {self.seq_len}",
                "dtype": f"{self.param_dtype}/{self.dtype}", "remat": self.remat or "none",
                "params GiB": self.param_bytes / GiB, "opt GiB": self.optimizer_bytes / GiB,
                "temp GiB": self.temp_bytes / GiB, "peak GiB": self.peak_bytes / GiB,
                "compile s": self.compile_s, "HLO ops": self.hlo_instructions,
-               "HLO/model FLOPs": self.flops_ratio}
+               "HLO/model FLOPs": self.flops_ratio,
+               "fits": {True: "yes", False: "no", None: "?"}[self.fits]}
         out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
         return out
 
     def __str__(self) -> str:
-        lines = [f"rehearsal: {self.label} on {self.devices} devices, mesh {self.mesh}, "
+        lines = [f"rehearsal: {self.label} on {self.devices} {self.device_kind or self.target} "
+                 f"devices, mesh {self.mesh}, "
                  f"strategy {self.strategy}, batch {self.batch_size} x {self.seq_len}, "
                  f"params {self.param_dtype}, compute {self.dtype}, remat {self.remat}"]
         lines.append(f"  compile {self.compile_s:.1f} s, {self.hlo_instructions:,} HLO "
@@ -116,7 +132,10 @@ class Rehearsal:
         lines.append(f"  per device: parameters {self.param_bytes / GiB:.2f} GiB, optimizer "
                      f"{self.optimizer_bytes / GiB:.2f} GiB, temporaries "
                      f"{self.temp_bytes / GiB:.2f} GiB; arguments + temporaries + outputs "
-                     f"{self.peak_bytes / GiB:.2f} GiB")
+                     f"{self.peak_bytes / GiB:.2f} GiB" + (
+                         "" if self.hbm_bytes is None else
+                         f" of {self.hbm_bytes / GiB:.2f} GiB: "
+                         f"{'fits' if self.fits else 'does NOT fit (compiler: out of memory)'}"))
         lines.append(f"  FLOPs per device per step: HLO {self.hlo_flops:.4g}, model "
                      f"{self.model_flops:.4g} (ratio {self.flops_ratio:.3f}); XLA cost "
                      f"analysis {self.xla_flops:.4g}")
@@ -167,29 +186,70 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
     lr = jax.ShapeDtypeStruct((), jnp.float32)
     start = time.perf_counter()
     lowered = train_step.lower(model, optimizer, batch, lr)
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    stats = hlo_stats(compiled.as_text())
     lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True))
-    cost = compiled.cost_analysis()
+    compiled, mem, oom = _compile(lowered)
+    compile_s = time.perf_counter() - start
+    stats = hlo_stats(compiled.as_text()) if compiled is not None else lowered_stats
+    cost = compiled.cost_analysis() if compiled is not None else None
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     n = mesh.devices.size
+    device = mesh.devices.flat[0]
+    kind = str(getattr(device, "device_kind", ""))
+    from zoo.targets import hbm_bytes
+    param_b, opt_b = _sharded_bytes(nnx.state(model)), _sharded_bytes(nnx.state(optimizer))
     return Rehearsal(
+        target=partitioner.platform, device_kind=kind,
+        hbm_bytes=hbm_bytes(kind) if partitioner.platform == "tpu" else None, oom=oom,
+        custom_calls=_custom_calls(compiled.as_text()) if compiled is not None else {},
         label=label, devices=int(n), mesh=mesh_text, strategy=partitioner.strategy,
         batch_size=batch_size, seq_len=seq_len,
         dtype=np.dtype(dtype).name if dtype is not None else "?",
         param_dtype=np.dtype(param_dtype).name if param_dtype is not None else "?",
         remat=remat, compile_s=compile_s, hlo_instructions=stats.instructions,
-        param_bytes=_sharded_bytes(nnx.state(model)),
-        optimizer_bytes=_sharded_bytes(nnx.state(optimizer)),
-        argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+        param_bytes=param_b, optimizer_bytes=opt_b,
+        # refused (out of memory): the arguments are at least the state's shards
+        argument_bytes=int(mem.argument_size_in_bytes) or param_b + opt_b,
+        output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         hlo_flops=stats.flops,
         model_flops=(flops_per_token or 0.0) * batch_size * seq_len / n,
         xla_flops=float((cost or {}).get("flops", 0.0)),
         collective_bytes=stats.collective_bytes, dots_by_dtype=lowered_stats.dots_by_dtype,
         dot_names=lowered_stats.dot_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Memory:  # the figures of a program the compiler refused (out of device memory)
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+
+
+def _compile(lowered):
+    """``(compiled or None, memory analysis, out of memory?)``: a TPU out-of-memory refusal
+    is a result (temporaries from the compiler's message), any other error propagates."""
+    from zoo.targets import out_of_memory
+    try:
+        compiled = lowered.compile()
+    except Exception as e:
+        oom = out_of_memory(e)
+        if oom is None:
+            raise
+        return None, _Memory(0, 0, 0, oom[0]), True
+    return compiled, compiled.memory_analysis(), False
+
+
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _custom_calls(text: str) -> dict[str, int]:
+    """Custom-call targets of a compiled program's HLO, counted (kernels, e.g. Mosaic's
+    ``tpu_custom_call``; loop bodies counted once)."""
+    out: dict[str, int] = {}
+    for name in _CUSTOM_CALL.findall(text):
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def rehearse_built(built: Any, *, label: str = "model") -> Rehearsal:
@@ -218,7 +278,7 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
              param_dtype: Any = "float32", remat: Any = _KEEP,
              overrides: Mapping[str, Any] | Sequence[str] | None = None,
              aux_loss_weight: float | None = None,
-             expert_bias_rate: float | None = None) -> Rehearsal:
+             expert_bias_rate: float | None = None, target: str = "cpu") -> Rehearsal:
     """Rehearse a preset (a name of `zoo.models.registry.preset_names`) or a model config at
     scale, through `zoo.train.build`; see the module docstring.
 
@@ -234,8 +294,9 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
         (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them.
       aux_loss_weight, expert_bias_rate: default `zoo.train.TrainConfig`'s (the config's aux
         weight; DeepSeek-V3's bias rate, ignored by models without a bias).
+      target: ``"cpu"`` (this host's devices) or a TPU slice such as ``"tpu:v5p:8x8x4"``
+        (`zoo.targets`): compiled by the TPU compiler here, with its memory verdict.
     """
-    import jax
     import jax.numpy as jnp
 
     from zoo.models import registry
@@ -252,12 +313,14 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
     if remat is not _KEEP:
         changes["remat_policy"] = remat
     config = dataclasses.replace(config, **changes) if changes else config
-    mesh = mesh or {"fsdp": jax.device_count()}
+    from zoo.targets import target_devices
+    devices = target_devices(target)
+    mesh = mesh or {"fsdp": len(devices)}
     mesh_text = mesh if isinstance(mesh, str) else ",".join(f"{k}={v}" for k, v in mesh.items())
     bias = {} if expert_bias_rate is None else {"expert_bias_rate": expert_bias_rate}
     train = TrainConfig(mesh=mesh_text, strategy=strategy, batch_size=batch_size,
                         seq_len=seq_len, overrides=texts, aux_loss_weight=aux_loss_weight,
                         dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
                         rehearse=True, **bias)
-    built = build(train, model_config=config, with_data=False, donate=True)
+    built = build(train, model_config=config, with_data=False, donate=True, devices=devices)
     return rehearse_built(built, label=label)

@@ -44,6 +44,7 @@ from zoo.models import registry
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
+           "nonfinite_state",
            "BATCH_KEYS"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
@@ -116,22 +117,76 @@ def make_tx(*, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps
 
 # -- loss and step -----------------------------------------------------------------------------
 
-def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0.0):
+def _weighted_ce(logits, targets, w):
+    ce_tok = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(ce_tok * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def successors(positions: jax.Array, segment_ids: jax.Array | None):
+    """``(index [B, L], exists [B, L])``: where in its row the token one position later in the
+    same document lies, whatever the row's order (packed, load-balanced, reordered)."""
+    B, L = positions.shape
+    seg = jnp.ones_like(positions) if segment_ids is None else segment_ids
+    iota = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    _, _, order = jax.lax.sort((seg, positions, iota), dimension=1, num_keys=2)
+    rank = jnp.zeros_like(order).at[jnp.arange(B)[:, None], order].set(iota)
+    nxt = jnp.take_along_axis(order, jnp.minimum(rank + 1, L - 1), axis=1)
+    take = lambda a: jnp.take_along_axis(a, nxt, axis=1)
+    exists = (rank + 1 < L) & (take(seg) == seg) & (take(positions) == positions + 1)
+    return nxt, exists
+
+
+def mtp_targets(batch: Mapping[str, jax.Array], depth: int):
+    """Multi-token prediction's ``(tokens, targets, weights)``, each ``[depth, B, L]``: module
+    ``d`` (1-based) sees at position ``i`` the token ``d`` ahead (the ``targets`` of the token
+    ``d - 1`` ahead) and predicts the one ``d + 1`` ahead, weighted where every token of that
+    chain is in the document and carries a loss weight."""
+    nxt, exists = successors(batch["positions"], batch.get("segment_ids"))
+    w = batch["loss_weights"].astype(jnp.float32)
+    idx = jnp.broadcast_to(jnp.arange(nxt.shape[1], dtype=jnp.int32), nxt.shape)
+    ok = w
+    tokens, targets, weights = [], [], []
+    for _ in range(depth):
+        tokens.append(jnp.take_along_axis(batch["targets"], idx, axis=1))
+        ok = ok * jnp.take_along_axis(exists, idx, axis=1)
+        idx = jnp.take_along_axis(nxt, idx, axis=1)
+        ok = ok * jnp.take_along_axis(w, idx, axis=1)
+        targets.append(jnp.take_along_axis(batch["targets"], idx, axis=1))
+        weights.append(ok)
+    return jnp.stack(tokens), jnp.stack(targets), jnp.stack(weights)
+
+
+def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0.0,
+            mtp_loss_weight: float | None = None):
     """``(objective, (ce, aux_loss, aux))`` of one global batch.
 
     ``ce = sum(ce_token * w) / max(sum(w), 1)`` with the sums over the whole global batch, so
-    the value does not depend on how the batch is cut over devices or processes.
+    the value does not depend on how the batch is cut over devices or processes. A model with
+    multi-token-prediction modules (``model.mtp``, e.g. DeepSeek-V3's) gets their targets
+    (`mtp_targets`); the objective adds ``mtp_loss_weight`` (default the model config's) times
+    the mean over depths of their cross-entropy, returned as ``aux["mtp_loss"]``.
     """
-    logits, aux = model(batch["inputs"], positions=batch["positions"],
-                        segment_ids=batch["segment_ids"])  # [B, L, V]
+    depth = len(getattr(model, "mtp", None) or ())
+    kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+    if depth:
+        with jax.named_scope("mtp_targets"):
+            mtp_tokens, mtp_tgt, mtp_w = mtp_targets(batch, depth)
+        kw["mtp_tokens"] = mtp_tokens
+    logits, aux = model(batch["inputs"], **kw)  # [B, L, V]
     with jax.named_scope("loss"):
-        ce_tok = optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch["targets"])  # [B, L]
         w = batch["loss_weights"].astype(jnp.float32)
-        ce = jnp.sum(ce_tok * w) / jnp.maximum(jnp.sum(w), 1.0)
+        ce = _weighted_ce(logits, batch["targets"], w)
         aux = dict(aux or {})
         aux_loss = jnp.asarray(aux.get("load_balance_loss", 0.0), jnp.float32)
-        return ce + aux_loss_weight * aux_loss, (ce, aux_loss, aux)
+        objective = ce + aux_loss_weight * aux_loss
+        if depth:
+            mtp_logits = aux.pop("mtp_logits")
+            aux["mtp_loss"] = sum(_weighted_ce(mtp_logits[d], mtp_tgt[d], mtp_w[d])
+                                  for d in range(depth)) / depth
+            if mtp_loss_weight is None:
+                mtp_loss_weight = getattr(model.config, "mtp_loss_weight", 0.0)
+            objective = objective + mtp_loss_weight * aux["mtp_loss"]
+        return objective, (ce, aux_loss, aux)
 
 
 def _find(tree, match: Callable[[Any], bool]) -> list[Any]:
@@ -187,10 +242,19 @@ def _after_step_hook(model, after_step, expert_bias_rate: float):
     return family.after_step
 
 
+def nonfinite_state(model) -> dict[str, jax.Array]:
+    """``{path: count}`` of NaN/Inf values in each floating-point variable of `model` that is
+    not an `nnx.Param` (the state an after-step hook updates, e.g. DeepSeek-V3's expert bias;
+    the NaN guard reads it, as it reads the loss and the norms). Empty: no such variable."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    return {".".join(map(str, path)): jnp.sum(~jnp.isfinite(v[...])).astype(jnp.int32)
+            for path, v in flat if jnp.issubdtype(jnp.result_type(v[...]), jnp.floating)}
+
+
 def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0.0,
                     after_step: Callable[..., None] | None = None,
                     schedule: Callable[[jax.Array], jax.Array] | None = None,
-                    donate: bool | None = None
+                    donate: bool | None = None, platform: str | None = None
                     ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """A jitted ``train_step(model, optimizer, batch, lr=None) -> (model, optimizer, metrics)``.
 
@@ -205,8 +269,9 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
       neither tells the rate, ``metrics`` has no ``lr`` (never a value that was not applied).
 
     Use the returned model and optimizer: with donation the ones passed in are
-    consumed (their buffers hold the new state). ``donate=None`` donates except on the CPU
-    backend: there, an executable loaded from the persistent compilation cache intermittently
+    consumed (their buffers hold the new state). ``donate=None`` donates except when
+    `platform` (the mesh's, `zoo.partitioning.mesh_platform`; None: the default device's) is
+    the CPU: there, an executable loaded from the persistent compilation cache intermittently
     deadlocks in its collectives (jax 0.10.2, 8 virtual devices; donated or not, which is why
     the cache is now off on several CPU devices, `zoo.train.launch.cache_is_safe`), and CPU
     memory is rarely what limits a CPU run.
@@ -220,7 +285,9 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
     ``metrics`` holds scalars ``loss`` (the weighted cross-entropy), ``aux_loss`` (the
     load-balance loss, before its weight), ``objective``, ``grad_norm`` (before clipping),
     ``param_norm`` (after the update), ``lr`` (when known, see above), ``weight_sum`` (tokens
-    with a target) and, for MoE models, ``expert_counts`` ``[num_moe_layers, E]``.
+    with a target), for MoE models ``expert_counts`` ``[num_moe_layers, E]``, and
+    ``nonfinite_state`` (`nonfinite_state`, after the after-step hook) when the model holds
+    floating-point state besides its parameters.
     """
 
     def train_step(model, optimizer, batch, lr=None):
@@ -237,6 +304,10 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
             metrics["lr"] = applied_lr
         if aux.get("dropped_tokens") is not None:  # MoE copies over an all-to-all buffer
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
+        if aux.get("mtp_loss") is not None:  # multi-token prediction's mean cross-entropy
+            metrics["mtp_loss"] = aux["mtp_loss"]
+        if aux.get("moe_rounds") is not None:  # exact overflow: the most rounds any layer ran
+            metrics["moe_rounds"] = jnp.max(aux["moe_rounds"])
         counts = aux.get("expert_counts")
         if counts is not None and jnp.size(counts):
             metrics["expert_counts"] = jnp.asarray(counts)
@@ -244,10 +315,14 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
         if hook is not None:
             with jax.named_scope("after_step"):
                 hook(model, jax.lax.stop_gradient(aux), expert_bias_rate=expert_bias_rate)
+        nonfinite = nonfinite_state(model)
+        if nonfinite:
+            metrics["nonfinite_state"] = nonfinite
         return model, optimizer, metrics
 
     if donate is None:
-        donate = jax.default_backend() != "cpu"
+        from zoo.partitioning import mesh_platform
+        donate = (platform or mesh_platform(None)) != "cpu"
     return jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
 
 

@@ -23,7 +23,10 @@
   bar, TensorBoard, W&B and the loss plot by default, plus the caller's ``hooks=``.
 * **checkpoints** -- every ``checkpoint_every`` steps, at the end of each `train`, and when
   SIGTERM/SIGINT (or a hook's ``should_stop``) arrives: the step in flight finishes and is
-  saved; several processes agree through a flag reduced on the devices with the step.
+  saved; several processes agree through a flag reduced on the devices with the step. Each
+  asynchronous save's result is checked at every step after it and before the next save
+  starts: a failed one (no space, read-only, permission) or one past the save timeout raises
+  `CheckpointSaveFailed`, naming the last good checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ import numpy as np
 from zoo.train import guard, hooks as hooks_lib
 from zoo.train import step as step_lib
 from zoo.train.build import Built, build
-from zoo.train.checkpoint import Checkpointer, shape_differences, to_pure
+from zoo.train.checkpoint import (CheckpointSaveFailed, Checkpointer, shape_differences,
+                                  to_pure)
 from zoo.train.config import TrainConfig
 from zoo.train.feed import DataStreamError, Feed
-from zoo.train.records import Summary, changes, normalise, versions
+from zoo.train.records import Summary, changes, normalise, versions, write_json
 
 __all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
-           "CompileInterrupted", "DataStreamError"]
+           "CompileInterrupted", "DataStreamError", "CheckpointSaveFailed"]
 
 _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
 
@@ -142,6 +146,7 @@ class Trainer:
         self._saved_step: int | None = None
         self._agree = None
         self._feed: Feed | None = None
+        self._data_restart: dict[str, Any] | None = None  # set when resuming on other data
         self.abandoned: list[threading.Thread] = []  # still running after a signal stopped
         #                                               the compile
 
@@ -181,9 +186,8 @@ class Trainer:
         """Finish pending saves, close the loggers and the data, release the run dir."""
         try:
             if self._ckpt is not None:
-                self._ckpt.wait()
-                self._ckpt.close()
-                self._ckpt = None
+                ckpt, self._ckpt = self._ckpt, None
+                ckpt.close()  # waits for the save in flight (bounded)
             self._hooks("close", pass_trainer=False)
             (self._feed or self.built.data).close()
         finally:
@@ -278,15 +282,25 @@ class Trainer:
                     f"to resume")
             warnings.warn(f"model config changed since step {step} without changing shapes; "
                           f"resuming anyway: {'; '.join(changed)}", stacklevel=3)
-        saved_args, now_args = saved.get("data_arguments"), self.record.get("data_arguments")
-        if saved_args and now_args and saved_args != now_args:
-            from zoo.data import PipelineStateMismatch
-            diffs = [f"{k}: saved {saved_args.get(k)!r}, now {v!r}"
-                     for k, v in now_args.items() if saved_args.get(k) != v]
-            raise PipelineStateMismatch(
-                f"{self._ckpt.directory} (step {step}) holds a data-pipeline state saved with "
-                f"other arguments: {'; '.join(diffs)}. Resume with the saved arguments, or "
-                f"start a new run (another --run-dir) to use the new ones")
+        self._check_data_arguments(step, saved.get("data_arguments"))
+
+    def _check_data_arguments(self, step: int, saved: dict | None) -> None:
+        """Other data than the checkpoint's: refused, or (``data_changed="restart"``) noted
+        so the restore keeps the weights and optimizer and starts the stream afresh."""
+        now = self.record.get("data_arguments")
+        if not saved or not now or saved == now:
+            return
+        diffs = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+                 if saved.get(k) != v]
+        if self.config.data_changed == "restart":
+            self._data_restart = dict(step=step, changes=diffs)
+            return
+        from zoo.data import PipelineStateMismatch
+        raise PipelineStateMismatch(
+            f"{self._ckpt.directory} (step {step}) holds a data-pipeline state saved with "
+            f"other arguments: {'; '.join(diffs)}. Resume with the saved arguments; or pass "
+            f"--data-changed restart to keep the weights and optimizer and restart the data "
+            f"stream on the new data; or start a new run (another --run-dir)")
 
     def _restore_or_create(self, model, optimizer) -> list:
         restored = self._ckpt.restore(model, optimizer) if self._ckpt.steps() else None
@@ -295,7 +309,12 @@ class Trainer:
             self.step, self._saved_step = 0, None
             return []
         self.model, self.optimizer = restored.model, restored.optimizer
-        self._feed.set_state(restored.data)
+        if self._data_restart is None:
+            self._feed.set_state(restored.data)
+        elif jax.process_index() == 0:
+            print(f"{self.name}: the data changed since step {restored.step} "
+                  f"({'; '.join(self._data_restart['changes'])}); --data-changed restart: the "
+                  f"data stream starts afresh", file=sys.stderr, flush=True)
         self.step = self._saved_step = restored.step
         changed = [c for c in changes({k: v for k, v in restored.config.items()
                                         if k not in ("model", _HISTORY_KEY)},
@@ -314,11 +333,19 @@ class Trainer:
                     process_count=jax.process_count(), backend=jax.default_backend(),
                     mesh=dict(mesh.shape), versions=versions(),
                     resumed_from=self.step or None, flops_per_token=self.flops_per_token,
-                    tokens_per_step=self.tokens_per_step)
-        path = os.path.join(self.run_dir, "run.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(normalise(info), f, indent=2)
-        os.replace(path + ".tmp", path)
+                    tokens_per_step=self.tokens_per_step,
+                    data_restarts=self._data_restarts())
+        write_json(os.path.join(self.run_dir, "run.json"), info)
+
+    def _data_restarts(self) -> list[dict[str, Any]]:
+        """run.json's record of the resumes that restarted the data (``--data-changed
+        restart``): the earlier ones, kept from the previous run.json, and this one."""
+        try:
+            with open(os.path.join(self.run_dir, "run.json")) as f:
+                earlier = list(json.load(f).get("data_restarts") or [])
+        except (OSError, ValueError, AttributeError, TypeError):
+            earlier = []
+        return earlier + ([self._data_restart] if self._data_restart else [])
 
     @property
     def tokens_per_step(self) -> int:
@@ -407,7 +434,9 @@ class Trainer:
                          t_data)
 
     def _finish(self, f: _InFlight) -> None:
-        """Read step `f`'s metrics (waits for it), check them, hand them to the hooks."""
+        """Read step `f`'s metrics (waits for it), check them, hand them to the hooks; raise
+        `CheckpointSaveFailed` as soon as a save in flight is known to have failed."""
+        self._ckpt.check()
         out = jax.device_get(f.out)
         if f.stop is not None and int(jax.device_get(f.stop)):
             self._stop_agreed = True

@@ -5,8 +5,10 @@ recipes' command line turns it into exit 2 without a traceback (``--debug`` show
 
 * `check_run_dir` -- ``--run-dir`` is (or can be made) a folder this process can write to.
 * `check_data` -- ``--data`` paths exist and give text files: a file with a NUL byte or more
-  than `MAX_BAD_FRACTION` undecodable UTF-8 in its first KiB is binary; a ``.jsonl`` file
-  whose first lines are not JSON objects with a string ``"text"`` is refused the same way.
+  than `MAX_BAD_FRACTION` undecodable UTF-8 in its first KiB is binary, one with more than
+  `MAX_BAD_SAMPLED` in the rest is mostly not text; a ``.jsonl`` file whose first lines are
+  not JSON objects with a string ``"text"`` is refused the same way; so is a corpus without
+  one non-empty document. `warn_small_corpus`: a corpus smaller than one batch.
 * `load_tokenizer` -- ``--tokenizer`` loads as a ``tokenizer.json``.
 * `check_positive` / `check_warmup` -- ``--lr`` and friends.
 """
@@ -22,10 +24,13 @@ import uuid
 from collections.abc import Sequence
 
 __all__ = ["check_run_dir", "check_data", "sniff_text", "load_tokenizer", "check_positive",
-           "check_warmup", "HEAD_BYTES", "MAX_BAD_FRACTION"]
+           "check_warmup", "warn_small_corpus", "HEAD_BYTES", "MAX_BAD_FRACTION",
+           "MAX_BAD_SAMPLED"]
 
 HEAD_BYTES = 1024          # how much of each file the binary check reads
 MAX_BAD_FRACTION = 0.01    # undecodable bytes allowed in that head (a few stray latin-1 bytes)
+MAX_BAD_SAMPLED = 0.10     # undecodable bytes allowed in the rest of the file
+SAMPLE_WINDOWS, SAMPLE_BYTES = 16, 64 * 1024  # how the rest of a large file is sampled
 JSONL_HEAD_LINES = 20      # .jsonl lines checked for a "text" field
 _SHOWN = 5                 # files named in a message
 
@@ -68,13 +73,12 @@ def check_run_dir(path: str | os.PathLike) -> str:
 
 # -- data --------------------------------------------------------------------------------------
 
-def sniff_text(path: str) -> str | None:
-    """Why the file is not UTF-8 text, judged from its first `HEAD_BYTES`; None if it is."""
-    with open(path, "rb") as f:
-        head = f.read(HEAD_BYTES)
-    if b"\0" in head:
-        return "NUL byte in the first KiB"
-    bad, rest, decoder = 0, head, codecs.getincrementaldecoder("utf-8")()
+def _undecodable(data: bytes) -> int:
+    """How many bytes of `data` are not UTF-8 (a character cut at either end is not counted)."""
+    start = 0
+    while start < min(3, len(data)) and 0x80 <= data[start] < 0xC0:
+        start += 1  # the tail of a character cut by the window's start
+    bad, rest, decoder = 0, data[start:], codecs.getincrementaldecoder("utf-8")()
     while rest:
         try:
             decoder.decode(rest, final=False)  # a character cut at the end is not an error
@@ -83,8 +87,39 @@ def sniff_text(path: str) -> str | None:
             bad += e.end - e.start
             rest = rest[e.end:]
             decoder.reset()
-    if bad > MAX_BAD_FRACTION * len(head):
-        return f"{bad} of the first {len(head)} bytes are not UTF-8"
+    return bad
+
+
+def _sampled(f, size: int) -> list[bytes]:
+    """The file past its head: whole when small, else `SAMPLE_WINDOWS` evenly spread windows."""
+    rest = size - HEAD_BYTES
+    if rest <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+        f.seek(HEAD_BYTES)
+        return [f.read()]
+    out = []
+    for i in range(SAMPLE_WINDOWS):
+        f.seek(HEAD_BYTES + (rest - SAMPLE_BYTES) * i // (SAMPLE_WINDOWS - 1))
+        out.append(f.read(SAMPLE_BYTES))
+    return out
+
+
+def sniff_text(path: str) -> str | None:
+    """Why the file is not UTF-8 text; None if it is. Binary: a NUL byte or more than
+    `MAX_BAD_FRACTION` undecodable bytes in its first `HEAD_BYTES`; mostly not text: more than
+    `MAX_BAD_SAMPLED` undecodable bytes in the rest (read whole up to 1 MiB, else sampled)."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+        if b"\0" in head:
+            return "NUL byte in the first KiB"
+        bad = _undecodable(head)
+        if bad > MAX_BAD_FRACTION * len(head):
+            return f"{bad} of the first {len(head)} bytes are not UTF-8"
+        chunks = _sampled(f, os.path.getsize(path)) if len(head) == HEAD_BYTES else []
+    seen = sum(len(c) for c in chunks)
+    bad = sum(_undecodable(c) for c in chunks)
+    if seen and bad > MAX_BAD_SAMPLED * seen:
+        return (f"{bad} of {seen} bytes read past the first KiB ({bad / seen:.0%}) are not "
+                f"UTF-8, more than the {MAX_BAD_SAMPLED:.0%} allowed")
     if path.endswith(".jsonl"):
         return _sniff_jsonl(path)
     return None
@@ -117,12 +152,12 @@ def _expand(paths: Sequence[str]) -> tuple[list[str], list[str]]:
                 missing.append(f"{p} (the glob matches nothing)")
         elif not os.path.exists(p):
             missing.append(f"{p} (does not exist)")
-        elif os.path.isdir(p) and not _has_text(p, SUFFIXES):
+        elif os.path.isdir(p) and not _has_files(p, SUFFIXES):
             missing.append(f"{p} (a folder with no {'/'.join(SUFFIXES)} files)")
     return (find_files(list(paths)) if not missing else []), missing
 
 
-def _has_text(folder: str, suffixes: Sequence[str]) -> bool:
+def _has_files(folder: str, suffixes: Sequence[str]) -> bool:
     for _, dirs, files in os.walk(folder, followlinks=True):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         if any(f.endswith(tuple(suffixes)) and not f.startswith(".") for f in files):
@@ -143,10 +178,40 @@ def check_data(paths: Sequence[str] | None) -> list[str] | None:
     if bad:
         raise ValueError(f"--data: {len(bad)} of {len(files)} files are not text: "
                          f"{_listing(bad)}; {fix}")
-    if not any(os.path.getsize(f) for f in files):
-        raise ValueError(f"--data: the {len(files)} file(s) found are empty "
-                         f"({_listing(files)}); {fix}")
+    if not any(_has_text(f) for f in files):
+        raise ValueError(f"--data: no document in the {len(files)} file(s) found has any text "
+                         f"({_listing(files)}): the files are empty or every \"text\" is \"\", "
+                         f"so no batch would hold a token to learn; {fix}")
     return files
+
+
+def _has_text(path: str) -> bool:
+    """Whether the file holds a non-empty document (a .jsonl: a line whose "text" is not
+    empty; scanning stops at the first)."""
+    if not path.endswith(".jsonl"):
+        return os.path.getsize(path) > 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if json.loads(line).get("text"):
+                    return True
+            except (ValueError, AttributeError):
+                continue  # the pipeline names a bad line itself
+    return False
+
+
+def warn_small_corpus(files: Sequence[str] | None, batch_size: int, seq_len: int) -> None:
+    """Warn when ``--data`` holds fewer bytes than one batch has tokens: every batch then
+    repeats the same text, and the loss falls by memorising it."""
+    if not files:
+        return
+    total, tokens = sum(os.path.getsize(f) for f in files), batch_size * seq_len
+    if total < tokens:
+        import warnings
+        warnings.warn(f"--data: the corpus holds {total} bytes, fewer than one batch's "
+                      f"{batch_size} x {seq_len} = {tokens} tokens: every batch repeats it, so "
+                      f"the loss will fall by memorising it; add text, or lower --batch-size or "
+                      f"--seq-len", stacklevel=2)
 
 
 def _listing(items: Sequence[str]) -> str:

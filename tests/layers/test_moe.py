@@ -419,11 +419,14 @@ def test_all_to_all_buffer_overflow_is_counted_and_kept_copies_exact(setups, mes
     _check_kept_copies_exact(s, keep.reshape(-1, E), y, g_params, g_x)
 
 
-def test_cuda_lowering_holds_ragged_all_to_all(setups):
+@pytest.mark.parametrize("overflow", ["drop", "exact"])
+def test_cuda_lowering_holds_ragged_all_to_all(setups, overflow):
     """`platform_dependent` picks the transport when lowering: ragged for cuda, a dense
-    all-to-all for CPU -- so the program lowered here for cuda is the accelerator one."""
+    all-to-all for CPU -- so the program lowered here for cuda is the accelerator one (the
+    exact rounds' loops included)."""
     s = setups["mixtral"]
-    moe = build(s["cfg"], _mesh("epcp_f2e4"), s["values"], dispatch="all_to_all")
+    moe = build(s["cfg"], _mesh("epcp_f2e4"), s["values"], dispatch="all_to_all",
+                buffer_factor=2.0 if overflow == "exact" else None, overflow=overflow)
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     traced = _loss_fn(graphdef, rest, s["ct"]).trace(params, s["x"])
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -432,12 +435,12 @@ def test_cuda_lowering_holds_ragged_all_to_all(setups):
     assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
 
 
-def _moe_temp_bytes(ep, dispatch, buffer_factor=None):
+def _moe_temp_bytes(ep, dispatch, buffer_factor=None, overflow="drop"):
     """Per-device temporaries of a MoE forward+backward with 256 tokens per device."""
     part = Partitioner(make_mesh(expert=ep, fsdp=8 // ep), "fsdp")
     moe = MoE(num_experts=16, num_experts_per_tok=2, mlp_dim=128, inputs_shape=(8, 256, 64),
               partitioner=part, dispatch=dispatch, buffer_factor=buffer_factor,
-              rngs=nnx.Rngs(0))
+              overflow=overflow, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
 
     def loss(params, x):
@@ -454,6 +457,17 @@ def test_temporaries_follow_local_work():
     gather = _moe_temp_bytes(8, "all_gather")
     assert a2a <= 1.8 * base, (a2a / base, gather / base)
     assert gather > 1.8 * base  # the bound separates the schemes: all_gather grows with EP
+
+
+def test_exact_overflow_temporaries_stay_near_the_buffer_factors():
+    """Rounds reuse the buffer-factor program's buffers: exact at factor 2 needs at most 1.5x
+    the temporaries of drop at factor 2 (the [M, D] per-copy accumulators), well under the
+    dropless buffers'."""
+    drop = _moe_temp_bytes(8, "all_to_all", buffer_factor=2.0)
+    exact = _moe_temp_bytes(8, "all_to_all", buffer_factor=2.0, overflow="exact")
+    dropless = _moe_temp_bytes(8, "all_to_all")
+    assert exact <= 1.5 * drop, (exact / drop, dropless / drop)
+    assert exact < dropless, (exact / drop, dropless / drop)
 
 
 # -- grouped matmul FLOPs ------------------------------------------------------------------------
@@ -621,3 +635,72 @@ def test_construction_errors(kw, mesh, match):
     part = None if mesh is None else Partitioner(make_mesh(**mesh[1]), mesh[0])
     with pytest.raises(ValueError, match=match):
         MoE(partitioner=part, rngs=nnx.Rngs(0), **{**args, **kw})
+
+
+# -- exact overflow: all_to_all in rounds --------------------------------------------------------
+
+def _exact_case(s, mesh, factor, values):
+    """The exact-overflow layer against the dense reference (nothing masked): output, expert
+    counts, input and parameter gradients; returns its aux."""
+    part = _mesh(mesh)
+    moe = build(s["cfg"], part, values, s["bias"], dispatch="all_to_all", buffer_factor=factor,
+                overflow="exact")
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
+
+    def ref_loss(params, x):
+        y, lb, counts = reference(params, x, s["cfg"], s["bias"])
+        return jnp.sum(y * s["ct"]) + 0.3 * lb, (y, counts)
+    (_, (y_ref, counts)), (g_ref, g_ref_x) = jax.jit(jax.value_and_grad(
+        ref_loss, (0, 1), has_aux=True))({n: jnp.asarray(v) for n, v in values.items()},
+                                         jnp.asarray(s["x"]))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), np.asarray(counts))
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref_x), rtol=1e-4, atol=1e-5)
+    for name in values:
+        np.testing.assert_allclose(np.asarray(_leaf(g_params, PATHS[name])[...]),
+                                   np.asarray(g_ref[name]), rtol=1e-4, atol=1e-5, err_msg=name)
+    assert int(aux["dropped_tokens"]) == 0
+    return aux
+
+
+@pytest.mark.parametrize("config, mesh, factor", [("mixtral", "ep8", 1.0),
+                                                  ("deepseek", "epcp_f2e2c2", 0.5)])
+def test_exact_overflow_equals_dense_reference(setups, config, mesh, factor):
+    """Buffers that drop copies under overflow='drop' (test above) lose none with 'exact':
+    the overflow runs in further rounds and the layer equals the dense reference."""
+    s = setups[config]
+    aux = _exact_case(s, mesh, factor, s["values"])
+    assert int(aux["moe_rounds"]) >= 2  # the overflow really took further rounds
+
+
+def test_exact_overflow_with_every_token_on_the_same_experts(setups):
+    """A zero router ties every expert: every token picks experts 0 and 1 (one device each on
+    ep8), the worst imbalance; with buffers of the balanced share the exchange needs one round
+    per share of the 8 devices' copies, and stays exact."""
+    s = setups["mixtral"]
+    values = dict(s["values"], router=np.zeros_like(s["values"]["router"]))
+    aux = _exact_case(s, "ep8", 1.0, values)
+    # each device sends all its T copies of choice j to device j: T / (T * k / EP) = 4 rounds
+    assert int(aux["moe_rounds"]) == 4
+
+
+def test_exact_overflow_loads_the_drop_layers_weights(setups):
+    """overflow='exact' adds no state: its parameters and variables are the drop layer's."""
+    s = setups["deepseek"]
+    part = _mesh("epcp_f2e4")
+    kw = dict(dispatch="all_to_all", buffer_factor=2.0)
+    drop, exact = (build(s["cfg"], part, **kw, overflow=o) for o in ("drop", "exact"))
+    shapes = lambda m: jax.tree.map(lambda v: v.shape, nnx.state(m))
+    assert shapes(drop) == shapes(exact)
+    nnx.update(exact, nnx.state(drop))  # loads by path
+    x = jnp.asarray(s["x"])
+    y_drop, aux_drop = drop(x)
+    y_exact, aux_exact = exact(x)
+    if int(aux_drop["dropped_tokens"]) == 0:  # nothing overflowed: the same numbers
+        np.testing.assert_allclose(np.asarray(y_exact), np.asarray(y_drop), rtol=1e-6, atol=1e-6)
+        assert int(aux_exact["moe_rounds"]) == 1
+    with pytest.raises(ValueError, match="overflow='exact' runs all_to_all in rounds"):
+        build(s["cfg"], part, dispatch="all_gather", overflow="exact")
+    with pytest.raises(ValueError, match="overflow='spill' must be one of"):
+        build(s["cfg"], part, dispatch="all_to_all", overflow="spill")

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zoo
+from support import attention_fwd_bwd as _fwd_bwd
 from zoo.data import (balance_candidates, balance_permutation, corpus, load_balance,
                       restore_order, shard_pairs, shard_tiles, text_dataset, work)
 from zoo.ops import attention, dot_product_attention
@@ -160,12 +161,6 @@ def _attention_case():
     v, w = rng.normal(size=(B, L, K, H)), rng.normal(size=(B, L, N, H))
     pos, seg = packed([[13, 30, 9], [5, 37, 15]], L)  # documents straddle every shard
     return [np.asarray(a, np.float32) for a in (q, k, v)] + [pos, seg, np.float32(w)]
-
-
-def _fwd_bwd(fn, q, k, v, pos, seg, w):
-    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_positions=pos, kv_positions=pos,
-                                          q_segment_ids=seg, kv_segment_ids=seg), q, k, v)
-    return (out, *vjp(w))
 
 
 @pytest.mark.parametrize("impl", ["ring", "all_gather"])

@@ -2,7 +2,7 @@
 the softmax top-k MoE block with both ``norm_topk_prob`` values, forward and gradients (input
 and every parameter), unsharded and on meshes that shard heads / experts; the construction
 errors of the qk-norm option. The whole model's parity, round trip, strategies and parameter
-count are the conformance suite's (``tests/conformance.py``).
+count are the conformance suite's (``tests/models/conformance.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zoo
+from support import assert_close as _assert_close
 from zoo.layers.attention import Attention
 from zoo.layers.moe import MoE
 from zoo.layers.rope import RoPE
@@ -31,15 +32,8 @@ EPS = 1e-6
 TOL = 1e-4  # fp32, relative to the largest reference value (observed ~1e-7)
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
-
-
 def assert_close(actual, expected, what):
-    assert np.all(np.isfinite(np.asarray(actual))), f"{what}: non-finite values"
-    err = rel_err(actual, expected)
-    assert err < TOL, f"{what}: relative error {err:.2e} >= {TOL}"
+    _assert_close(actual, expected, what, rtol=TOL)
 
 
 def hf_config(**kw):

@@ -20,7 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
+import numpy as np
 import pytest
 
 from test_recipes import COMMON, ROOT, TINY, losses, recipe, run_main, sub_env
@@ -89,6 +91,10 @@ def inputs(tmp_path_factory):
     (d / "good.txt").write_text("plain text " * 100)
     (d / "notext.jsonl").write_text('{"body": "x"}\n{"body": "y"}\n')
     (d / "notes.txt").write_text("this is not a tokenizer\n")
+    (d / "blank.jsonl").write_text('{"text": ""}\n' * 50)
+    # a first KiB of text, then 98% invalid UTF-8
+    (d / "mostly_bad.txt").write_bytes(b"plain text " * 100 + bytes(
+        rng.randrange(0x80, 0x100) if i % 50 else 0x41 for i in range(20000)))
     (d / "empty").mkdir()
     return d
 
@@ -102,6 +108,10 @@ def inputs(tmp_path_factory):
       "not UTF-8", "leave --data out"]),
     (["--data", "{d}/notext.jsonl"], ["--data", "notext.jsonl", 'no string "text" field']),
     (["--data", "{d}/missing.txt"], ["--data", "missing.txt (does not exist)", "leave --data"]),
+    (["--data", "{d}/blank.jsonl"], ["--data: no document in the 1 file(s)", "blank.jsonl",
+                                     'every "text" is ""']),
+    (["--data", "{d}/mostly_bad.txt"], ["--data: 1 of 1 files are not text", "mostly_bad.txt (",
+                                        "are not UTF-8, more than the 10% allowed"]),
     (["--data", "{d}/empty"], ["--data", "empty (a folder with no", "leave --data out"]),
     (["--tokenizer", "{d}/notes.txt"], ["--tokenizer", "notes.txt", "cannot be loaded",
                                         "tokenizer.json"]),
@@ -212,6 +222,29 @@ def test_data_that_vanishes_mid_run_stops_cleanly(tmp_path, devices, capsys):
     saved = Checkpointer(run_dir / "checkpoints").steps()
     assert saved and saved[-1] >= 2
     assert f"the last good checkpoint is step {saved[-1]}" in err
+
+
+def test_a_failed_save_exits_5_and_the_rerun_resumes(base, tmp_path, capsys, monkeypatch):
+    """The disk fills at the save of step 4 (a fault injected at Orbax's write): exit 5 with
+    one paragraph naming the error, checkpoint 2 and how to resume, no traceback; the rerun
+    resumes from 2 and gives the losses of the straight run (`base`)."""
+    from test_crash_safety import fail_saves
+    run_dir = tmp_path / "run"
+    argv = [*BASE, "--checkpoint-every", "2", "--run-dir", str(run_dir)]
+    with monkeypatch.context() as m:
+        fail_saves(m, {4}, delay_s=2.0)  # the other items written: no writer outlives it
+        capsys.readouterr()
+        code, steps = run_main("mini_mixtral", argv)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_SAVE, err[-3000:]
+    assert "saving the checkpoint of step 4 failed: no space left on the device" in err
+    assert f"the last good checkpoint is step 2 in {run_dir / 'checkpoints'}" in err
+    assert "rerun the same command to resume" in err and "Traceback" not in err
+    assert steps[-1] < 6 or steps == list(range(1, 7))
+    assert not (run_dir / LOCK_NAME).exists()
+    code, steps = run_main("mini_mixtral", argv)
+    assert code == 0 and steps == [3, 4, 5, 6]
+    np.testing.assert_allclose(losses(run_dir)[1], losses(base)[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.e2e
@@ -335,6 +368,34 @@ def test_text_sniffing(tmp_path, inputs):
     assert "20 of the first 920 bytes" in validate.sniff_text(str(tmp_path / "bad.txt"))
 
 
+def test_large_files_are_sampled_past_their_head(tmp_path):
+    """A file whose head is text but whose body is not: refused from samples of the body;
+    a few stray bytes in a large text file are not."""
+    big = tmp_path / "big.txt"
+    body = bytearray(b"text " * 400_000)  # 2 MB: sampled in windows
+    big.write_bytes(bytes(body))
+    assert validate.sniff_text(str(big)) is None
+    for i in range(2000, len(body), 7):
+        body[i] = 0xFF
+    big.write_bytes(bytes(body))
+    assert "more than the 10% allowed" in validate.sniff_text(str(big))
+    body = bytearray(b"text " * 400_000)
+    body[500_000:500_010] = b"\xff" * 10
+    big.write_bytes(bytes(body))
+    assert validate.sniff_text(str(big)) is None
+
+
+def test_a_corpus_smaller_than_one_batch_is_warned_about(tmp_path):
+    (tmp_path / "tiny.txt").write_text("hello")
+    with pytest.warns(UserWarning, match=r"holds 5 bytes, fewer than one batch's 4 x 32 = 128"):
+        validate.warn_small_corpus([str(tmp_path / "tiny.txt")], 4, 32)
+    (tmp_path / "ok.txt").write_text("x" * 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate.warn_small_corpus([str(tmp_path / "ok.txt")], 4, 32)
+        validate.warn_small_corpus(None, 4, 32)  # the built-in corpus
+
+
 def test_stop_agreement_reduces_on_the_devices(devices):
     """The stop flag's reduction over every device of the mesh (one process here: its flag)."""
     import jax
@@ -343,3 +404,27 @@ def test_stop_agreement_reduces_on_the_devices(devices):
     agree = guard.StopAgreement(zoo.make_mesh(fsdp=2, expert=2, context=2))
     assert agree.shape == (8,) and len(agree.sharding.addressable_devices) == 8
     assert int(jax.device_get(agree(True))) == 1 and int(jax.device_get(agree(False))) == 0
+
+
+# -- --from-hf ---------------------------------------------------------------------------------
+
+def test_from_hf_with_a_transposed_tensor_exits_2_before_compiling(tmp_path, capsys, devices):
+    """A checkpoint whose embedding is transposed (same size): refused in seconds, one line
+    naming the key, the checkpoint's shape and the expected one; nothing compiled."""
+    from flax import nnx
+    from safetensors.numpy import load_file, save_file
+
+    from zoo.models.mixtral import Mixtral, MixtralConfig, to_hf
+    overrides = TINY["mini_mixtral"][1::2]
+    config = cli.apply_overrides(MixtralConfig.mini(), overrides)
+    to_hf(Mixtral(config, inputs_shape=(4, 32), rngs=nnx.Rngs(0)), tmp_path / "hf")
+    name = str(tmp_path / "hf" / "model.safetensors")
+    tensors = load_file(name)
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = np.ascontiguousarray(embed.T)
+    save_file(tensors, name)
+    err = refuse([*BASE, "--from-hf", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run")],
+                 capsys)
+    want = f"model.embed_tokens.weight: checkpoint {embed.shape[::-1]}, expected {embed.shape}"
+    assert want in err and f"--from-hf {tmp_path / 'hf'}" in err
+    assert "compiling the train step" not in err

@@ -19,6 +19,7 @@ from flax import nnx
 
 import zoo
 import zoo.ops
+from support import assert_close
 from zoo.layers.attention import Attention
 from zoo.layers.mla import MLA
 from zoo.layers.rope import RoPE, YaRN
@@ -193,14 +194,6 @@ def reference_grads(name, params, x, pos, seg, ct):
     mask = numpy_mask(pos, seg, CONFIGS[name][1].get("sliding_window"))
     (_, y), (gp, gx) = _REFERENCE_FNS[name](params, x, pos, mask, ct)
     return np.asarray(y), gp, np.asarray(gx)
-
-
-def assert_close(actual, expected, what, rtol=2e-5):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    scale = max(float(np.max(np.abs(expected))), 1e-6)
-    err = float(np.max(np.abs(actual - expected))) / scale
-    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
-    assert err < rtol, f"{what}: max error {err:.2e} (relative to max |ref|) >= {rtol}"
 
 
 def assert_tree_close(actual, expected, what):

@@ -223,7 +223,8 @@ def test_missing_tensor_and_shape_mismatch(tmp_path, tiny_ckpt):
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
     save_file(tensors, str(wrong / "model.safetensors"))
-    with pytest.raises(ValueError, match="does not fit zoo"):
+    with pytest.raises(ValueError, match=r"experts.0.w1.weight: checkpoint \(48, 32\), "
+                                         r"expected \(64, 32\) \(zoo .*mlp.wi_gate"):
         mixtral.from_hf(wrong)
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         hf.CheckpointReader(tmp_path)
@@ -289,3 +290,84 @@ def test_fp8_block_quantised_checkpoint(tmp_path):
     np.testing.assert_array_equal(  # tensors without a scale are read as they are
         np.asarray(model.embed_tokens.embedding[...]),
         tensors["model.embed_tokens.weight"].numpy())
+
+
+# -- faults: wrong shapes, unused tensors, damaged files -----------------------------------------
+
+def _copy_ckpt(src, dst, edit=None, **save):
+    """`src`'s tensors (edited by ``edit(dict)``) and config.json written to `dst`."""
+    from safetensors.numpy import load_file
+    tensors = {}
+    for name in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(name)))
+    if edit is not None:
+        edit(tensors)
+    hf.save_checkpoint(dst, tensors.items(), json.loads((src / "config.json").read_text()),
+                       **save)
+    return dst
+
+
+def test_a_transposed_tensor_of_the_same_size_is_refused(tmp_path, tiny_ckpt):
+    """The embedding [64, 32] saved as [32, 64]: refused, naming the key and both shapes."""
+    def transpose(t):
+        t["model.embed_tokens.weight"] = np.ascontiguousarray(t["model.embed_tokens.weight"].T)
+    path = _copy_ckpt(tiny_ckpt[1], tmp_path / "t", transpose)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: checkpoint \(32, 64\), "
+                                         r"expected \(64, 32\) \(zoo embed_tokens.embedding\)"):
+        mixtral.from_hf(path)
+
+
+def test_check_checkpoint_reads_headers_only(tmp_path, tiny_ckpt, monkeypatch):
+    def make():
+        return mixtral.Mixtral(TINY, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(hf.CheckpointReader, "get", lambda self, key: pytest.fail("read"))
+    hf.check_checkpoint(tiny_ckpt[1], make)  # a good checkpoint passes
+    def transpose(t):
+        w = t["model.layers.1.self_attn.o_proj.weight"]  # [32, 32]: a reshape of it
+        t["model.layers.1.self_attn.o_proj.weight"] = np.ascontiguousarray(w.reshape(16, 64))
+    path = _copy_ckpt(tiny_ckpt[1], tmp_path / "r", transpose)
+    with pytest.raises(ValueError, match=r"--from-hf x: 1 tensor\(s\) .*layers.1.self_attn."
+                                         r"o_proj.weight: checkpoint \(16, 64\), expected "
+                                         r"\(32, 32\)"):
+        hf.check_checkpoint(path, make, what="--from-hf x")
+
+
+def test_unused_tensors_are_named_in_a_warning(tmp_path, tiny_ckpt):
+    def add(t):
+        t["model.extra.weight"] = np.zeros((3,), np.float32)
+    path = _copy_ckpt(tiny_ckpt[1], tmp_path / "x", add)
+    with pytest.warns(UserWarning, match=r"ignoring 1 tensor\(s\) .*'model.extra.weight'"):
+        model = mixtral.from_hf(path)
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens.embedding[...]),
+                                  np.asarray(tiny_ckpt[0].embed_tokens.embedding[...]))
+
+
+@pytest.mark.parametrize("fault,words", [
+    ("shard", ["1 shard(s) that", "model.safetensors.index.json", "are missing",
+               "model-00002-of-", "download the missing files"]),
+    ("truncated", ["model-00002-of-", "is truncated", "download it again"]),
+    ("header", ["model-00001-of-", "is not a readable safetensors file"]),
+    ("config", ["config.json cannot be read as JSON", "download the checkpoint folder"]),
+    ("config_list", ["config.json holds list, not a JSON object"]),
+    ("index", ["model.safetensors.index.json cannot be read as JSON"]),
+])
+def test_damaged_files_are_named(tmp_path, tiny_ckpt, fault, words):
+    path = _copy_ckpt(tiny_ckpt[1], tmp_path / "d", max_shard_bytes=20_000)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    if fault == "shard":
+        shards[1].unlink()
+    elif fault == "truncated":
+        shards[1].write_bytes(shards[1].read_bytes()[:-100])
+    elif fault == "header":
+        shards[0].write_bytes(b"\xff" * 8 + shards[0].read_bytes()[8:])
+    elif fault == "config":
+        (path / "config.json").write_text('{"model_type": "mixtral", ')
+    elif fault == "config_list":
+        (path / "config.json").write_text("[1]")
+    else:
+        (path / hf.INDEX_NAME).write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError) as e:
+        mixtral.from_hf(path)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

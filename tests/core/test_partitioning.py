@@ -207,3 +207,56 @@ def test_flax_workarounds_are_version_guarded():
     assert fc.version_tuple("0.13.0rc1") == (0, 13, 0)
     on = fc.FLAX_VERSION <= fc.CHECKED_ON
     assert fc.NUMPY_RNG_COUNTER is on
+
+
+# -- the platform a program is built for is its mesh's ------------------------------------------
+
+class _Device:  # a topology's device description: only its platform is read
+    def __init__(self, platform):
+        self.platform = platform
+
+
+class _Mesh:
+    def __init__(self, platform, n=8):
+        self.devices = np.array([_Device(platform) for _ in range(n)], dtype=object)
+
+
+def test_mesh_platform_reads_the_devices(devices):
+    from zoo.partitioning import mesh_platform
+    assert mesh_platform(zoo.make_mesh(fsdp=8)) == "cpu"
+    assert mesh_platform(_Mesh("tpu")) == "tpu"
+    assert mesh_platform(_Mesh("cuda")) == mesh_platform(_Mesh("gpu")) == "gpu"
+    assert mesh_platform(None) == "cpu"  # no mesh: the default device's
+    assert zoo.Partitioner(zoo.make_mesh(fsdp=8)).platform == "cpu"
+
+
+def test_program_choices_follow_the_mesh_not_the_process(devices, monkeypatch):
+    """A process whose default backend is an accelerator (as with libtpu loaded) still builds
+    the CPU program for a CPU mesh, and an accelerator mesh gets the accelerator program on a
+    CPU host: kernels, tiles, ring pieces, donation and host offload."""
+    from zoo.models.decoder import remat_policy
+    from zoo.ops.flash import ACCELERATOR_TILES, CPU_TILES, FlashKernel
+    from zoo.ops.kernels import TokamaxKernel, get_kernel
+    from zoo.ops.ring import ring_rounds
+    from zoo.train.step import make_train_step
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    cpu = zoo.Partitioner(zoo.make_mesh(fsdp=8)).platform
+    kern = get_kernel("auto", cpu)
+    assert isinstance(kern, FlashKernel) and (kern.q_tile, kern.kv_tile) == CPU_TILES
+    tpu = get_kernel("auto", "tpu")  # Mosaic TPU takes no batched (document) masks
+    assert isinstance(tpu, FlashKernel) and (tpu.q_tile, tpu.kv_tile) == ACCELERATOR_TILES
+    assert isinstance(get_kernel("auto", "gpu"), TokamaxKernel)
+    tok = get_kernel("tokamax", "tpu")
+    assert tok.implementation[0] == "mosaic_tpu" and tok.pad_to == 128
+    assert get_kernel("tokamax", "gpu").implementation[0] == "mosaic_gpu"
+    assert FlashKernel().for_platform("gpu").tiles(4096, 4096) == ACCELERATOR_TILES
+    assert FlashKernel(q_tile=16).for_platform("tpu").q_tile == 16  # a user's tile stays
+    shape = (1, 4096, 8, 64)
+    assert ring_rounds(8, shape, shape, shape, platform=cpu) == 16  # 256-key pieces
+    assert ring_rounds(8, shape, shape, shape, platform="tpu") == 4  # 1,024-key pieces
+    with pytest.raises(ValueError, match="pinned host memory"):
+        remat_policy("offload_layer_outputs", cpu)
+    assert remat_policy("offload_layer_outputs", "gpu")[0]
+    # donation: on by default for an accelerator mesh, off for a CPU one (XLA:CPU cache hangs)
+    assert make_train_step(platform=cpu)._jit_info.donate_argnums == ()
+    assert make_train_step(platform="gpu")._jit_info.donate_argnums == (0, 1)

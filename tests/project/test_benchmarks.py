@@ -10,7 +10,7 @@ import pytest
 
 from zoo.models.mixtral import MixtralConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train_step.py")
 
 pytestmark = pytest.mark.e2e  # every test runs the benchmark script in a subprocess

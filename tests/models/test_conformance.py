@@ -1,6 +1,6 @@
 """Every model family against Hugging Face transformers: the checks of `conformance`, per spec.
 
-To add a family, add one `FamilySpec` to `FAMILIES` (see tests/conformance.py for the checks).
+To add a family, add one `FamilySpec` to `FAMILIES` (checks: tests/models/conformance.py).
 """
 
 import pytest
@@ -13,7 +13,7 @@ from zoo.models import deepseek3, mixtral, qwen3_moe
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-# recipe flags shared with tests/test_recipes.py, so the two reuse compiled steps
+# recipe flags shared with tests/train/test_recipes.py, so the two reuse compiled steps
 MIXTRAL_TINY = ("--set", "num_hidden_layers=1", "--set", "hidden_size=32",
                 "--set", "intermediate_size=32", "--set", "num_attention_heads=4",
                 "--set", "head_dim=8")

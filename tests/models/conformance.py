@@ -1,6 +1,6 @@
 """The conformance suite of a model family: the same checks for every family, from a short spec.
 
-A family is one `FamilySpec` in ``tests/test_conformance.py``::
+A family is one `FamilySpec` in ``tests/models/test_conformance.py``::
 
     FamilySpec(name="mixtral", config_cls=MixtralConfig, model_cls=Mixtral,
                from_hf=mixtral.from_hf, to_hf=mixtral.to_hf,
@@ -8,7 +8,7 @@ A family is one `FamilySpec` in ``tests/test_conformance.py``::
                presets={"mixtral_8x7b": MixtralConfig.mixtral_8x7b, "mini": MixtralConfig.mini},
                recipe="mini_mixtral", recipe_flags=("--set", "hidden_size=32", ...))
 
-The checks (tests/test_conformance.py runs each for every spec):
+The checks (tests/models/test_conformance.py runs each for every spec):
 
 * the Hugging Face reference: a tiny random transformers model (fp32, eager attention, norm
   scales and router biases perturbed) saved with ``save_pretrained``; its logits, its
@@ -51,10 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from support import rel_err
 from zoo.layers import hf_keys as hfk
 from zoo.models import hf
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, L = 4, 16
 TOL = 1e-4  # fp32 relative error (observed ~1e-7)
 
@@ -101,11 +102,6 @@ class FamilySpec:
 
 
 # -- small helpers ---------------------------------------------------------------------------
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
 
 def close(a, b, tol: float = TOL) -> bool:
     """Max error within `tol` of the reference's largest magnitude (exactly-zero references,

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "zoo" / "train"
 FAMILY_NAMES = re.compile(r"DeepSeek3Config|MixtralConfig|Qwen3MoeConfig|GptOssConfig|"
                           r"Glm4MoeConfig|isinstance\(config, ")

@@ -10,7 +10,7 @@ would fail). One compiled program per (strategy, mesh) runs all masks, so the co
 shared; head shapes (GQA, MQA, MHA, MLA-like wider q/k than v), a tensor axis and the ring's
 rounds vary across the programs. The flash kernel uses 8x8 tiles so short test sequences
 still take several tiles per block (its tile budgets are tested on their own in
-tests/test_attention_open.py).
+tests/layers/test_attention_open.py).
 """
 
 import functools
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import zoo
+from support import attention_fwd_bwd as _fwd_bwd
 from zoo.ops import attention, attention_mask, dot_product_attention
 from zoo.ops.flash import FlashKernel
 from zoo.ops.masks import (Causal, Chunked, Document, MaskFn, PrefixLM, SlidingWindow,
@@ -112,12 +113,6 @@ def data(shape, dtype="float32", full_pad_row=False, prefix=False):
     dt = jnp.dtype(dtype)
     return (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(pos),
             jnp.asarray(seg), jnp.asarray(w, jnp.float32))
-
-
-def _fwd_bwd(fn, q, k, v, pos, seg, w):
-    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_positions=pos, kv_positions=pos,
-                                          q_segment_ids=seg, kv_segment_ids=seg), q, k, v)
-    return (out, *vjp(w.astype(out.dtype)))
 
 
 def _mask_kw(mask):

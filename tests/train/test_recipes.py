@@ -30,7 +30,7 @@ from zoo.train import TrainConfig, cli
 from zoo.train.checkpoint import Checkpointer
 from zoo.train import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMMON = ["--batch-size", "4", "--seq-len", "32", "--no-progress"]
 TINY = {
     "mini_mixtral": ["--set", "num_hidden_layers=1", "--set", "hidden_size=32",

@@ -5,7 +5,7 @@
 * Config and constructor validation errors name the value and the fix; `DecoderConfig` derives
   the zoo-only fields from one place.
 * (Parameter counts against transformers, subclass swaps, remat and every Hugging Face check
-  live in tests/conformance.py.)
+  live in tests/models/conformance.py.)
 """
 
 import dataclasses

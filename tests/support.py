@@ -1,0 +1,30 @@
+"""Helpers shared by the test packages (importable as ``support``: pytest puts ``tests/`` on
+the path for its ``conftest.py``). Fixtures live in ``tests/conftest.py``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def rel_err(a, b) -> float:
+    """Max absolute error relative to the reference's largest magnitude."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def assert_close(actual, expected, what: str, rtol: float = 2e-5) -> None:
+    """Finite, and within `rtol` of the reference's largest magnitude (floored at 1e-6)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = max(float(np.max(np.abs(expected))), 1e-6)
+    err = float(np.max(np.abs(actual.astype(np.float64) - expected))) / scale
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+    assert err < rtol, f"{what}: max error {err:.2e} (relative to max |ref|) >= {rtol}"
+
+
+def attention_fwd_bwd(fn, q, k, v, pos, seg, w):
+    """``(out, dq, dk, dv)`` of `fn` over packed rows (same positions/segments for q and kv),
+    the output weighted by `w` (cast to the output's dtype)."""
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_positions=pos, kv_positions=pos,
+                                          q_segment_ids=seg, kv_segment_ids=seg), q, k, v)
+    return (out, *vjp(w.astype(out.dtype)))

@@ -1,0 +1,59 @@
+"""Compile targets: the TPU compiler on this CPU host (libtpu, no TPU), and programs that
+follow their mesh's platform (`zoo.targets`, `zoo.train.rehearse.rehearse(target=...)`)."""
+
+import importlib.util
+
+import pytest
+
+from zoo import targets
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def test_parse_target():
+    assert targets.parse_target("cpu") == ("cpu", None, None)
+    assert targets.parse_target("tpu:v5p:8x8x4") == ("tpu", "v5p", "8x8x4")
+    assert targets.parse_target("v6e:4x4") == ("tpu", "v6e", "4x4")
+    for bad in ("tpu", "v9:2x2", "v5p-256", "gpu:h100"):
+        with pytest.raises(ValueError, match="tpu:v5p:8x8x4"):
+            targets.parse_target(bad)
+
+
+def test_out_of_memory_is_read_from_the_compilers_message():
+    err = RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory "
+                       "in memory space hbm. Used 192.43G of 95.74G hbm. Exceeded hbm capacity "
+                       "by 96.69G. ... HLO temporaries (162.79G) exceeds available HBM (95.74G)")
+    temp, avail = targets.out_of_memory(err)
+    assert temp == int(162.79 * 2 ** 30) and avail == int(95.74 * 2 ** 30)
+    assert targets.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes")) is None
+    assert targets.hbm_bytes("TPU v5") == int(95.74 * 2 ** 30)
+    assert targets.hbm_bytes("NVIDIA H100") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_tpu_target_compiles_the_tpu_program(devices):
+    """The mini DeepSeek-V3 step (EP-as-CP) compiled by the TPU compiler for a v5p slice of 8
+    chips: its MoE runs tokamax's Mosaic ragged dot (``tpu_custom_call``), which a CPU mesh
+    never gets, and the compiler's memory verdict is reported. The same step for the CPU mesh
+    has no TPU kernel."""
+    from zoo.train.rehearse import rehearse
+    kw = dict(mesh="fsdp=2,expert=2,context=2", strategy="ep_as_cp", batch_size=8,
+              seq_len=256, overrides={"num_hidden_layers": 2})
+    tpu = rehearse("deepseek3_mini", target="tpu:v5p:2x2x2", **kw)
+    assert (tpu.target, tpu.device_kind, tpu.devices) == ("tpu", "TPU v5", 8)
+    assert tpu.custom_calls.get("tpu_custom_call", 0) > 0, tpu.custom_calls
+    assert tpu.hbm_bytes == targets.hbm_bytes("TPU v5") and tpu.fits is True
+    assert tpu.row()["target"] == "TPU v5" and "of 95.74 GiB: fits" in str(tpu)
+    cpu = rehearse("deepseek3_mini", **kw)
+    assert cpu.target == "cpu" and cpu.fits is None
+    assert "tpu_custom_call" not in cpu.custom_calls
+
+
+def test_target_setting_is_checked_when_parsed():
+    from zoo.train.config import TrainConfig
+    with pytest.raises(ValueError, match="needs --rehearse"):
+        TrainConfig(target="tpu:v5p:2x2x2")
+    with pytest.raises(ValueError, match=r"--target 'v5p-8'.*tpu:v5p:8x8x4"):
+        TrainConfig(target="v5p-8", rehearse=True)
+    assert TrainConfig(target="tpu:v5p:2x2x2", rehearse=True).target == "tpu:v5p:2x2x2"

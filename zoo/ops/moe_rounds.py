@@ -1,0 +1,232 @@
+"""Exact all-to-all expert dispatch in bounded buffers: overflow travels in further rounds.
+
+`zoo.ops.moe.all_to_all_experts` reserves ``capacity`` receive rows per peer and drops the
+copies beyond them. `all_to_all_rounds` keeps those buffers and drops nothing: round ``r``
+sends, for every destination, the copies ranked ``[r*C, (r+1)*C)`` among those bound for it
+(first choices first, then token order), the receiver runs the grouped SwiGLU on them and
+sends the rows back. The number of rounds is decided on device: the largest
+``ceil(count / C)`` over every (sender, destination) pair of the expert axis (one ``pmax``),
+so a balanced router needs one round and every token sent to one expert needs
+``ceil(T * k_on_that_device / C)``. The loop is a `jax.lax.while_loop`.
+
+A while loop with a data-dependent trip count has no reverse-mode derivative, so the exchange
+has its own VJP (`jax.custom_vjp`): the backward runs the same rounds, re-sending the round's
+inputs with the output's cotangent rows (recompute instead of storing every round's buffers),
+differentiates the grouped SwiGLU on them, accumulates the expert weights' gradients and sends
+the input rows' gradients back. Memory is that of one round (the ``capacity`` buffers) plus
+``[M, D]`` accumulators of the per-copy outputs (forward) or input gradients (backward), and
+the expert-weight gradient accumulators; time grows with the rounds.
+
+Legend as in `zoo.ops.moe`: T tokens, k copies per token, M = T*k copies, D embed, C rows per
+peer per round, EP (``n``) expert shards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from zoo.ops.moe import _combine, _vary, _varying, grouped_swiglu
+
+__all__ = ["all_to_all_rounds"]
+
+
+def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
+                      wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *, axis_name,
+                      num_shards: int, capacity: int, impl: str = "auto",
+                      transport: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """Exact expert-parallel dispatch by all-to-all in rounds of ``capacity`` rows per peer,
+    inside `jax.shard_map` over `axis_name` (arguments as `zoo.ops.moe.all_to_all_experts`).
+
+    Returns ``(y [T, D] float32, rounds int32)``: ``rounds`` is the number of rounds this
+    expert group ran (the same on each of its devices); nothing is dropped.
+    """
+    x = x.astype(wi_gate.dtype)
+    axes = frozenset().union(*(_varying(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
+    x, wi_gate, wi_up, wo = (_vary(v, axes) for v in (x, wi_gate, wi_up, wo))
+    indices = _vary(indices, axes)
+    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport)
+    got, rounds = _exchange(cfg, x, wi_gate, wi_up, wo, indices)
+    num_tokens, k = indices.shape
+    return _combine(got.reshape(k, num_tokens, -1), weights), rounds
+
+
+class _Cfg:
+    """The static settings of one exchange (hashable for `jax.custom_vjp`'s nondiff args)."""
+
+    def __init__(self, axis_name, n, cap, impl, transport):
+        self.axis_name, self.n, self.cap, self.impl, self.transport = (
+            axis_name, n, cap, impl, transport)
+
+    def _key(self):
+        return (self.axis_name, self.n, self.cap, self.impl, self.transport)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, _Cfg) and self._key() == other._key()
+
+
+class _Plan:
+    """Where every copy goes: destination, local expert, rank among the copies for that
+    destination, the copies sorted by destination, and the rounds the group needs."""
+
+    def __init__(self, cfg: _Cfg, indices: jax.Array, num_local: int):
+        num_tokens, k = indices.shape
+        self.num_tokens, self.copies = num_tokens, num_tokens * k
+        ids = indices.T.reshape(-1)  # copy j*T + t: first choices first
+        self.dest = ids // num_local
+        self.e_local = ids - self.dest * num_local
+        self.order = jnp.argsort(self.dest, stable=True)
+        self.counts = jnp.bincount(self.dest, length=cfg.n).astype(jnp.int32)
+        self.starts = jnp.cumsum(self.counts) - self.counts
+        self.pos = jnp.zeros_like(self.order).at[self.order].set(
+            jnp.arange(self.copies, dtype=self.order.dtype))
+        self.rank = self.pos - self.starts[self.dest]
+        need = jnp.max((self.counts + cfg.cap - 1) // cfg.cap)
+        self.rounds = jax.lax.pmax(need, cfg.axis_name).astype(jnp.int32)
+        self.me = jax.lax.axis_index(cfg.axis_name)
+        self.their_starts = jax.lax.all_to_all(self.starts, cfg.axis_name, 0, 0, tiled=True)
+
+
+def _round(cfg: _Cfg, plan: _Plan, r):
+    """Round r's per-destination sizes and slots: (sent [n], received [n], slot copies [n, C],
+    filled [n, C], in-round mask of the copies [M])."""
+    cap = cfg.cap
+    sent = jnp.clip(plan.counts - r * cap, 0, cap)
+    recv = jax.lax.all_to_all(sent, cfg.axis_name, 0, 0, tiled=True)
+    slot = jnp.arange(cap)
+    src = plan.order[jnp.clip(plan.starts[:, None] + r * cap + slot, 0, plan.copies - 1)]
+    filled = slot < sent[:, None]
+    here = (plan.rank >= r * cap) & (plan.rank < (r + 1) * cap)
+    return sent, recv, src, filled, here
+
+
+def _go(cfg: _Cfg, plan: _Plan, r, rows, tags):
+    """Send round r's copies: ``rows [M, D]`` and ``tags [M]`` (copy order) -> the receiver's
+    ``[n*C, D]`` rows and ``[n*C]`` tags (empty slots tagged -1), peer-major."""
+    sent, recv, src, filled, _ = _round(cfg, plan, r)
+    n, cap, name = cfg.n, cfg.cap, cfg.axis_name
+
+    def padded(rows, tags):
+        send_x = jnp.where(filled[..., None], rows[src], 0)
+        send_t = jnp.where(filled, tags[src], -1)
+        out = [jax.lax.all_to_all(v, name, 0, 0, tiled=True) for v in (send_x, send_t)]
+        return out[0].reshape(n * cap, -1), out[1].reshape(-1)
+
+    def ragged(rows, tags):
+        xs, ts = rows[plan.order], tags[plan.order]
+        at = jnp.full((n,), plan.me * cap, jnp.int32)
+        offsets = plan.starts + r * cap
+        vary = lambda v, like: _vary(v, _varying(like))
+        rx = jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, xs.shape[-1]), xs.dtype), xs),
+                                       offsets, sent, at, recv, axis_name=name)
+        rt = jax.lax.ragged_all_to_all(ts, vary(jnp.full((n * cap,), -1, ts.dtype), ts),
+                                       offsets, sent, at, recv, axis_name=name)
+        return rx, rt
+    return _transport(cfg, padded, ragged, rows, tags)
+
+
+def _back(cfg: _Cfg, plan: _Plan, r, out, acc):
+    """Return round r's result rows ``out [n*C, D]`` to their senders, into ``acc [M, D]``
+    (copy order; the round's copies replaced)."""
+    sent, recv, _, _, here = _round(cfg, plan, r)
+    n, cap, name = cfg.n, cfg.cap, cfg.axis_name
+
+    def padded(out):
+        back = jax.lax.all_to_all(out.reshape(n, cap, -1), name, 0, 0, tiled=True)
+        return back[plan.dest, jnp.clip(plan.rank - r * cap, 0, cap - 1)]
+
+    def ragged(out):
+        dst = _vary(jnp.zeros((plan.copies, out.shape[-1]), out.dtype), _varying(out))
+        back = jax.lax.ragged_all_to_all(out, dst, jnp.arange(n) * cap, recv,
+                                         plan.their_starts + r * cap, sent, axis_name=name)
+        return back[plan.pos]
+    got = _transport(cfg, padded, ragged, out)
+    return jnp.where(here[:, None], got.astype(acc.dtype), acc)
+
+
+def _transport(cfg: _Cfg, padded, ragged, *args):
+    if cfg.transport == "padded":
+        return padded(*args)
+    if cfg.transport == "ragged":
+        return ragged(*args)
+    return jax.lax.platform_dependent(*args, cpu=padded, default=ragged)
+
+
+def _expert_rows(cfg: _Cfg, recv_x, recv_e, wg, wu, wo, copies: int):
+    """The grouped SwiGLU of one round's received rows (empty slots give zeros)."""
+    num_local = wg.shape[0]
+    keys = jnp.where(recv_e < 0, num_local, recv_e)
+    order = jnp.argsort(keys, stable=True)
+    sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    out = grouped_swiglu(recv_x, wg, wu, wo, sizes, cfg.impl, expected_rows=copies, order=order)
+    return jnp.where((keys < num_local)[:, None], out, 0)
+
+
+def _source_rows(plan: _Plan, x):
+    return x[jnp.arange(plan.copies) % plan.num_tokens]
+
+
+def _forward(cfg: _Cfg, x, wg, wu, wo, indices):
+    plan = _Plan(cfg, indices, wg.shape[0])
+    rows = _source_rows(plan, x)
+
+    def body(carry):
+        r, acc = carry
+        recv_x, recv_e = _go(cfg, plan, r, rows, plan.e_local)
+        out = _expert_rows(cfg, recv_x, recv_e, wg, wu, wo, plan.copies)
+        return r + 1, _back(cfg, plan, r, out, acc)
+
+    acc = _vary(jnp.zeros((plan.copies, x.shape[-1]), x.dtype), _varying(x))
+    zero = _vary(jnp.zeros((), jnp.int32), _varying(plan.rounds))
+    _, acc = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (zero, acc))
+    return acc, plan.rounds
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _exchange(cfg: _Cfg, x, wg, wu, wo, indices):
+    return _forward(cfg, x, wg, wu, wo, indices)
+
+
+def _exchange_fwd(cfg, x, wg, wu, wo, indices):
+    got, rounds = _forward(cfg, x, wg, wu, wo, indices)
+    return (got, rounds), (x, wg, wu, wo, indices)
+
+
+def _exchange_bwd(cfg, res, cotangents):
+    x, wg, wu, wo, indices = res
+    d_got = cotangents[0].astype(x.dtype)
+    plan = _Plan(cfg, indices, wg.shape[0])
+    rows = _source_rows(plan, x)
+    # the cotangent rows travel with their copies' local expert ids packed beside them
+    width = x.shape[-1]
+    both = jnp.concatenate([rows, d_got], axis=-1)
+
+    def body(carry):
+        r, dx_acc, dwg, dwu, dwo = carry
+        recv, recv_e = _go(cfg, plan, r, both, plan.e_local)
+        recv_x, recv_d = recv[:, :width], recv[:, width:]
+        _, vjp = jax.vjp(lambda a, g, u, o: _expert_rows(cfg, a, recv_e, g, u, o, plan.copies),
+                         recv_x, wg, wu, wo)
+        d_rx, d_g, d_u, d_o = vjp(recv_d)
+        dx_acc = _back(cfg, plan, r, d_rx, dx_acc)
+        return r + 1, dx_acc, dwg + d_g.astype(dwg.dtype), dwu + d_u.astype(dwu.dtype), \
+            dwo + d_o.astype(dwo.dtype)
+
+    def zeros(v, dtype=None):
+        return _vary(jnp.zeros(v.shape, dtype or v.dtype), _varying(v))
+    zero = _vary(jnp.zeros((), jnp.int32), _varying(plan.rounds))
+    dx0 = _vary(jnp.zeros((plan.copies, width), x.dtype), _varying(x))
+    init = (zero, dx0, zeros(wg, jnp.float32), zeros(wu, jnp.float32), zeros(wo, jnp.float32))
+    _, dx_copies, dwg, dwu, dwo = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
+    k = plan.copies // plan.num_tokens
+    dx = dx_copies.reshape(k, plan.num_tokens, width).sum(0)
+    return (dx.astype(x.dtype), dwg.astype(wg.dtype), dwu.astype(wu.dtype),
+            dwo.astype(wo.dtype), None)
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)

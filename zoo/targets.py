@@ -1,0 +1,102 @@
+"""Compile targets: the devices a program is compiled for, which need not be this host's.
+
+The TPU compiler ships in libtpu (``pip install "jax[tpu]"``, the ``tpu-compile`` extra) and
+runs on a CPU-only host: `jax.experimental.topologies` describes a slice's chips without
+owning any, a mesh over those descriptions lowers and compiles for them, and XLA's memory
+analysis (or its out-of-memory error) is the TPU's. `zoo.train.rehearse.rehearse` takes
+``target=`` and compiles the train step this way; every program choice zoo makes follows the
+mesh's platform (`zoo.partitioning.mesh_platform`), so this is the program a run on that
+slice builds.
+
+* `target_devices(target)` -- ``"cpu"`` (this host's devices) or a TPU slice,
+  ``"tpu:v5p:2x2x2"`` / ``"v5p:8x8x4"`` (generation, then the topology's chip grid), as a
+  list of device descriptions.
+* `configure_process()` -- the environment libtpu needs on a host without TPUs (called by
+  `target_devices`): no metadata-server query, several processes may load it (test workers,
+  subprocesses), and jax's own platform stays the CPU.
+* `hbm_bytes(device_kind)` -- a chip's memory as the TPU compiler counts it (what its
+  out-of-memory message states), None when not known.
+
+GPU targets (``jax[cuda12]`` and a ``gpu_device_info`` description) compile the same way but
+need the CUDA plugin and toolchain (several GB); they are not wired here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+__all__ = ["target_devices", "configure_process", "hbm_bytes", "parse_target", "TPU_CHIPS"]
+
+# generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
+TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
+GiB = 2 ** 30
+# per-device memory the TPU compiler allows (its RESOURCE_EXHAUSTED message: "available HBM")
+_HBM = {"TPU v4": 32 * GiB, "TPU v5": 95.74 * GiB, "TPU v5 lite": 15.75 * GiB,
+        "TPU v6 lite": 31.25 * GiB}
+
+
+def configure_process() -> None:
+    """Environment for libtpu on a host without TPUs (set only where not already set)."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+
+
+def parse_target(target: str) -> tuple[str, str | None, str | None]:
+    """``(platform, generation, topology)`` of a target text; ValueError naming the forms."""
+    text = target.strip().lower()
+    if text == "cpu":
+        return "cpu", None, None
+    if text.startswith("tpu:"):
+        text = text[4:]
+    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)+)", text)
+    if m is None or m.group(1) not in TPU_CHIPS:
+        raise ValueError(
+            f"target={target!r}: expected 'cpu' or a TPU slice 'tpu:<generation>:<grid>' "
+            f"with generation one of {sorted(TPU_CHIPS)} and grid like 2x2x2 (v4/v5p) or 4x4 "
+            f"(v5e/v6e), e.g. 'tpu:v5p:8x8x4' for a v5p-256")
+    return "tpu", m.group(1), m.group(2)
+
+
+def target_devices(target: str) -> list[Any]:
+    """The devices `target` names (see `parse_target`): this host's for ``"cpu"``, else the
+    chips of a TPU slice described by libtpu (no TPU needed; raises with the install command
+    when libtpu is missing)."""
+    platform, gen, grid = parse_target(target)
+    if platform == "cpu":
+        import jax
+        return list(jax.devices())
+    configure_process()
+    try:
+        import libtpu  # noqa: F401  (the compiler; jax finds it by itself)
+    except ImportError:
+        raise ValueError(f"target={target!r} needs the TPU compiler: pip install -e "
+                         f"'.[tpu-compile]' (jax[tpu], libtpu)") from None
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{grid}",
+                                        chip_config_name=TPU_CHIPS[gen], num_slices=1)
+    return list(topo.devices)
+
+
+def hbm_bytes(device_kind: str) -> int | None:
+    """Per-device memory of a TPU kind, as its compiler counts it; None if not known."""
+    v = _HBM.get(device_kind)
+    return None if v is None else int(v)
+
+
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGT])\)")
+_UNIT = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def out_of_memory(error: BaseException) -> tuple[int, int] | None:
+    """``(temporaries, available)`` bytes of a TPU compiler out-of-memory error, else None."""
+    m = _OOM.search(str(error))
+    if m is None:
+        return None
+    return (int(float(m.group(1)) * _UNIT[m.group(2)]),
+            int(float(m.group(3)) * _UNIT[m.group(4)]))
