@@ -193,7 +193,7 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
 
 # -- command line -----------------------------------------------------------------------------
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_command_line(tmp_path, devices, capsys):
