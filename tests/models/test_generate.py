@@ -196,6 +196,7 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.e2e  # trains a run, then runs the command in a subprocess
 def test_command_line(tmp_path, devices, capsys):
     spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes" / "mini_deepseek3.py")
     recipe = importlib.util.module_from_spec(spec)
