@@ -204,7 +204,8 @@ def test_command_line(tmp_path, devices, capsys):
     run = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
         assert recipe.main(["--steps", "1", "--batch-size", "4", "--seq-len", "32",
-                            "--no-progress", *DEEPSEEK_TINY, "--run-dir", str(run)]) == 0
+                            "--no-progress", "--sample-tokens", "0", *DEEPSEEK_TINY,
+                            "--run-dir", str(run)]) == 0
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
