@@ -101,14 +101,17 @@ def test_zoo_only_fields_are_declared_once():
     config.json carries every other field."""
     shared = {"dtype", "param_dtype", "remat_policy", "scan_layers", "attention_implementation",
               "attention_layout",
-              "capacity_factor", "moe_dispatch", "moe_grouped_matmul", "moe_buffer_factor"}
+              "capacity_factor", "moe_dispatch", "moe_grouped_matmul", "moe_buffer_factor",
+              "moe_overflow"}
     assert zoo_only_fields(DecoderConfig) == shared
-    for cls in (MixtralConfig, DeepSeek3Config):
-        assert zoo_only_fields(cls) == shared
+    own = {MixtralConfig: set(), DeepSeek3Config: {"mtp_depth", "mtp_loss_weight"}}
+    for cls, extra in own.items():  # a family's own zoo-only fields (DeepSeek's MTP)
+        assert zoo_only_fields(cls) == shared | extra
         written = set(cls.mini().to_hf_config())
         fields = {f.name for f in dataclasses.fields(cls)}
         # (config.json's "dtype" is transformers' storage dtype, written from param_dtype)
-        assert fields - written == shared - {"dtype"} | ({"rope_theta", "rope_scaling"} & fields)
+        assert fields - written == (shared | extra) - {"dtype"} | (
+            {"rope_theta", "rope_scaling"} & fields)
         assert cls.from_hf_config({**cls.mini().to_hf_config(), "dtype": "bfloat16"}).dtype \
             == jnp.float32
 

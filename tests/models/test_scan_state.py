@@ -173,7 +173,8 @@ def test_scan_returns_only_the_state_the_forward_changes():
     variable, one stacked value: the noise counts, the call counter and the sown value --
     never the parameters or the RNG keys; a layer that changes nothing adds no output."""
     tokens = jnp.zeros((B, L), jnp.int32)
-    aux_entries = 4  # load_balance_loss, expert_counts, dropped_tokens, dropped_fraction
+    aux_entries = 5  # load_balance_loss, expert_counts, dropped_tokens, dropped_fraction,
+    # moe_rounds
     plain = _model(scan=True, layer_cls=MixtralDecoderLayer)
     assert _top_level_scan_outputs(plain, tokens) == 1 + aux_entries
     assert _top_level_scan_outputs(_model(scan=True), tokens) == 1 + aux_entries + 3
