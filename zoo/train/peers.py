@@ -9,7 +9,8 @@ this, the client's ``missed_heartbeat_callback``, cannot be given from Python in
 (calling it raises ``std::bad_cast`` in C++), so `join` and `Watchdog` work around it:
 
 * `join` -- ``jax.distributed.initialize`` with ``initialization_timeout = peer_timeout``; a
-  peer that does not join in that time raises `PeerLost` (the CLI prints it, exit 6).
+  peer that does not join in that time raises `PeerLost` (the CLI prints it, exit 6), or
+  makes jax abort in its error-polling thread, where `catch_abort` prints the same message.
 * `Watchdog` -- a daemon thread per process writes a counter into the distributed key-value
   store every few seconds and reads the others'. A peer whose counter has not moved for
   ``peer_timeout`` seconds, or a coordinator that no longer answers, ends this process with
@@ -100,9 +101,10 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
 
 
 def _not_joined(coordinator, num, pid, timeout: float) -> str:
-    if pid == 0:
-        others = _names(range(1, num)) if num else "another process"
-        who = f"{others} of {num} did not join the job at {coordinator}"
+    if pid is None or num is None:  # --distributed: jax detects them
+        who = f"a process of the job (coordinator {coordinator or 'detected'}) did not join"
+    elif pid == 0:
+        who = f"{_names(range(1, num))} of {num} did not join the job at {coordinator}"
     else:
         who = f"process {pid}: process 0 (the coordinator at {coordinator}) did not answer"
     return (f"{who} within --peer-timeout {timeout:g} s; nothing was trained. Start every "
