@@ -81,6 +81,18 @@ def test_watchdog_names_a_vanished_coordinator(monkeypatch):
     assert "there is no checkpoint on disk" in dog.message([0])
 
 
+def test_failures_that_may_come_from_a_lost_peer():
+    gloo = RuntimeError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise ValueError("the save at step 4 failed") from e
+    except ValueError as e:
+        assert peers.caused_by_a_peer(e)
+    assert not peers.caused_by_a_peer(ValueError("no space left on device"))
+
+
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
 def test_peer_timeout_is_validated(value):
     with pytest.raises(ValueError, match=r"--peer-timeout .*must be a finite number of seconds"):

@@ -258,7 +258,7 @@ def _train(recipe: Recipe, built, on_step) -> int:
     extra = [hooks.OnStep(on_step)] if on_step is not None else []
     trainer = Trainer(built, hooks=extra, name=recipe.name, lock=False)
     try:
-        trainer.train()
+        _train_watched(trainer)
     except TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
@@ -278,3 +278,18 @@ def _train(recipe: Recipe, built, on_step) -> int:
     finally:
         trainer.close()
     return 0
+
+
+def _train_watched(trainer) -> None:
+    """`trainer.train`; with several processes, a failure that may come from a lost peer (a
+    failed collective or save) waits for the peer watchdog's verdict first: exit 6 naming the
+    peer (`zoo.train.peers`), or, when the peers are all alive, the failure as it is."""
+    import jax
+
+    from zoo.train import peers
+    try:
+        trainer.train()
+    except Exception as e:
+        if jax.process_count() > 1 and peers.caused_by_a_peer(e):
+            peers.await_verdict()
+        raise

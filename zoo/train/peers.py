@@ -135,6 +135,7 @@ class Watchdog:
         self._unreachable_since: float | None = None
         self._beat = 0
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     def poll(self) -> None:
         """One round: write this counter, read the peers'; a failing store (the coordinator
@@ -195,13 +196,25 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        """No more rounds."""
+        self._stopped.set()
+
+    def await_verdict(self) -> None:
+        """Block until this watchdog ends the process for a lost peer, or until it could have
+        (``timeout`` + two rounds) without doing so."""
+        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        while time.monotonic() < deadline and self._thread is not None \
+                and self._thread.is_alive():
+            time.sleep(0.2)
+
     def _run(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             self.poll()
             gone = self.lost()
-            if gone:
+            if gone and not self._stopped.is_set():
                 _die(self.message(gone))
-            time.sleep(self.interval)
+            self._stopped.wait(self.interval)
 
 
 def _die(message: str) -> None:
@@ -232,6 +245,34 @@ def watch(peer_timeout: float, *, coordinator: str | None, name: str = "zoo") ->
                        jax.process_count(), peer_timeout, coordinator=coordinator, name=name)
         _current["dog"] = dog.start()
     return _current["dog"]
+
+
+# what a peer gone mid-collective or mid-save looks like in an exception's text
+_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "UNAVAILABLE",
+            "heartbeat", "DEADLINE_EXCEEDED")
+
+
+def caused_by_a_peer(error: BaseException | None) -> bool:
+    """Whether `error` (or what caused it) may come from a lost peer: a jax runtime error
+    (a failed collective) or a message like one."""
+    import jax
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError) or any(
+                m in str(error) for m in _MARKERS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def await_verdict() -> None:
+    """After a collective failed (gloo: "Connection closed by peer"), leave the verdict to the
+    watchdog: a lost peer ends the process with its message and exit 6; otherwise this returns
+    (at most ``peer_timeout`` + two rounds later) and the caller re-raises."""
+    dog = _current.get("dog")
+    if dog is not None:
+        dog.await_verdict()
 
 
 def set_checkpoints(directory: str, name: str | None = None) -> None:
