@@ -93,6 +93,30 @@ def test_failures_that_may_come_from_a_lost_peer():
     assert not peers.caused_by_a_peer(ValueError("no space left on device"))
 
 
+def test_a_failed_collective_waits_for_the_verdict(monkeypatch):
+    """The CLI's training call: with several processes, a gloo failure is held until the
+    watchdog has judged (here it finds every peer alive, so the failure is raised as it is)."""
+    import jax
+
+    from zoo.train import cli
+    waited = []
+
+    class Dog:
+        def await_verdict(self):
+            waited.append(True)
+
+    class Trainer:
+        def train(self):
+            raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection "
+                                             "closed by peer [127.0.0.1]:8902")
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setitem(peers._current, "dog", Dog())
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        cli._train_watched(Trainer())
+    assert waited == [True]
+
+
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
 def test_peer_timeout_is_validated(value):
     with pytest.raises(ValueError, match=r"--peer-timeout .*must be a finite number of seconds"):
