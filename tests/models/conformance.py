@@ -438,7 +438,7 @@ def check_recipe(spec: FamilySpec, tmp_path: pathlib.Path) -> None:
     module_spec.loader.exec_module(recipe)
     steps = []
     argv = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-progress",
-            *spec.recipe_flags, "--run-dir", str(tmp_path / "run")]
+            "--sample-tokens", "0", *spec.recipe_flags, "--run-dir", str(tmp_path / "run")]
     with contextlib.redirect_stdout(io.StringIO()):
         code = recipe.main(argv, on_step=lambda s, row: steps.append(s))
     assert code == 0 and steps[-1] == 3

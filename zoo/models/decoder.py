@@ -194,10 +194,16 @@ class DecoderLayer(nnx.Module):
         The attention and MLP/MoE outputs are tagged ``attention_out`` / ``mlp_out``
         (`jax.ad_checkpoint.checkpoint_name`) for the ``save_layer_outputs`` remat policies.
         """
+        return self.block(x, lambda h: self.self_attn(h, positions=positions,
+                                                      segment_ids=segment_ids))
+
+    def block(self, x: jax.Array, attention) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+        """The layer with ``attention(h [B, L, D]) -> [B, L, D]`` in place of ``self_attn``:
+        `__call__` passes the layer's own attention, `zoo.generate` one that reads and
+        writes a KV cache."""
         c = self.partitioner.constrain
         with jax.named_scope(f"layer_{self.layer_idx}"):
-            h = self.self_attn(self.input_layernorm(x), positions=positions,
-                               segment_ids=segment_ids)
+            h = attention(self.input_layernorm(x))
             h = checkpoint_name(h.astype(x.dtype), "attention_out")
             x = c(x + h, ACT)
             h = self.post_attention_layernorm(x)

@@ -288,6 +288,15 @@ class DeepSeek3(CausalLM):
                 inputs_shape=(*self.inputs_shape, config.hidden_size),
                 partitioner=self.partitioner, rngs=rngs) for d in range(config.mtp_depth)])
 
+    def hf_keys(self, prefix: str = "") -> list:
+        """The base's rows; the MTP modules' variables are zoo-only (initialised on `from_hf`,
+        not written by `to_hf`: the Hub layout's ``model.layers.61.*`` is not mapped yet)."""
+        from zoo.layers import hf_keys as hfk
+        rows = super().hf_keys(prefix)
+        for path, _ in nnx.to_flat_state(nnx.state(self.mtp)):
+            rows.append(hfk.zoo_only(("mtp", *path)))
+        return rows
+
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -277,6 +277,7 @@ def _train(recipe: Recipe, built, on_step) -> int:
         return 0
     finally:
         trainer.close()
+    _print_sample(recipe, built, trainer)
     return 0
 
 
@@ -293,3 +294,21 @@ def _train_watched(trainer) -> None:
         if jax.process_count() > 1 and peers.caused_by_a_peer(e):
             peers.await_verdict()
         raise
+
+
+def _print_sample(recipe: Recipe, built, trainer) -> None:
+    """What the model learned: a greedy continuation of ``--sample-prompt`` (every process
+    runs it, the model being sharded over all of them; process 0 prints it)."""
+    import jax
+    t = built.config
+    if not t.sample_tokens or trainer.model is None or built.tokenizer is None:
+        return
+    from zoo import generate
+    prompt = [int(i) for i in built.tokenizer.encode(t.sample_prompt)]
+    if not prompt:
+        return
+    out = generate.generate(trainer.model, [prompt], max_new_tokens=t.sample_tokens)[0]
+    if jax.process_index() == 0:
+        text = built.tokenizer.decode(prompt + out)
+        print(f"{recipe.name}: sample ({t.sample_tokens} greedy tokens after "
+              f"{t.sample_prompt!r}):\n{text}", flush=True)

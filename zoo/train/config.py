@@ -241,6 +241,10 @@ class RunSection:
     progress: bool = _field(True, "show a progress bar")
     tensorboard: bool = _field(True, "write TensorBoard event files to the run dir")
     wandb: str | None = _field(None, "log to this Weights & Biases project (needs wandb)")
+    sample_tokens: int = _field(
+        48, "at the end of a run, print this many greedy tokens after --sample-prompt (0: no "
+            "sample)")
+    sample_prompt: str = _field("def", "the prompt of the end-of-run sample")
     rehearse: bool = _field(
         False, "compile the train step for --devices virtual devices and print per-device "
                "memory, FLOPs and collectives instead of training")
@@ -259,6 +263,8 @@ class RunSection:
                "compiles without training, so it needs --rehearse",
                "add --rehearse (or drop --target to train here)")
         _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer", "e.g. 0")
+        _check(isinstance(self.sample_tokens, int) and self.sample_tokens >= 0, "sample_tokens",
+               self.sample_tokens, "must be an integer >= 0", "e.g. 48, or 0 for no sample")
         _check(isinstance(self.divergence_factor, (int, float))
                and self.divergence_factor > 1, "divergence_factor", self.divergence_factor,
                "must be > 1", "e.g. the default 5; inf turns the divergence stop off")

@@ -1,0 +1,127 @@
+"""Generation: decode tokens/s with the KV cache against the naive full recompute, and cache sizes.
+
+* Decode table: for each mini model (``mini`` presets, random weights, one device, batch 1)
+  and context length, the cached decode step (`zoo.generate.Decoder.decode` over a cache of
+  ``context + steps`` slots, filled by `zoo.generate.prefill`) against the naive loop's step
+  (the whole ``[1, context]`` buffer through ``model(...)`` for each new token). Every program
+  is compiled before it is timed; the median of ``--steps`` steps is kept.
+* Cache table: bytes per token (all layers, bf16) of the full-size presets' caches
+  (`zoo.generate.cache_bytes_per_token` on abstract models: no memory), with, for MLA, what
+  expanded per-head K/V would take.
+
+Usage::
+
+    python benchmarks/generate.py                       # contexts 128, 1024, 4096; 3 families
+    python benchmarks/generate.py --contexts 128,1024 --models deepseek3 --steps 5
+    python benchmarks/generate.py --json docs/benchmarks   # also the tables as records
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import zoo.generate as G
+from zoo.layers.mla import MLA
+from zoo.models import deepseek3, mixtral, qwen3_moe
+from zoo.train.launch import set_cpu_devices
+
+MINI = {"mixtral": (mixtral.Mixtral, mixtral.MixtralConfig.mini),
+        "deepseek3": (deepseek3.DeepSeek3, deepseek3.DeepSeek3Config.mini),
+        "qwen3_moe": (qwen3_moe.Qwen3Moe, qwen3_moe.Qwen3MoeConfig.mini)}
+FULL = {"deepseek_v3": (deepseek3.DeepSeek3, deepseek3.DeepSeek3Config.deepseek_v3),
+        "mixtral_8x7b": (mixtral.Mixtral, mixtral.MixtralConfig.mixtral_8x7b),
+        "mixtral_8x22b": (mixtral.Mixtral, mixtral.MixtralConfig.mixtral_8x22b),
+        "qwen3_30b_a3b": (qwen3_moe.Qwen3Moe, qwen3_moe.Qwen3MoeConfig.qwen3_30b_a3b)}
+
+
+def _median_s(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def decode_row(name: str, context: int, steps: int) -> tuple[float, float]:
+    """(cached step seconds, naive step seconds) at this context."""
+    cls, preset = MINI[name]
+    model = nnx.jit(lambda: cls(preset(max_position_embeddings=max(4096, 2 * context)),
+                                rngs=nnx.Rngs(0)))()
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(3, model.config.vocab_size, (1, context)).astype(np.int32)
+    logits, cache = G.prefill(model, tokens, np.ones_like(tokens),
+                              max_length=context + steps + 1)
+    token = np.asarray(jnp.argmax(logits, -1), np.int32)
+    decoder = G.Decoder(model)
+    logits, cache = decoder.decode(cache, token)  # compiles
+    jax.block_until_ready(logits)
+    state = {"cache": cache}
+
+    def cached():
+        out, state["cache"] = decoder.decode(state["cache"], token)
+        jax.block_until_ready(out)
+
+    forward = jax.jit(lambda m, t: m(t)[0][:, -1])
+    buffer = jnp.asarray(tokens)
+    jax.block_until_ready(forward(model, buffer))  # compiles
+
+    def naive():
+        jax.block_until_ready(forward(model, buffer))
+
+    return _median_s(cached, steps), _median_s(naive, max(1, min(steps, 5)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="128,1024,4096")
+    ap.add_argument("--models", default=",".join(MINI))
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed per row")
+    args = ap.parse_args()
+    set_cpu_devices(1)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MINI]
+    if unknown:
+        ap.error(f"--models {unknown}: choose among {', '.join(MINI)}")
+    start = time.time()
+    print("## Decode step: KV cache vs naive full recompute (mini models, batch 1, fp32, "
+          f"{jax.devices()[0].platform})\n")
+    print("| model | context | cached ms/token | naive ms/token | speed-up | cached vs first "
+          "context |")
+    print("|---|---|---|---|---|---|")
+    for name in models:
+        first = None
+        for context in contexts:
+            cached, naive = decode_row(name, context, args.steps)
+            first = first or cached
+            print(f"| {name} mini | {context} | {cached * 1e3:.2f} | {naive * 1e3:.2f} | "
+                  f"{naive / cached:.1f}x | {cached / first:.2f}x |", flush=True)
+    print("\n## KV cache bytes per token, all layers, bf16 (full-size presets)\n")
+    print("| preset | layers | cache | bytes/token | expanded K/V bytes/token |")
+    print("|---|---|---|---|---|")
+    for name, (cls, preset) in FULL.items():
+        config = preset()
+        model = cls.abstract(config)
+        got = G.cache_bytes_per_token(model, jnp.bfloat16)
+        if isinstance(model.layers[0].self_attn, MLA):
+            what = f"MLA latent {config.kv_lora_rank} + rotary key {config.qk_rope_head_dim}"
+            expanded = config.num_hidden_layers * config.num_attention_heads * (
+                config.qk_head_dim + config.v_head_dim) * 2
+            expanded = f"{expanded:,}"
+        else:
+            what = f"K/V: {config.num_key_value_heads} kv heads x {config.head_dim}"
+            expanded = "(same)"
+        print(f"| {name} | {config.num_hidden_layers} | {what} | {got:,} | {expanded} |")
+    print(f"\n({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    from _record import json_main  # --json PATH: the tables as records
+    raise SystemExit(json_main(main, ["generate_decode", "generate_cache_bytes"]))

@@ -1,0 +1,230 @@
+"""`zoo.generate`: cached generation against independent references.
+
+* transformers' ``generate(do_sample=False)`` on the conformance suite's tiny random Mixtral
+  (sliding window 6), DeepSeek-V3 (MLA with a query LoRA, YaRN, group-limited sigmoid routing
+  with a perturbed bias) and Qwen3-MoE checkpoints: 32 greedy tokens for a batch of prompts
+  of different lengths (each prompt run alone by transformers);
+* every step's cached logits against the model's own no-cache forward over prompt +
+  continuation (fp32, relative error < 1e-5);
+* the MLA cache's bytes (``kv_lora_rank + qk_rope_head_dim`` per token per layer);
+* sampling: a seed is reproducible, another seed differs, temperature 1 differs from greedy,
+  top-k=1 equals greedy; stop tokens;
+* scanned and unrolled layers agree; fsdp, cp and ep_as_cp on 8 virtual devices equal the
+  unsharded tokens;
+* ``python -m zoo.generate --run DIR`` on a run the recipe just trained, and its exit 2 on bad
+  input.
+
+Module-scoped fixtures share each reference and the compiled programs (one prompt batch and
+one ``max_new_tokens`` throughout, so the prefill and decode steps compile once per model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import os
+import pathlib
+import subprocess
+import sys
+
+import conformance
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_conformance import DEEPSEEK_TINY
+from test_conformance import FAMILIES as conformance_families
+
+import zoo.generate as G
+from zoo.models import deepseek3, mixtral, qwen3_moe
+from zoo.partitioning import Partitioner, make_mesh
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+NEW = 32
+PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
+
+
+FAMILIES = {spec.name: spec for spec in conformance_families}
+MODULES = {"mixtral": mixtral, "deepseek3": deepseek3, "qwen3_moe": qwen3_moe}
+
+
+@dataclasses.dataclass
+class Ref:
+    family: object
+    path: object
+    hf_tokens: list[list[int]]
+
+
+def _reference(name, tmp_path_factory) -> Ref:
+    """The conformance suite's tiny transformers model (norms and router biases perturbed;
+    Mixtral with a sliding window of 6) with room for 64 positions, and its greedy tokens for
+    each prompt run alone (no padding semantics in the reference)."""
+    if name in _REFS:
+        return _REFS[name]
+    spec = FAMILIES[name]
+
+    def hf_config():
+        cfg = spec.hf_config()
+        cfg.max_position_embeddings = 64
+        return cfg
+
+    ref = conformance.reference(dataclasses.replace(spec, hf_config=hf_config),
+                                tmp_path_factory)
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            seq = ref.model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(seq[0, len(prompt):].tolist())
+    _REFS[name] = Ref(MODULES[name], ref.path, out)
+    return _REFS[name]
+
+
+_REFS: dict[str, Ref] = {}
+
+
+@pytest.fixture(scope="module", params=list(MODULES))
+def ref(request, tmp_path_factory):
+    return request.param, _reference(request.param, tmp_path_factory)
+
+
+_forward = jax.jit(lambda model, tokens: model(tokens)[0])
+
+
+def test_greedy_equals_transformers_and_cache_logits_equal_full_forward(ref):
+    name, r = ref
+    model = r.family.from_hf(r.path)
+    tokens, logits = G.generate_with_logits(model, PROMPTS, max_new_tokens=NEW)
+    assert tokens == r.hf_tokens, name
+    assert all(len(t) == NEW for t in tokens)
+    # no cache: each prompt + continuation, right-padded (causal: padding after is unseen)
+    width = max(len(p) for p in PROMPTS) + NEW
+    batch = np.zeros((len(PROMPTS), width), np.int32)
+    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+        batch[i, :len(p) + NEW] = p + t
+    full = np.asarray(_forward(model, jnp.asarray(batch)))
+    for i, p in enumerate(PROMPTS):
+        want = full[i, len(p) - 1:len(p) - 1 + NEW]
+        err = np.abs(logits[i] - want).max(axis=-1) / np.abs(want).max(axis=-1)
+        assert err.max() < 1e-5, f"{name} prompt {i}: step {err.argmax()} rel err {err.max()}"
+
+
+# -- DeepSeek-V3 (MLA) ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    r = _reference("deepseek3", tmp_path_factory)
+    model = deepseek3.from_hf(r.path)
+    return r, model, G.generate(model, PROMPTS, max_new_tokens=NEW)
+
+
+def test_mla_cache_holds_latent_and_rotary_key(ds):
+    _, model, _ = ds
+    c = model.config
+    shapes = G.KVCache.shapes(model, 2, 10)
+    assert [list(e) for e in shapes.layers] == [["latent_pe"]] * len(model.layers)
+    want = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * 4  # fp32
+    assert G.cache_bytes_per_token(model) == shapes.bytes_per_token() == want
+    full = deepseek3.DeepSeek3.abstract(deepseek3.DeepSeek3Config.deepseek_v3())
+    assert G.cache_bytes_per_token(full, jnp.bfloat16) == 576 * 61 * 2
+    # a real cache has those bytes too (the shapes `generate` prefills: compiled already)
+    tokens = np.zeros((len(PROMPTS), 7), np.int32)
+    tokens[:, -2:] = 1
+    _, cache = G.prefill(model, tokens, (tokens > 0).astype(np.int32), max_length=7 + NEW - 1)
+    assert cache.bytes_per_token() == want
+    assert cache.layers[0]["latent_pe"].shape == (1, 3, 7 + NEW - 1, 16 + 8)
+    gqa = mixtral.Mixtral.abstract(mixtral.MixtralConfig.mixtral_8x7b())
+    assert G.cache_bytes_per_token(gqa, jnp.bfloat16) == 2 * 8 * 128 * 32 * 2
+
+
+def test_sampling(ds):
+    _, model, greedy = ds
+    kw = dict(max_new_tokens=NEW)
+    a = G.generate(model, PROMPTS, temperature=1.0, seed=1, **kw)
+    assert a == G.generate(model, PROMPTS, temperature=1.0, seed=1, **kw)
+    assert a != G.generate(model, PROMPTS, temperature=1.0, seed=2, **kw)
+    assert a != greedy
+    assert G.generate(model, PROMPTS, temperature=1.0, top_k=1, seed=3, **kw) == greedy
+    assert G.generate(model, PROMPTS, temperature=0.7, top_p=1e-6, seed=4, **kw) == greedy
+    nucleus = G.generate(model, PROMPTS, temperature=1.0, top_k=8, top_p=0.9, seed=1, **kw)
+    assert all(len(t) == NEW for t in nucleus) and nucleus != greedy
+    stop = greedy[0][3]
+    cut = G.generate(model, PROMPTS, stop=[stop], **kw)
+    for row, full in zip(cut, greedy):
+        want = full[:full.index(stop) + 1] if stop in full else full
+        assert row == want
+
+
+def test_scanned_and_unrolled_agree(ds):
+    r, _, greedy = ds
+    unrolled = deepseek3.from_hf(r.path, config_overrides={"scan_layers": False})
+    assert all(layer.stack_size is None for layer in unrolled.layers)
+    assert G.generate(unrolled, PROMPTS, max_new_tokens=NEW) == greedy == r.hf_tokens
+
+
+def test_bad_input(ds):
+    _, model, _ = ds
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        G.generate(model, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        G.generate(model, [[1] * 40], max_new_tokens=30)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        G.generate(model, [[64]], max_new_tokens=2)
+    assert G.generate(model, [[1, 2]], max_new_tokens=0) == [[]]
+
+
+# -- partitioners -----------------------------------------------------------------------------
+
+MESHES = {"fsdp": dict(fsdp=4, tensor=2), "cp": dict(data=2, context=4),
+          "ep_as_cp": dict(fsdp=2, expert=2, context=2)}
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
+    r, _, greedy = ds
+    p = Partitioner(make_mesh(**MESHES[strategy]), strategy)
+    model = deepseek3.from_hf(r.path, partitioner=p)
+    assert G.generate(model, PROMPTS, max_new_tokens=NEW) == greedy
+
+
+# -- command line -----------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e  # trains a run, then runs the command in a subprocess
+def test_command_line(tmp_path, devices, capsys):
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / "recipes" / "mini_deepseek3.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    run = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert recipe.main(["--steps", "1", "--batch-size", "4", "--seq-len", "32",
+                            "--no-progress", "--sample-tokens", "0", *DEEPSEEK_TINY,
+                            "--run-dir", str(run)]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "zoo.generate", "--run", str(run), "--prompt", "def fib(n):",
+         "--max-new-tokens", "5"], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text, stats = proc.stdout.strip().splitlines()[-2:]
+    assert text.startswith("def fib(n):")
+    width = (16 + 8) * 2 * 4  # MLA: (kv_lora_rank + qk_rope_head_dim) x layers x fp32
+    assert "tokens/s" in stats and f"cache {width:,} bytes/token" in stats
+    # bad input: exit 2 with the reason
+    from zoo.generate import main
+    (tmp_path / "empty").mkdir()
+    for argv, message in (
+            (["--run", str(tmp_path / "empty"), "--prompt", "x"], "holds no checkpoint"),
+            (["--run", str(run), "--prompt", ""], "--prompt is empty"),
+            (["--run", str(run), "--prompt", "x" * 5000], "exceeds the model's 4096")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

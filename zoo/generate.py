@@ -1,0 +1,654 @@
+"""Generation with KV caches: prefill a batch of prompts, then decode one token per step.
+
+* `KVCache` -- a pytree (not module state) that the decoder layers read and return, so it
+  passes through `jax.jit` and through the `lax.scan` over a stack of layers (each entry of
+  ``model.layers`` has one dict of arrays with a leading layer axis, 1 when unrolled):
+  grouped-query attention keeps ``k``/``v`` ``[n, B, S, K, H]`` per kv head (after RoPE and
+  q/k norms); MLA keeps only ``latent_pe`` ``[n, B, S, Rkv + Hr]`` -- the normalised latent and
+  the rotated shared key, 576 values per token per layer for DeepSeek-V3. Slots carry their
+  token's position and segment id (0: empty or padding), so masks come from positions as in
+  training.
+* `prefill` runs the prompts through the model's own attention (its context-parallel strategy
+  under a partitioner) and returns the last position's logits and the filled cache; `decode`
+  runs one token per row from the cache in one compiled step of fixed shape (the cache has its
+  final length from the start). MLA decodes with the up-projections absorbed: the query's
+  no-position part goes through ``kv_b_proj``'s key half into latent space, attention runs as
+  one shared head over the cached latent, and the value half maps the result back, so the
+  expanded K/V are never built.
+* `generate(model, prompts, *, max_new_tokens, ...)` -> each prompt's continuation. Prompts of
+  any lengths share a batch: they are left-padded (segment 0) to a length and batch the
+  partitioner divides, each row's positions starting at 0. Sampling: greedy
+  (``temperature=0``), or temperature, then top-k, then top-p (nucleus) on the scaled logits,
+  with ``jax.random.fold_in(key(seed), step)``; ``stop`` ids end a row (the stop id is kept).
+* MoE layers run dropless here whatever the training capacity (``capacity_factor``,
+  ``moe_buffer_factor``), so generation is the model's exact function.
+* Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
+  unsharded code on the sharded parameters (XLA partitions it) with the cache sharded over the
+  batch axes.
+* ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``).
+
+Legend: B batch, L prompt length, S cache length, D embed, V vocab, N heads, K kv heads,
+H head dim, Rkv kv_lora_rank, Hr qk_rope_head_dim, Hn qk_nope_head_dim, Hv v_head_dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zoo.layers.attention import SCOPE, AttentionBlock, check_call
+from zoo.layers.mla import MLA
+from zoo.layers.moe import MoE
+from zoo.ops.attention import dot_product_attention
+from zoo.partitioning import UNSHARDED, Partitioner
+
+__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "decode", "generate",
+           "generate_with_logits", "prefill"]
+
+ACT = ("batch", "length", "act_embed")
+
+
+# -- the cache -------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
+
+    Attributes:
+      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S, ...]`` (``n`` the
+        entry's layer count): ``{"k", "v"}`` for `zoo.layers.Attention`, ``{"latent_pe"}``
+        for `zoo.layers.MLA`.
+      positions: [B, S] int32, the position of the token in each slot.
+      segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
+      length: int32 scalar, slots written (the next one decode writes).
+      next_positions: [B] int32, the position of each row's next token.
+    """
+
+    layers: tuple[dict[str, jax.Array], ...]
+    positions: jax.Array
+    segment_ids: jax.Array
+    length: jax.Array
+    next_positions: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.positions.shape[1]
+
+    def bytes_per_token(self) -> int:
+        """Bytes the layers' entries hold per slot of one row (positions excluded)."""
+        total = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                    for entry in self.layers for a in entry.values())
+        return total // (self.batch * self.max_length)
+
+    @classmethod
+    def shapes(cls, model, batch: int, max_length: int, dtype=None) -> KVCache:
+        """The cache's `jax.ShapeDtypeStruct` s for `model` (works on `nnx.eval_shape` models:
+        only the layers' sizes are read). ``dtype``: the model's compute dtype by default."""
+        dtype = jnp.dtype(dtype or model.config.dtype)
+        layers = []
+        for layer in model.layers:
+            n = layer.stack_size or 1
+            attn = layer.self_attn
+            if isinstance(attn, MLA):
+                width = attn.kv_lora_rank + attn.qk_rope_head_dim
+                entry = {"latent_pe": (n, batch, max_length, width)}
+            else:
+                kv = (n, batch, max_length, attn.num_kv_heads, attn.head_dim)
+                entry = {"k": kv, "v": kv}
+            layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
+        i32 = jnp.int32
+        return cls(tuple(layers), jax.ShapeDtypeStruct((batch, max_length), i32),
+                   jax.ShapeDtypeStruct((batch, max_length), i32),
+                   jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32))
+
+
+def cache_bytes_per_token(model, dtype=None) -> int:
+    """Cache bytes per token of one sequence, all layers (``model`` may be abstract)."""
+    return KVCache.shapes(model, 1, 1, dtype).bytes_per_token()
+
+
+def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
+    """The cache sharded over the batch axes (layers and slots whole)."""
+    def layer_axes(a):
+        return ("layers", "batch", *([None] * (a.ndim - 2)))
+    layers = tuple({k: p.constrain(a, layer_axes(a)) for k, a in e.items()}
+                   for e in cache.layers)
+    return dataclasses.replace(
+        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None)),
+        segment_ids=p.constrain(cache.segment_ids, ("batch", None)),
+        next_positions=p.constrain(cache.next_positions, ("batch",)))
+
+
+# -- model views -----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _patched(model, *, unsharded: bool):
+    """Temporarily set trace-time attributes of `model`'s modules: MoE dropless, attention
+    layout unknown (prompts are not in the training data's token order); with `unsharded`,
+    every module's partitioner is the unsharded one (decode: XLA partitions the program from
+    the parameters' and the cache's shardings)."""
+    saved = []
+
+    def put(m, name, value):
+        saved.append((m, name, getattr(m, name)))
+        setattr(m, name, value)
+
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, MoE):
+            put(m, "capacity_factor", None)
+            put(m, "buffer_factor", None)
+            if unsharded:
+                put(m, "dispatch", "all_gather")
+        if isinstance(m, AttentionBlock):
+            put(m, "layout", None)
+            if unsharded:
+                put(m, "implementation", "reference")
+        if unsharded and isinstance(getattr(m, "partitioner", None), Partitioner):
+            put(m, "partitioner", UNSHARDED)
+    try:
+        yield
+    finally:
+        for m, name, value in reversed(saved):
+            setattr(m, name, value)
+
+
+def _split(model, *, unsharded: bool):
+    with _patched(model, unsharded=unsharded):
+        return nnx.split(model)
+
+
+def _run_layers(layer, x, entries, fn):
+    """``fn(one_layer, x, entry) -> (x, entry)`` over an entry of ``model.layers``: scanned
+    over a stack (its cache entries ``[n, ...]`` are the scan's inputs and outputs)."""
+    if layer.stack_size is None:
+        one = None if entries is None else jax.tree.map(lambda a: a[0], entries)
+        x, entry = fn(layer, x, one)
+        return x, jax.tree.map(lambda a: a[None], entry)
+    graphdef, state = nnx.split(layer)
+
+    def body(x, inputs):
+        state, entry = inputs
+        return fn(nnx.merge(graphdef, state), x, entry)
+
+    return jax.lax.scan(body, x, (state, entries))
+
+
+def _logits(model, x: jax.Array) -> jax.Array:
+    """x [B, D] (after the last layer) -> float32 logits [B, V], no sharding constraint."""
+    x = model.norm(x)
+    if model.lm_head is None:
+        table = model.embed_tokens.embedding[...]
+        dtype = model.embed_tokens.dtype or x.dtype
+        logits = jnp.einsum("bd,vd->bv", x.astype(dtype), table.astype(dtype))
+    else:
+        logits = model.lm_head(x)
+    return logits.astype(jnp.float32)
+
+
+def _score_kwargs(attn) -> dict[str, Any]:
+    kw = dict(logits_soft_cap=attn.logits_soft_cap,
+              sinks=None if attn.sinks is None else attn.sinks[...])
+    if attn.mask is None:
+        kw["sliding_window"] = getattr(attn, "sliding_window", None)
+    else:
+        kw["mask"] = attn.mask
+    return kw
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+def _prefill_attention(attn, h, positions, segment_ids, out: dict):
+    """`AttentionBlock.__call__` that also leaves the layer's cache entry [B, L, ...] in
+    `out`."""
+    check_call(attn, h, positions, segment_ids)
+    with jax.named_scope(attn.block_name):
+        h = attn.partitioner.constrain(h, ACT, SCOPE)
+        q, k, v = attn.project(h)
+        q, k = attn.apply_rope(q, k, positions)
+        o = attn.attend(q, k, v, positions=positions, segment_ids=segment_ids)
+        if isinstance(attn, MLA):  # k is the rotated shared key [B, L, 1, Hr], v the latent
+            out["entry"] = {"latent_pe": jnp.concatenate([v, k[:, :, 0].astype(v.dtype)], -1)}
+        else:
+            out["entry"] = {"k": k, "v": v}
+        return attn.out(o)
+
+
+def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
+    L = tokens.shape[1]
+    segment_ids = segment_ids.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0).astype(jnp.int32)
+    dtype = jnp.dtype(model.config.dtype)
+
+    def layer_fn(layer, x, _):
+        out = {}
+        x, _ = layer.block(x, lambda h: _prefill_attention(layer.self_attn, h, positions,
+                                                           segment_ids, out))
+        return x, jax.tree.map(lambda a: a.astype(dtype), out["entry"])
+
+    x = model.embed_tokens(tokens)
+    layers = []
+    for layer in model.layers:
+        x, entry = _run_layers(layer, x, None, layer_fn)
+        pad = max_length - L  # [n, B, L, ...] -> [n, B, S, ...]
+        layers.append({k: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+                       for k, a in entry.items()})
+    logits = _logits(model, x[:, -1])
+    grow = ((0, 0), (0, max_length - L))
+    cache = KVCache(tuple(layers), jnp.pad(positions, grow), jnp.pad(segment_ids, grow),
+                    jnp.asarray(L, jnp.int32), positions[:, -1] + 1)
+    return logits, _constrain_cache(cache, p)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "p", "max_length"))
+def _prefill_jit(state, tokens, segment_ids, *, graphdef, p, max_length):
+    return _prefill(nnx.merge(graphdef, state), p, tokens, segment_ids, max_length)
+
+
+def prefill(model, tokens, segment_ids, *, max_length: int) -> tuple[jax.Array, KVCache]:
+    """Left-padded prompts ``tokens [B, L]`` (``segment_ids`` 1 on tokens, 0 on the padding
+    before them) -> (float32 logits at the last position [B, V], a `KVCache` of `max_length`
+    slots with the first L filled). Positions count each row's tokens from 0. Under a
+    partitioner, B and L must shard as the model's inputs do (`generate` pads for you)."""
+    tokens, segment_ids = jnp.asarray(tokens, jnp.int32), jnp.asarray(segment_ids, jnp.int32)
+    if max_length < tokens.shape[1]:
+        raise ValueError(f"prefill: max_length={max_length} is shorter than the prompts "
+                         f"({tokens.shape[1]}); give room for the tokens to generate")
+    graphdef, state = _split(model, unsharded=False)
+    return _compiled(_prefill_jit, dict(graphdef=graphdef, p=model.partitioner,
+                                        max_length=max_length), state, tokens, segment_ids)
+
+
+# -- decode ----------------------------------------------------------------------------------
+
+def _write(cache_array, new, slot):
+    """Write ``new [B, 1, ...]`` into slot `slot` of ``cache_array [B, S, ...]``."""
+    start = (0, slot) + (0,) * (new.ndim - 2)
+    return jax.lax.dynamic_update_slice(cache_array, new.astype(cache_array.dtype), start)
+
+
+def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
+    """One query per row over the cache: (output [B, 1, D], the updated entry)."""
+    with jax.named_scope(attn.block_name):
+        q, k, v = attn.project(h)
+        q, k = attn.apply_rope(q, k, q_pos)
+        q_seg = jnp.ones(q_pos.shape, jnp.int32)
+        kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+                  kv_segment_ids=kv_seg, scale=attn.scale, **_score_kwargs(attn))
+        if isinstance(attn, MLA):
+            return _decode_mla(attn, q, k, v, entry, slot, kw)
+        keys, values = _write(entry["k"], k, slot), _write(entry["v"], v, slot)
+        o = dot_product_attention(q, keys, values, **kw)
+        return attn.out(o.astype(q.dtype)), {"k": keys, "v": values}
+
+
+def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
+    """Absorbed MLA: scores ``q_nope W_uk . latent + q_pe . k_pe``, output ``(p . latent)
+    W_uv``, as one shared-key head of width Rkv + Hr over the cache."""
+    Hn, R = attn.qk_nope_head_dim, attn.kv_lora_rank
+    new = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)  # [B, 1, Rkv+Hr]
+    cache = _write(entry["latent_pe"], new, slot)  # [B, S, Rkv + Hr]
+    dtype = attn.kv_b_proj.dtype or cache.dtype
+    w = attn.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
+    w_uk, w_uv = w[..., :Hn], w[..., Hn:]
+    q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
+    q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, 1, N, Rkv + Hr]
+    kv = cache.astype(dtype)[:, :, None]  # [B, S, 1, Rkv + Hr]: one head shared by all
+    o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, 1, N, Rkv]
+    o = jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)
+    return attn.out(o.astype(q.dtype)), {"latent_pe": cache}
+
+
+def _decode(model, p: Partitioner, cache: KVCache, tokens):
+    slot = cache.length
+    q_pos = cache.next_positions[:, None]  # [B, 1]
+    kv_pos = _write(cache.positions, q_pos, slot)
+    kv_seg = _write(cache.segment_ids, jnp.ones_like(q_pos), slot)
+
+    def layer_fn(layer, x, entry):
+        out = {}
+
+        def attention(h):
+            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, kv_pos,
+                                                kv_seg, slot)
+            return y
+
+        x, _ = layer.block(x, attention)
+        return x, out["entry"]
+
+    x = model.embed_tokens(tokens[:, None])
+    layers = []
+    for layer, entries in zip(model.layers, cache.layers, strict=True):
+        x, entries = _run_layers(layer, x, entries, layer_fn)
+        layers.append(entries)
+    logits = _logits(model, x[:, 0])
+    cache = KVCache(tuple(layers), kv_pos, kv_seg, slot + 1, cache.next_positions + 1)
+    return logits, _constrain_cache(cache, p)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "p"), donate_argnames=("cache",))
+def _decode_jit(state, cache, tokens, *, graphdef, p):
+    return _decode(nnx.merge(graphdef, state), p, cache, tokens)
+
+
+def decode(model, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
+    """One step: ``tokens [B]`` (each row's newest token) -> (float32 logits [B, V], the cache
+    with one more slot). The input cache is donated (do not reuse it). Each call splits the
+    model; a loop makes one `Decoder` and calls its ``decode``."""
+    if int(cache.length) >= cache.max_length:
+        raise ValueError(f"decode: the cache is full ({cache.max_length} slots); prefill with "
+                         f"a larger max_length")
+    return Decoder(model).decode(cache, tokens)
+
+
+class Decoder:
+    """`decode` for one model, split once: ``logits, cache = decoder.decode(cache, tokens)``
+    (a model whose parameters change afterwards needs a new one)."""
+
+    def __init__(self, model):
+        self.graphdef, self.state = _split(model, unsharded=True)
+        self.partitioner = model.partitioner
+
+    def decode(self, cache: KVCache, tokens) -> tuple[jax.Array, KVCache]:
+        return _compiled(_decode_jit, dict(graphdef=self.graphdef, p=self.partitioner),
+                         self.state, cache, np.asarray(tokens, np.int32))
+
+
+# -- compiled steps --------------------------------------------------------------------------
+
+_COMPILED: dict[Any, Any] = {}
+_STATS: dict[str, float] = {"compile_s": 0.0}
+
+
+def _compiled(fn, static: dict[str, Any], *args):
+    """``fn(*args, **static)`` through an executable compiled once per static values and
+    argument shapes, dtypes and shardings (compile time goes to ``_STATS["compile_s"]``)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (fn, tuple(static.items()), tree,
+           tuple((np.shape(a), getattr(a, "dtype", type(a)), getattr(a, "sharding", None))
+                 for a in leaves))
+    exe = _COMPILED.get(key)
+    if exe is None:
+        start = time.perf_counter()
+        exe = fn.lower(*args, **static).compile()
+        _STATS["compile_s"] += time.perf_counter() - start
+        if len(_COMPILED) >= 32:
+            _COMPILED.clear()
+        _COMPILED[key] = exe
+    return exe(*args)
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def _sample(logits, key, step, *, temperature: float, top_k: int | None,
+            top_p: float | None):
+    """logits [B, V] -> token ids [B] (greedy when temperature is 0)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None:
+        order = jnp.argsort(-logits, axis=-1)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        drop_sorted = before >= top_p  # the most likely token is always kept
+        drop = jnp.zeros_like(drop_sorted).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(jax.random.fold_in(key, step), logits).astype(jnp.int32)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, vocab: int):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+            max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"generate: temperature={temperature!r} must be a number >= 0 "
+                         f"(0: greedy)")
+    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+        raise ValueError(f"generate: top_k={top_k!r} must be an int in [1, vocab={vocab}] or "
+                         f"None")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p={top_p!r} must be in (0, 1] or None")
+
+
+# -- generate --------------------------------------------------------------------------------
+
+def _as_prompts(model, prompts, tokenizer) -> list[list[int]]:
+    if tokenizer is not None:
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = [[int(t) for t in tokenizer.encode(text)] for text in texts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("generate: prompts must be a non-empty list of token-id lists (or of "
+                         "strings, with tokenizer=)")
+    V = model.config.vocab_size
+    out = []
+    for i, ids in enumerate(prompts):
+        ids = [int(t) for t in np.asarray(ids).ravel()] if not isinstance(ids, str) else None
+        if ids is None:
+            raise ValueError("generate: prompts are text; pass tokenizer= to encode them")
+        if not ids:
+            raise ValueError(f"generate: prompt {i} is empty; give it at least one token")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"generate: prompt {i} holds ids {bad[:5]} outside the "
+                             f"vocabulary [0, {V})")
+        out.append(ids)
+    return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                         stop: int | Sequence[int] | None = None, tokenizer=None,
+                         stats: dict[str, Any] | None = None
+                         ) -> tuple[list[list[int]], list[np.ndarray]]:
+    """`generate`'s token ids and, per prompt, the float32 logits each new token was drawn
+    from (``[n_i, V]``); always token ids, even with a tokenizer. ``stats``, a dict, receives
+    the seconds spent compiling, in prefill and in the decode steps (compilation excluded),
+    their token counts and the cache's bytes per token."""
+    return _generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, seed=seed, stop=stop, tokenizer=tokenizer,
+                     stats=stats, keep_logits=True)
+
+
+def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop,
+              tokenizer, stats, keep_logits: bool):
+    from zoo.models.decoder import nominal_inputs_shape
+    ids = _as_prompts(model, prompts, tokenizer)
+    V = model.config.vocab_size
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, V)
+    stops = set() if stop is None else {int(stop)} if isinstance(stop, (int, np.integer)) \
+        else {int(s) for s in stop}
+    longest = max(map(len, ids))
+    limit = model.config.max_position_embeddings
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"generate: the longest prompt ({longest} tokens) plus max_new_tokens="
+                         f"{max_new_tokens} exceeds the model's {limit} positions "
+                         f"(max_position_embeddings); shorten the prompt or generate fewer")
+    n = len(ids)
+    if max_new_tokens == 0:
+        return [[] for _ in ids], [np.zeros((0, V), np.float32) for _ in ids]
+    p = model.partitioner
+    nb, nl = nominal_inputs_shape(p)
+    B, L = _round_up(n, nb), _round_up(longest, nl)
+    tokens = np.zeros((B, L), np.int32)
+    segs = np.zeros((B, L), np.int32)
+    for i, row in enumerate(ids):  # left padding: every row's last token in the last slot
+        tokens[i, L - len(row):], segs[i, L - len(row):] = row, 1
+    compile_before = _STATS["compile_s"]
+    start = time.perf_counter()
+    logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
+    jax.block_until_ready(logits)
+    prefill_compile = _STATS["compile_s"] - compile_before
+    prefill_s = time.perf_counter() - start - prefill_compile
+    key = jax.random.key(seed)
+    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    decoder = Decoder(model)
+    out: list[list[int]] = [[] for _ in ids]
+    kept: list[list[np.ndarray]] = [[] for _ in ids]
+    done = np.zeros(n, bool)
+    start, steps, host = time.perf_counter(), 0, None
+    for step in range(max_new_tokens):
+        if step:
+            logits, cache = decoder.decode(cache, host)
+            steps += 1
+        host = np.asarray(_compiled(_sample, sampling, logits, key, np.int32(step)))
+        host_logits = np.asarray(logits) if keep_logits else None
+        for i in np.flatnonzero(~done):
+            out[i].append(int(host[i]))
+            if keep_logits:
+                kept[i].append(host_logits[i])
+            done[i] = int(host[i]) in stops
+        if done.all():
+            break
+    if stats is not None:  # seconds without compilation
+        compile_s = _STATS["compile_s"] - compile_before
+        stats.update(compile_s=compile_s, prefill_tokens=sum(map(len, ids)),
+                     prefill_s=prefill_s, decode_steps=steps,
+                     decode_s=time.perf_counter() - start - (compile_s - prefill_compile),
+                     batch=n, padded_shape=(B, L), cache_bytes_per_token=cache.bytes_per_token())
+    return out, [np.stack(rows) if rows else np.zeros((0, V), np.float32) for rows in kept]
+
+
+def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             stop: int | Sequence[int] | None = None, tokenizer=None):
+    """Each prompt's continuation (prompt excluded) from `model` (any family, scanned or
+    unrolled, sharded or not).
+
+    Args:
+      prompts: a list of token-id lists of any lengths (or, with ``tokenizer``, of strings,
+        or one string).
+      max_new_tokens: tokens per prompt; exactly this many when ``stop`` is None.
+      temperature: 0 for greedy; else logits are divided by it and sampled.
+      top_k, top_p: keep the k most likely tokens, then the smallest set with probability
+        mass >= top_p (None: off).
+      seed: the sampling key; the same seed gives the same tokens.
+      stop: token id(s) that end a row's continuation (included in it).
+      tokenizer: with ``encode``/``decode`` (e.g. `zoo.data.ByteTokenizer`): prompts are text
+        and the continuations come back as text (one string for one string).
+
+    Returns a list (one per prompt) of token-id lists, or of strings with a tokenizer.
+    """
+    ids, _ = _generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=seed, stop=stop, tokenizer=tokenizer,
+                       stats=None, keep_logits=False)
+    if tokenizer is None:
+        return ids
+    texts = [tokenizer.decode(row) for row in ids]
+    return texts[0] if isinstance(prompts, str) else texts
+
+
+# -- command line ----------------------------------------------------------------------------
+
+def _parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="python -m zoo.generate",
+        description="Generate text from a training run's latest checkpoint (--run) or a Hugging "
+                    "Face checkpoint folder (--hf).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run dir (its checkpoints/, config and "
+                     "tokenizer)")
+    src.add_argument("--hf", metavar="PATH", help="a Hugging Face checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None, help="--run: this checkpoint step "
+                   "(default the newest)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's; "
+                   "--hf: PATH/tokenizer.json if present, else bytes)")
+    return p
+
+
+def _load_hf(path: str):
+    import json
+    import os
+
+    from zoo.models import registry
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--hf {path}: has no config.json; pass a Hugging Face checkpoint "
+                         f"folder (config.json + *.safetensors)")
+    with open(config) as f:
+        model_type = json.load(f).get("model_type")
+    for family in registry.families():
+        if model_type in family.model_cls.hf_model_types:
+            return family.model_cls.from_hf(path)
+    known = sorted(t for f in registry.families() for t in f.model_cls.hf_model_types)
+    raise ValueError(f"--hf {path}: model_type={model_type!r} is not one zoo loads ({known})")
+
+
+def _load(args):
+    """(model, tokenizer) for the command line's --run / --hf."""
+    import os
+
+    from zoo.train.validate import load_tokenizer
+    if args.hf:
+        model = _load_hf(args.hf)
+        default = os.path.join(args.hf, "tokenizer.json")
+        return model, load_tokenizer(args.tokenizer or (default if os.path.exists(default)
+                                                        else None))
+    from zoo.train.load import load
+    if not os.path.isdir(args.run):
+        raise ValueError(f"--run {args.run}: is not a directory; pass a run dir (the "
+                         f"recipes' --run-dir, e.g. runs/mini_deepseek3)")
+    loaded = load(args.run, step=args.step)
+    return loaded.model, load_tokenizer(args.tokenizer or loaded.config.tokenizer)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:,.1f} tokens/s" if seconds > 0 else "n/a tokens/s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring): 0 on success, 2 on bad input."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty; give at least one character of text")
+    try:
+        model, tokenizer = _load(args)
+        stats: dict[str, Any] = {}
+        ids, _ = _generate(
+            model, [args.prompt], max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            stop=None, tokenizer=tokenizer, stats=stats, keep_logits=False)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(args.prompt + tokenizer.decode(ids[0]))
+    n_pre, n_dec = stats["prefill_tokens"], stats["decode_steps"] * stats["batch"]
+    print(f"prefill: {n_pre} tokens, {_rate(n_pre, stats['prefill_s'])}; decode: {n_dec} "
+          f"tokens, {_rate(n_dec, stats['decode_s'])}; compile {stats['compile_s']:.1f} s; "
+          f"cache {stats['cache_bytes_per_token']:,} bytes/token")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
