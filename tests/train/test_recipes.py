@@ -371,6 +371,7 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--aux-loss-weight", "nan"], "--aux-loss-weight nan: must be a finite number >= 0"),
     (["--expert-bias-rate", "nan"], "--expert-bias-rate nan: must be a finite number >= 0"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number >= 0"),
+    (["--peer-timeout", "0"], "--peer-timeout 0.0: must be a finite number of seconds > 0"),
     (["--aux-loss-field", "bogus"], "--aux-loss-field bogus: MixtralConfig has no such field; "
                                     "valid fields holding a weight:"),
     (["--data"], "--data (no paths): needs at least one file"),

@@ -22,7 +22,10 @@ another run, or a checkpoint of other model shapes or other data arguments; 3 th
 gradient/parameter norm, or an updated state) became NaN/Inf or diverged: the last good
 checkpoint is kept; 4 the data stream failed, stalled (``--data-timeout``) or its files
 vanished or shrank: the state reached is saved first; 5 a checkpoint save failed (no space,
-read-only, permission) or hung: the run stops at that save, the checkpoints on disk are kept.
+read-only, permission) or hung: the run stops at that save, the checkpoints on disk are kept;
+6 a process of a multi-process job did not join, or stopped answering, within
+``--peer-timeout`` seconds (`zoo.train.peers`): the message names it and the last checkpoint
+on disk; restart every process to resume.
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from zoo.train.launch import DEFAULT_CPU_DEVICES, default_mesh, set_cpu_devices
 
 __all__ = ["Recipe", "make_parser", "parse", "setup", "main", "run", "apply_overrides",
            "config_to_json", "config_to_python", "set_cpu_devices", "default_mesh",
-           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA", "EXIT_SAVE"]
+           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA", "EXIT_SAVE",
+           "EXIT_PEER"]
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_DATA = 4
 EXIT_SAVE = 5
+EXIT_PEER = 6  # zoo.train.peers.EXIT_PEER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +113,22 @@ def parse(recipe: Recipe, argv: Sequence[str] | None = None
 
 
 def _start_processes(parser, args, train: TrainConfig) -> None:
+    """Devices, then the job; a peer that does not join ends the process (exit 6)."""
+    from zoo.train.peers import PeerLost
     try:
         set_cpu_devices(train.devices)
         from zoo.train.launch import init_distributed
         init_distributed(coordinator=train.coordinator, num_processes=train.num_processes,
-                         process_id=train.process_id, distributed=train.distributed)
+                         process_id=train.process_id, distributed=train.distributed,
+                         peer_timeout=train.peer_timeout)
     except ValueError as e:
         _refuse(parser, args.debug, e)
+    except PeerLost as e:
+        if args.debug:
+            traceback.print_exception(e)
+        print(f"zoo: error: {e}", file=sys.stderr, flush=True)
+        # not SystemExit: jax's exit handler would wait minutes at the shutdown barrier
+        os._exit(EXIT_PEER)
 
 
 def _check_inputs(recipe: Recipe, parser, args, train: TrainConfig, lock: bool):
@@ -239,10 +253,12 @@ def _train(recipe: Recipe, built, on_step) -> int:
               f"{jax.process_count()} process(es), mesh {t.mesh}, strategy {t.strategy}; "
               f"batch {t.batch_size} x {t.seq_len} tokens; run dir {t.run_dir}",
               file=sys.stderr, flush=True)
+    from zoo.train.peers import set_checkpoints
+    set_checkpoints(os.path.join(t.run_dir, "checkpoints"), recipe.name)
     extra = [hooks.OnStep(on_step)] if on_step is not None else []
     trainer = Trainer(built, hooks=extra, name=recipe.name, lock=False)
     try:
-        trainer.train()
+        _train_watched(trainer)
     except TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
@@ -263,6 +279,21 @@ def _train(recipe: Recipe, built, on_step) -> int:
         trainer.close()
     _print_sample(recipe, built, trainer)
     return 0
+
+
+def _train_watched(trainer) -> None:
+    """`trainer.train`; with several processes, a failure that may come from a lost peer (a
+    failed collective or save) waits for the peer watchdog's verdict first: exit 6 naming the
+    peer (`zoo.train.peers`), or, when the peers are all alive, the failure as it is."""
+    import jax
+
+    from zoo.train import peers
+    try:
+        trainer.train()
+    except Exception as e:
+        if jax.process_count() > 1 and peers.caused_by_a_peer(e):
+            peers.await_verdict()
+        raise
 
 
 def _print_sample(recipe: Recipe, built, trainer) -> None:

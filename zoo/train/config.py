@@ -169,10 +169,15 @@ class ParallelismSection:
     distributed: bool = _field(
         False, "call jax.distributed.initialize() with auto-detection (SLURM, Open MPI, "
                "Cloud TPU)")
+    peer_timeout: float = _field(
+        100.0, "seconds a process waits for a peer that does not join, or has stopped "
+               "answering, before it stops with a message naming it (exit 6)")
 
     def __post_init__(self):
         if self.devices is not None:
             _at_least_one(self, "devices")
+        _check(_finite(self.peer_timeout) and self.peer_timeout > 0, "peer_timeout",
+               self.peer_timeout, "must be a finite number of seconds > 0", "e.g. 100")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,8 +88,12 @@ def set_cpu_devices(n: int | None, *, what: str = "--devices {}", fix: str | Non
 
 
 def init_distributed(*, coordinator: str | None, num_processes: int | None,
-                     process_id: int | None, distributed: bool) -> None:
-    """Join a multi-process job when the arguments or ``JAX_*`` environment variables ask."""
+                     process_id: int | None, distributed: bool,
+                     peer_timeout: float = 100.0) -> None:
+    """Join a multi-process job when the arguments or ``JAX_*`` environment variables ask,
+    and watch the peers (`zoo.train.peers`): one that does not join or stops answering within
+    `peer_timeout` s raises `zoo.train.peers.PeerLost` (joining) or ends this process with a
+    message and exit 6 (later)."""
     env = os.environ
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS")
     num = num_processes if num_processes is not None else (
@@ -108,8 +112,10 @@ def init_distributed(*, coordinator: str | None, num_processes: int | None,
         raise ValueError(f"--process-id {pid} must be in [0, --num-processes {num})")
     # CPU collectives across processes need gloo (harmless where the backend is GPU/TPU).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                               process_id=pid)
+    from zoo.train import peers
+    peers.join(coordinator, num, pid, peer_timeout)
+    from jax._src import distributed as jax_distributed
+    peers.watch(peer_timeout, coordinator=jax_distributed.global_state.coordinator_address)
 
 
 def default_mesh(n: int, backend: str) -> str:
