@@ -23,7 +23,9 @@ peer per round, EP (``n``) expert shards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,21 +55,14 @@ def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
     return _combine(got.reshape(k, num_tokens, -1), weights), rounds
 
 
+@dataclasses.dataclass(frozen=True)
 class _Cfg:
     """The static settings of one exchange (hashable for `jax.custom_vjp`'s nondiff args)."""
-
-    def __init__(self, axis_name, n, cap, impl, transport):
-        self.axis_name, self.n, self.cap, self.impl, self.transport = (
-            axis_name, n, cap, impl, transport)
-
-    def _key(self):
-        return (self.axis_name, self.n, self.cap, self.impl, self.transport)
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, _Cfg) and self._key() == other._key()
+    axis_name: Any
+    n: int
+    cap: int
+    impl: str
+    transport: str
 
 
 class _Plan:
