@@ -169,10 +169,11 @@ class Blocking:
     def __init__(self, data, after):
         import threading
         self.data, self.after, self.served = data, after, 0
-        self.release = threading.Event()
+        self.release, self.blocked = threading.Event(), threading.Event()
 
     def __next__(self):
         if self.served >= self.after:
+            self.blocked.set()
             self.release.wait()
         self.served += 1
         return next(self.data)
@@ -208,13 +209,22 @@ def test_sigterm_is_honoured_while_waiting_for_data(tmp_path, devices):
     import os
     import signal
     import threading
-    trainer, _ = _blocking_trainer(tmp_path, after=2)
-    timer = threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        with trainer:
-            summary = trainer.train()
-    finally:
-        timer.cancel()
+    import time
+    trainer, data = _blocking_trainer(tmp_path, after=2)
+
+    def signal_when_blocked():
+        # not a wall-clock timer: the compile may take any time on a loaded box; signal once the
+        # feed is blocked and the trainer has finished both steps it had data for
+        while not (data.blocked.is_set() and trainer.step == 2):
+            if data.release.is_set():
+                return
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=signal_when_blocked, daemon=True)
+    watcher.start()
+    with trainer:
+        summary = trainer.train()
     assert summary.stopped_by == "SIGTERM" and summary.step == 2
     assert load(tmp_path).step == 2
