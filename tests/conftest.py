@@ -1,5 +1,8 @@
 """Test setup: 8 virtual CPU devices (set before jax starts its backend), XLA:CPU collective
-timeouts for shared cores, LLVM -O0 (compile time dominates), no persistent compile cache."""
+timeouts for shared cores, LLVM -O0 (compile time dominates), no persistent compile cache, and
+the xdist grouping that lets the suite run on every core (``-n auto --dist loadgroup`` in
+pyproject.toml): tests that share a module-scoped fixture (a compiled model, a trained run) run
+on one worker, so it is built once; every other test goes to whichever worker is free."""
 
 import os
 
@@ -32,3 +35,17 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests expect 8 virtual CPU devices, got {len(devs)}"
     return devs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Group each test that uses a module-scoped fixture with its module (before xdist reads
+    the ``xdist_group`` marks), so the fixture is built on one worker only."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {defs[-1].scope for name in info.names_closure
+                  if (defs := info.name2fixturedefs.get(name))}
+        if "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

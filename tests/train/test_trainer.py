@@ -181,8 +181,9 @@ class Blocking:
     def get_state(self):
         return self.data.get_state()
 
-    def set_state(self, state):
+    def set_state(self, state):  # a rewind (the trainer's first-batch probe) rewinds the count
         self.data.set_state(state)
+        self.served = 0
 
     def close(self):
         self.release.set()
@@ -228,3 +229,43 @@ def test_sigterm_is_honoured_while_waiting_for_data(tmp_path, devices):
         summary = trainer.train()
     assert summary.stopped_by == "SIGTERM" and summary.step == 2
     assert load(tmp_path).step == 2
+
+
+class NoTargets:
+    """The pipeline's batches with every loss weight 0: nothing to learn from."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __next__(self):
+        batch = next(self.data)
+        return {**batch, "loss_weights": np.zeros_like(batch["loss_weights"])}
+
+    def get_state(self):
+        return self.data.get_state()
+
+    def set_state(self, state):
+        self.data.set_state(state)
+
+
+def test_the_first_batch_is_proved_before_compiling_and_rewound(tmp_path, devices):
+    from zoo.train.feed import Feed, NoTrainingData
+    built = build(TrainConfig(**{**BASE, "run_dir": str(tmp_path)}))
+    fresh = build(TrainConfig(**{**BASE, "run_dir": str(tmp_path)})).data
+    feed = Feed(built.data, timeout_s=30)
+    feed.probe()
+    first = feed.get()
+    feed.close()
+    expected = next(fresh)
+    for key in expected:  # the probe rewound the stream: step 1 trains on the first batch
+        np.testing.assert_array_equal(first[key], expected[key])
+    compiled = []
+    for data, settings, match in [(NoTargets(fresh), {}, "no token to learn from"),
+                                  (Blocking(fresh, after=0), {"data_timeout": 2.0},
+                                   "no first batch within 2 s")]:
+        b = build(TrainConfig(**{**BASE, **settings, "run_dir": str(tmp_path / match[:5])}))
+        trainer = Trainer(dataclasses.replace(b, data=data))
+        trainer._compile = lambda *a: compiled.append(a)  # noqa: B023 - must never be reached
+        with trainer, pytest.raises(NoTrainingData, match=match):
+            trainer.train()
+    assert compiled == []

@@ -246,7 +246,8 @@ def _train(recipe: Recipe, built, on_step) -> int:
     from zoo.data import PipelineStateMismatch
     from zoo.train import hooks
     from zoo.train.trainer import (CheckpointSaveFailed, CompileInterrupted, DataStreamError,
-                                   IncompatibleCheckpoint, Trainer, TrainingDiverged)
+                                   IncompatibleCheckpoint, NoTrainingData, Trainer,
+                                   TrainingDiverged)
     t = built.config
     if jax.process_index() == 0:
         print(f"{recipe.name}: {jax.device_count()} {jax.default_backend()} devices in "
@@ -262,7 +263,7 @@ def _train(recipe: Recipe, built, on_step) -> int:
     except TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    except (IncompatibleCheckpoint, PipelineStateMismatch) as e:
+    except (IncompatibleCheckpoint, PipelineStateMismatch, NoTrainingData) as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except DataStreamError as e:

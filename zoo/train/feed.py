@@ -15,6 +15,11 @@ model consumed). `Feed.get(stop)` waits for the next batch while it watches:
   `DataStreamError` naming it.
 
 The trainer then saves the last good state and exits with `EXIT_DATA`.
+
+Before anything is compiled, `Feed.probe` proves the stream works: it pulls a first batch
+(within ``timeout_s``), requires at least one token with a target (a loss weight above 0) and
+rewinds the stream to where it was, so the first step trains on that same batch. A stream that
+fails, stalls or yields nothing to learn from is `NoTrainingData` (a usage error: exit 2).
 """
 
 from __future__ import annotations
@@ -26,13 +31,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Feed", "DataStreamError", "DEFAULT_TIMEOUT_S"]
+import numpy as np
+
+__all__ = ["Feed", "DataStreamError", "NoTrainingData", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
 class DataStreamError(RuntimeError):
     """The data stream failed, stalled, or its files changed under it."""
+
+
+class NoTrainingData(ValueError):
+    """Before training: the data stream yields no first batch with a token to learn from."""
 
 
 class Feed:
@@ -53,6 +64,49 @@ class Feed:
             raise RuntimeError("Feed.set_state after the feed started")
         self.data.set_state(state)
         self.state = self.data.get_state()
+
+    def probe(self, stop: Any = None) -> None:
+        """Pull a first batch, check it has a target, and rewind the stream (see the module
+        docstring). Returns early, without a verdict, when `stop` is signalled."""
+        box: dict[str, Any] = {}
+
+        def pull():
+            try:
+                box["batch"] = next(self.data)
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=pull, name="zoo-data-probe", daemon=True)
+        thread.start()
+        start = time.monotonic()
+        while thread.is_alive():
+            thread.join(self.poll_s)
+            if stop is not None and stop.signal is not None:
+                return
+            if thread.is_alive() and time.monotonic() - start > self.timeout_s:
+                raise NoTrainingData(
+                    f"the data stream yielded no first batch within {self.timeout_s:g} s "
+                    f"(--data-timeout){self._files()}; check that the data holds text")
+        if "error" in box:
+            e = box["error"]
+            raise NoTrainingData(f"the data stream failed on its first batch{self._files()}: "
+                                 f"{type(e).__name__}: {str(e)[:300]}") from e
+        weights = box["batch"].get("loss_weights") if hasattr(box["batch"], "get") else None
+        if weights is not None and not np.any(np.asarray(weights) > 0):
+            raise NoTrainingData(f"the first batch has no token to learn from (every loss "
+                                 f"weight is 0){self._files()}; give --data documents with "
+                                 f"text")
+        if self.state is not None:
+            self.data.set_state(self.state)
+        else:  # a stream without state cannot rewind: the probed batch is the first one
+            self._queue.put(("batch", box["batch"], None))
+
+    def _files(self) -> str:
+        if not self.sizes:
+            return ""
+        names = sorted(self.sizes)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f" (data files: {shown})"
 
     def _pull(self) -> None:
         while not self._closed.is_set():

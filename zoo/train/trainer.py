@@ -6,7 +6,8 @@
 
 * **checks first** -- the run dir is created, probed and locked (process 0); an existing
   checkpoint's model shapes and data-pipeline arguments are compared with this run's before
-  anything is compiled (`IncompatibleCheckpoint`, `zoo.data.PipelineStateMismatch`).
+  anything is compiled (`IncompatibleCheckpoint`, `zoo.data.PipelineStateMismatch`), and the
+  data stream proves it yields a first batch with a target (`NoTrainingData`, `Feed.probe`).
 * **compile beside the restore** -- the train step is compiled ahead of time in a background
   thread while the model is restored or created, so step 1's time is a real step time. A
   SIGTERM/SIGINT during the compile ends the run at once with `CompileInterrupted` (nothing
@@ -51,11 +52,11 @@ from zoo.train.build import Built, build
 from zoo.train.checkpoint import (CheckpointSaveFailed, Checkpointer, shape_differences,
                                   to_pure)
 from zoo.train.config import TrainConfig
-from zoo.train.feed import DataStreamError, Feed
+from zoo.train.feed import DataStreamError, Feed, NoTrainingData
 from zoo.train.records import Summary, changes, normalise, versions, write_json
 
 __all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
-           "CompileInterrupted", "DataStreamError", "CheckpointSaveFailed"]
+           "CompileInterrupted", "DataStreamError", "NoTrainingData", "CheckpointSaveFailed"]
 
 _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
 
@@ -154,7 +155,8 @@ class Trainer:
     def train(self, steps: int | None = None) -> Summary:
         """Train until `steps` updates are done (default ``config.steps``); see the module
         docstring. Raises `TrainingDiverged`, `IncompatibleCheckpoint`,
-        `zoo.data.PipelineStateMismatch` or `CompileInterrupted`."""
+        `zoo.data.PipelineStateMismatch`, `NoTrainingData`, `DataStreamError`,
+        `CheckpointSaveFailed` or `CompileInterrupted`."""
         t_start = time.perf_counter()
         target = self.config.steps if steps is None else int(steps)
         with guard.StopFlag() as stop:
@@ -224,6 +226,7 @@ class Trainer:
         self._check_run_dir(model, optimizer)
         self._feed = Feed(self.built.data, files=self.built.data_files,
                           timeout_s=self.config.data_timeout)
+        self._feed.probe(stop)  # a first batch with a target, before anything is compiled
         if jax.process_index() == 0:
             print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
         # compile from shapes while the model is restored or created; the main thread only
