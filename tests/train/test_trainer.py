@@ -265,7 +265,7 @@ def test_the_first_batch_is_proved_before_compiling_and_rewound(tmp_path, device
                                    "no first batch within 2 s")]:
         b = build(TrainConfig(**{**BASE, **settings, "run_dir": str(tmp_path / match[:5])}))
         trainer = Trainer(dataclasses.replace(b, data=data))
-        trainer._compile = lambda *a: compiled.append(a)  # noqa: B023 - must never be reached
+        trainer._compile = lambda *a: compiled.append(a)  # must never be reached
         with trainer, pytest.raises(NoTrainingData, match=match):
             trainer.train()
     assert compiled == []
