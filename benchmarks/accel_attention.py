@@ -67,7 +67,8 @@ def run(report, lengths=None):
                     row = dict(length=length, shape=name, cp=cp, strategy=strategy,
                                kernel=kernel, rounds=rounds or "auto")
 
-                    def loss(q, k, v, kernel=kernel, strategy=strategy, rounds=rounds):
+                    def loss(q, k, v, kernel=kernel, strategy=strategy, rounds=rounds, pos=pos,
+                             seg=seg):
                         o = attention(q, k, v, q_positions=pos, kv_positions=pos,
                                       q_segment_ids=seg, kv_segment_ids=seg, partitioner=p,
                                       implementation=strategy, kernel=kernel, rounds=rounds)

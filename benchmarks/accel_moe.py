@@ -77,8 +77,8 @@ def dispatch_rows(report, tokens_per_device: int = 1024, embed: int = 512) -> No
             text = fn.lower(params, xs).compile().as_text()
             (_, y), (g, gx) = fn(params, xs)
             scale = lambda a: float(np.abs(np.asarray(a, np.float32)).max()) or 1.0
-            err = lambda a, b: float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)
-                                            ).max()) / scale(b)
+            err = lambda a, b, scale=scale: float(np.abs(
+                np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()) / scale(b)
             report("moe dispatch", dict(
                 devices=f"{n} x {devices[0].platform}", dispatch=dispatch, grouped_matmul=gm,
                 y_rel_err=f"{err(y, y_ref):.2e}", dx_rel_err=f"{err(gx, gx_ref):.2e}",
@@ -99,10 +99,11 @@ def grouped_matmul_rows(report, rows: int = 16384, embed: int = 2048, mlp: int =
         row = dict(experts=experts, rows=rows, embed=embed, mlp=mlp)
         outs = {}
         for impl in ("tokamax", "ragged_dot"):
-            fwd = jax.jit(lambda x, wg, wu, wo, impl=impl: ops.grouped_swiglu(
+            fwd = jax.jit(lambda x, wg, wu, wo, impl=impl, gs=gs: ops.grouped_swiglu(
                 x, wg, wu, wo, gs, impl))
-            both = jax.jit(jax.grad(lambda x, wg, wu, wo, impl=impl: jnp.sum(ops.grouped_swiglu(
-                x, wg, wu, wo, gs, impl).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3)))
+            both = jax.jit(jax.grad(lambda x, wg, wu, wo, impl=impl, gs=gs: jnp.sum(
+                ops.grouped_swiglu(x, wg, wu, wo, gs, impl).astype(jnp.float32) ** 2),
+                argnums=(0, 1, 2, 3)))
             outs[impl] = np.asarray(fwd(x, wg, wu, wo), np.float32)
             row[f"{impl}_fwd_ms"] = f"{_timed(fwd, x, wg, wu, wo):.2f}"
             row[f"{impl}_fwd_bwd_ms"] = f"{_timed(both, x, wg, wu, wo):.2f}"

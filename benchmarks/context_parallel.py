@@ -1,13 +1,13 @@
 """Context-parallel attention: per-device memory and per-shard work, from compilation only.
 
-Memory: XLA's compiled memory analysis (temp + argument + output bytes of one device's share
-of the SPMD program) of forward + backward -- (q, k, v, positions, segment ids, dout) ->
-(dq, dk, dv), the output's cotangent an argument as in a real backward (the gradient of a
-sum would make it a constant, which XLA folds away unsharded but materialises under the ring,
-billing the sharded program alone for it) -- for each sequence length, CP degree (``context`` mesh axis over the first cp devices) and
-strategy, and its ratio to the same strategy unsharded (cp=1) -- the tiled kernel, so the ratio
-measures sharding alone; the dense reference (O(L^2) logits) is shown for scale. Nothing is
-executed.
+Memory: XLA's compiled memory analysis (temp + argument + output bytes of one device's share of
+the SPMD program) of forward + backward -- (q, k, v, positions, segment ids, dout) -> (dq, dk,
+dv), the output's cotangent an argument as in a real backward (the gradient of a sum would make
+it a constant, which XLA folds away unsharded but materialises under the ring, billing the
+sharded program alone for it) -- for each sequence length, CP degree (``context`` mesh axis over
+the first cp devices) and strategy, and its ratio to the same strategy unsharded (cp=1) -- the
+tiled kernel, so the ratio measures sharding alone; the dense reference (O(L^2) logits) is shown
+for scale. Nothing is executed.
 
 Work: the fraction of (query, key) pairs each shard computes under a causal mask (ideal:
 (L+1)/(2L) on average) -- the sub-blocks (``split`` x ``split`` per ring block) the strategies'

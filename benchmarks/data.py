@@ -1,12 +1,13 @@
 """The zoo.data pipeline: throughput against the recipe, and context-parallel load balance.
 
-**Throughput** (default). For each ``seq_len`` it builds `zoo.data.text_dataset` on the
-built-in corpus (or ``--paths``), times the first batch (start-up: indexing + first reads + first
-packing), then pulls batches as fast as possible and reports row slots per second (``tokens/s``, what a train step consumes),
-the fill fraction (non-padding share of the slots) and the headroom over the recipe: the
-median ``tokens_per_s`` of ``runs/mini_deepseek3/metrics.jsonl`` when that file exists, else
-``--recipe-tokens-per-s``. Rows are reordered for ``--cps`` (default 4, the recipe's context
-parallelism) with ``--load-balance`` (default auto, whose per-row search is part of the cost).
+**Throughput** (default). For each ``seq_len`` it builds `zoo.data.text_dataset` on the built-in
+corpus (or ``--paths``), times the first batch (start-up: indexing + first reads + first
+packing), then pulls batches as fast as possible and reports row slots per second (``tokens/s``,
+what a train step consumes), the fill fraction (non-padding share of the slots) and the headroom
+over the recipe: the median ``tokens_per_s`` of ``runs/mini_deepseek3/metrics.jsonl`` when that
+file exists, else ``--recipe-tokens-per-s``. Rows are reordered for ``--cps`` (default 4, the
+recipe's context parallelism) with ``--load-balance`` (default auto, whose per-row search is
+part of the cost).
 
     python benchmarks/data.py                       # seq_len 1024 and 4096, batch 8
     python benchmarks/data.py --seq-lens 512 --batch-size 16 --tokens 4e6

@@ -177,7 +177,7 @@ def bytes_table(tokens: int) -> None:
                        ("mixtral_8x7b", 8)):
         if ep > jax.device_count():
             continue
-        embed, experts, k, _ = PRESET_SHAPES[preset]
+        embed, _, k, _ = PRESET_SHAPES[preset]
         dims = dict(tokens=tokens, k=k, embed=embed, num_shards=ep)
         row = [preset, str(ep), gb(ops.dispatch_bytes("all_gather", **dims))]
         for kw in (dict(dispatch="all_gather"), None,
