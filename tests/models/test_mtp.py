@@ -168,3 +168,48 @@ def test_train_step_updates_the_mtp_layers_bias_too(unsharded):
                            before)
     assert not np.allclose(np.asarray(model.layers[-1].mlp.e_score_correction_bias[...]),
                            trunk_before)
+
+
+def test_mtp_module_round_trips_in_deepseeks_published_layout(unsharded, tmp_path):
+    """to_hf writes the MTP module under the layer index after the trunk's, in DeepSeek's
+    names, and config.json's num_nextn_predict_layers; from_hf with mtp_depth=1 loads it back
+    (every MTP variable equal); a checkpoint without it leaves the module fresh, with a
+    warning; loading with mtp_depth=0 ignores it with a warning."""
+    import json
+    import warnings
+
+    from safetensors import safe_open
+
+    from zoo.models.deepseek3 import from_hf
+    model = unsharded[0]
+    model.to_hf(tmp_path / "ckpt")
+    keys = set()
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        with safe_open(f, "np") as st:
+            keys |= set(st.keys())
+    layer = "model.layers.2"  # num_hidden_layers=2: the MTP layer is the third
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "input_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                 "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                 "mlp.experts.0.gate_proj.weight", "mlp.shared_experts.down_proj.weight"):
+        assert f"{layer}.{name}" in keys, name
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = from_hf(tmp_path / "ckpt", inputs_shape=(B, L),
+                         config_overrides={"mtp_depth": 1, "scan_layers": False})
+    want = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model.mtp))}
+    got = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(loaded.mtp))}
+    assert want.keys() == got.keys()
+    for p in want:
+        np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))
+    with pytest.warns(UserWarning, match=r"ignoring \d+ tensor\(s\).*model\.layers\.2\."):
+        plain = from_hf(tmp_path / "ckpt", inputs_shape=(B, L))
+    assert not len(plain.mtp)
+    plain.to_hf(tmp_path / "trunk")  # as transformers saves: no MTP layer
+    assert json.loads((tmp_path / "trunk" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 0
+    with pytest.warns(UserWarning, match=r"holds no MTP module for depth\(s\) \[1\]"):
+        fresh = from_hf(tmp_path / "trunk", inputs_shape=(B, L), config_overrides={"mtp_depth": 1})
+    assert len(fresh.mtp) == 1

@@ -517,6 +517,13 @@ class CausalLM(nnx.Module):
         """`hf_keys` of the whole checkpoint (no prefix)."""
         return self.hf_keys("")
 
+    def hf_load_map(self, keys: Sequence[str]) -> list[hf.Tensor]:
+        """The rows `from_hf` loads from a checkpoint holding `keys`: `hf_key_map` (a model
+        with optional parts a checkpoint may lack, e.g. DeepSeek-V3's MTP modules, makes the
+        missing ones zoo-only)."""
+        del keys
+        return self.hf_key_map()
+
     @classmethod
     def abstract(cls, config, *, inputs_shape: Sequence[int] | None = None,
                  partitioner: Partitioner | None = None,
@@ -550,9 +557,9 @@ class CausalLM(nnx.Module):
                        decoder_layer_cls=decoder_layer_cls)
 
         model = nnx.eval_shape(lambda: make(abstract_rngs()))
-        table = model.hf_key_map()
         quant = raw.get("quantization_config") or {}
         reader = hf.CheckpointReader(path, block_size=quant.get("weight_block_size", (128, 128)))
+        table = model.hf_load_map(list(reader.keys()))
         zoo_only = [row.path for row in table if row.zoo_only]
         initial = initial_values(lambda: make(abstract_rngs()), zoo_only) if zoo_only else {}
         return hf.load_into(model, table, reader, what=what, initial=initial)

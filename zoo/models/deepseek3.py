@@ -21,8 +21,10 @@
   ``mtp_loss_weight`` times their mean cross-entropy (`mtp_targets` finds each token's
   successor from positions and segment ids, so any sequence layout works). The `deepseek_v3`
   preset's parameter count (671,026,404,352) is without MTP (``mtp_depth=0``, the Hugging Face
-  model), and `from_hf` ignores a checkpoint's MTP layer (``model.layers.61.*``): MTP modules
-  start fresh.
+  model), and with ``mtp_depth=1`` (a ``config_overrides`` entry) `from_hf` loads a published
+  checkpoint's MTP layer (``model.layers.61.*``: ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm`` and a decoder layer) and `to_hf` writes it; a checkpoint without one
+  (transformers saves none) leaves the modules freshly initialised, with a warning.
 * `DeepSeek3Config` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names plus the
   base's zoo-only fields (``dtype``, ``param_dtype``, ``remat_policy``, the attention and MoE
   choices).
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, ClassVar
 
 
@@ -185,6 +188,11 @@ class DeepSeek3Config(DecoderConfig):
         """Parameter count from `nnx.eval_shape` (allocates nothing; bias buffers excluded)."""
         return count_params(DeepSeek3.abstract(self))
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The base's, with ``num_nextn_predict_layers`` the MTP depth whose tensors `to_hf`
+        writes."""
+        return {**super().to_hf_config(), "num_nextn_predict_layers": self.mtp_depth}
+
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (routed: top-k + shared experts; no embedding)."""
         D, N = self.hidden_size, self.num_attention_heads
@@ -258,6 +266,17 @@ class MTP(nnx.Module):
         self.layer = layer_cls(config, layer_idx=config.num_hidden_layers + depth - 1,
                                inputs_shape=inputs_shape, partitioner=partitioner, rngs=rngs)
 
+    hf_names: ClassVar[dict[str, str]] = {"norm": "shared_head.norm"}
+
+    def hf_keys(self, prefix: str) -> list:
+        """DeepSeek's layout: the module's tensors beside its decoder layer's, all under the
+        layer's prefix (``model.layers.61.enorm.weight``, ``...eh_proj.weight``,
+        ``...shared_head.norm.weight``, ``...self_attn.*``, ``...mlp.*``)."""
+        from zoo.layers import hf_keys as hfk
+        rows = hfk.children(self, prefix, ("enorm", "hnorm", "eh_proj", "norm"))
+        return rows + [dataclasses.replace(r, path=("layer", *r.path))
+                       for r in hfk.keys_of(self.layer, prefix)]
+
     def __call__(self, h, embedded, positions, segment_ids, remat):
         x = jnp.concatenate([self.enorm(embedded), self.hnorm(h).astype(embedded.dtype)], -1)
         x = self.eh_proj(x)
@@ -289,13 +308,34 @@ class DeepSeek3(CausalLM):
                 partitioner=self.partitioner, rngs=rngs) for d in range(config.mtp_depth)])
 
     def hf_keys(self, prefix: str = "") -> list:
-        """The base's rows; the MTP modules' variables are zoo-only (initialised on `from_hf`,
-        not written by `to_hf`: the Hub layout's ``model.layers.61.*`` is not mapped yet)."""
+        """The base's rows, then MTP module ``d``'s under the layer index after the trunk's
+        (``model.layers.{num_hidden_layers + d - 1}.*``, DeepSeek's published layout). The
+        published checkpoint also stores copies of the embedding and ``lm_head`` there
+        (``embed_tokens``, ``shared_head.head``); zoo shares the trunk's, so those two are not
+        written, and are ignored (with the usual warning) when read."""
         from zoo.layers import hf_keys as hfk
         rows = super().hf_keys(prefix)
-        for path, _ in nnx.to_flat_state(nnx.state(self.mtp)):
-            rows.append(hfk.zoo_only(("mtp", *path)))
+        layers = hfk.join(prefix, hfk.hf_name(self, "layers"))
+        for d, module in enumerate(self.mtp):
+            rows += [dataclasses.replace(r, path=("mtp", d, *r.path))
+                     for r in module.hf_keys(f"{layers}.{module.layer.layer_idx}")]
         return rows
+
+    def hf_load_map(self, keys) -> list:
+        """`hf_key_map`, with the MTP modules a checkpoint lacks (transformers saves none)
+        zoo-only: they start as the constructor initialises them, with a warning."""
+        from zoo.layers import hf_keys as hfk
+        keys, rows = set(keys), self.hf_key_map()
+        fresh = {d for d, m in enumerate(self.mtp)
+                 if not any(r.keys and r.keys[0] in keys for r in rows
+                            if r.path[:2] == ("mtp", d) and r.path[2] == "eh_proj")}
+        if fresh:
+            warnings.warn(f"DeepSeek3.from_hf: the checkpoint holds no MTP module for depth(s) "
+                          f"{sorted(d + 1 for d in fresh)} (no "
+                          f"'model.layers.{self.config.num_hidden_layers}.eh_proj.weight'); "
+                          f"they start freshly initialised", stacklevel=4)
+        return [hfk.zoo_only(r.path) if r.path[:1] == ("mtp",) and r.path[1] in fresh else r
+                for r in rows]
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None

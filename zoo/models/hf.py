@@ -426,7 +426,7 @@ def check_checkpoint(path: str | os.PathLike, make_model: Callable[[], nnx.Modul
     raw = read_config(path, type(model).hf_model_types, loader=what)
     quant = raw.get("quantization_config") or {}
     reader = CheckpointReader(path, block_size=quant.get("weight_block_size", (128, 128)))
-    check_tensors(model, model.hf_key_map(), reader, what=what)
+    check_tensors(model, model.hf_load_map(list(reader.keys())), reader, what=what)
 
 
 def load_into(model: nnx.Module, table: Iterable[Tensor | LayerStack], reader: CheckpointReader,
