@@ -19,7 +19,7 @@ RECIPE = cli.Recipe(
     description=__doc__.split("\n")[0],
     train=TrainConfig(
         family="deepseek3", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
-        overrides=("mtp_depth=1",),          # as DeepSeek-V3 trains: one MTP module (weight 0.3)
+        overrides=("num_nextn_predict_layers=1",),  # as DeepSeek-V3 trains: one MTP module
         steps=200, batch_size=8, seq_len=256,
         lr=3e-3,                             # peak; warmup min(100, steps/10), cosine to 10%
         checkpoint_every=50,

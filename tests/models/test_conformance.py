@@ -50,6 +50,7 @@ FAMILIES = [
             n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
             n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+            num_nextn_predict_layers=0,  # transformers builds and saves no MTP layer
             max_position_embeddings=32, rope_parameters=dict(
                 rope_type="yarn", rope_theta=10000.0, factor=4.0,
                 original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,

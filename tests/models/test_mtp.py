@@ -78,7 +78,7 @@ def test_mtp_targets_match_a_plain_loop(permute):
 
 
 def _config(**kw):
-    return DeepSeek3Config.mini(num_hidden_layers=2, hidden_size=64, mtp_depth=1,
+    return DeepSeek3Config.mini(num_hidden_layers=2, hidden_size=64, num_nextn_predict_layers=1,
                                 vocab_size=256, **kw)
 
 
@@ -144,11 +144,12 @@ def test_mtp_loss_is_layout_and_sharding_invariant(unsharded, devices):
 
 
 def test_mtp_settings_are_checked():
-    with pytest.raises(ValueError, match="mtp_depth=-1 must be an int >= 0"):
-        DeepSeek3Config.mini(mtp_depth=-1)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=-1 must be an int >= 0"):
+        DeepSeek3Config.mini(num_nextn_predict_layers=-1)
     with pytest.raises(ValueError, match="mtp_loss_weight=nan must be a finite number"):
         DeepSeek3Config.mini(mtp_loss_weight=float("nan"))
-    assert DeepSeek3Config.mini(mtp_depth=1).num_params() > DeepSeek3Config.mini().num_params()
+    with_mtp = DeepSeek3Config.mini(num_nextn_predict_layers=1)
+    assert with_mtp.num_params() > DeepSeek3Config.mini().num_params()
 
 
 def test_train_step_updates_the_mtp_layers_bias_too(unsharded):
@@ -172,9 +173,10 @@ def test_train_step_updates_the_mtp_layers_bias_too(unsharded):
 
 def test_mtp_module_round_trips_in_deepseeks_published_layout(unsharded, tmp_path):
     """to_hf writes the MTP module under the layer index after the trunk's, in DeepSeek's
-    names, and config.json's num_nextn_predict_layers; from_hf with mtp_depth=1 loads it back
-    (every MTP variable equal); a checkpoint without it leaves the module fresh, with a
-    warning; loading with mtp_depth=0 ignores it with a warning."""
+    names (with the layout's copies of the embedding and head), and config.json's
+    num_nextn_predict_layers; from_hf reads it back (every MTP variable equal); a checkpoint
+    that declares MTP but holds none leaves the module fresh, with a warning; loading with
+    num_nextn_predict_layers=0 ignores the MTP tensors with a warning."""
     import json
     import warnings
 
@@ -183,33 +185,41 @@ def test_mtp_module_round_trips_in_deepseeks_published_layout(unsharded, tmp_pat
     from zoo.models.deepseek3 import from_hf
     model = unsharded[0]
     model.to_hf(tmp_path / "ckpt")
-    keys = set()
+    tensors = {}
     for f in (tmp_path / "ckpt").glob("*.safetensors"):
         with safe_open(f, "np") as st:
-            keys |= set(st.keys())
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})
     layer = "model.layers.2"  # num_hidden_layers=2: the MTP layer is the third
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "input_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight",
-                 "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-                 "mlp.experts.0.gate_proj.weight", "mlp.shared_experts.down_proj.weight"):
-        assert f"{layer}.{name}" in keys, name
-    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())[
-        "num_nextn_predict_layers"] == 1
+                 "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight",
+                 "mlp.gate.e_score_correction_bias", "mlp.experts.0.gate_proj.weight",
+                 "mlp.shared_experts.down_proj.weight"):
+        assert f"{layer}.{name}" in tensors, name
+    np.testing.assert_array_equal(tensors[f"{layer}.shared_head.head.weight"],
+                                  tensors["lm_head.weight"])
+    np.testing.assert_array_equal(tensors[f"{layer}.embed_tokens.weight"],
+                                  tensors["model.embed_tokens.weight"])
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = from_hf(tmp_path / "ckpt", inputs_shape=(B, L),
-                         config_overrides={"mtp_depth": 1, "scan_layers": False})
+                         config_overrides={"scan_layers": False})
     want = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model.mtp))}
     got = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(loaded.mtp))}
     assert want.keys() == got.keys()
     for p in want:
         np.testing.assert_array_equal(got[p], want[p], err_msg=str(p))
     with pytest.warns(UserWarning, match=r"ignoring \d+ tensor\(s\).*model\.layers\.2\."):
-        plain = from_hf(tmp_path / "ckpt", inputs_shape=(B, L))
+        plain = from_hf(tmp_path / "ckpt", inputs_shape=(B, L),
+                        config_overrides={"num_nextn_predict_layers": 0})
     assert not len(plain.mtp)
     plain.to_hf(tmp_path / "trunk")  # as transformers saves: no MTP layer
     assert json.loads((tmp_path / "trunk" / "config.json").read_text())[
         "num_nextn_predict_layers"] == 0
-    with pytest.warns(UserWarning, match=r"holds no MTP module for depth\(s\) \[1\]"):
-        fresh = from_hf(tmp_path / "trunk", inputs_shape=(B, L), config_overrides={"mtp_depth": 1})
+    config["num_nextn_predict_layers"] = 1  # declared, as transformers' configs do, not held
+    (tmp_path / "trunk" / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"holds no MTP layer under \['model\.layers\.2\.'\]"):
+        fresh = from_hf(tmp_path / "trunk", inputs_shape=(B, L))
     assert len(fresh.mtp) == 1

@@ -300,7 +300,7 @@ def test_from_hf_starts_from_the_checkpoint(tmp_path, learned):
     from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, to_hf
     overrides = [v for k, v in zip(TINY["mini_deepseek3"][::2], TINY["mini_deepseek3"][1::2])]
     # the recipe's own overrides (its MTP module) come first, as on the command line
-    config = cli.apply_overrides(DeepSeek3Config.mini(), ["mtp_depth=1", *overrides])
+    config = cli.apply_overrides(DeepSeek3Config.mini(), ["num_nextn_predict_layers=1", *overrides])
     to_hf(DeepSeek3(config, inputs_shape=(4, 32), rngs=nnx.Rngs(0)), tmp_path / "hf")
     run_dir = tmp_path / "run"
     code, steps = run_main("mini_deepseek3", ["--steps", "20", *COMMON, "--attention",

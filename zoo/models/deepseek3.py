@@ -12,19 +12,23 @@
   (aux-loss-free balancing: `zoo.layers.moe.update_expert_bias`), group-limited top-k
   (``n_group``/``topk_group``), weights normalised (``norm_topk_prob``) and scaled by
   ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts.
-* Multi-token prediction (``mtp_depth`` modules, `MTP`; DeepSeek-V3 trains with one): module
-  ``d`` combines the previous depth's hidden state (the trunk's, before the final norm, for
+* Multi-token prediction (``num_nextn_predict_layers`` modules, read as ``mtp_depth``; `MTP`;
+  DeepSeek-V3 trains with one): module ``d`` combines the previous depth's hidden state (the
+  trunk's, before the final norm, for
   ``d = 1``) with the embedding of the token ``d`` ahead, ``eh_proj([enorm(emb); hnorm(h)])``,
   runs one more MoE decoder layer and predicts the token ``d + 1`` ahead through the shared
   embedding and ``lm_head`` (its own final norm). ``model(tokens, ..., mtp_tokens=[d, B, L])``
   returns their logits in ``aux["mtp_logits"]``; `zoo.train.step.loss_fn` adds
   ``mtp_loss_weight`` times their mean cross-entropy (`mtp_targets` finds each token's
   successor from positions and segment ids, so any sequence layout works). The `deepseek_v3`
-  preset's parameter count (671,026,404,352) is without MTP (``mtp_depth=0``, the Hugging Face
-  model), and with ``mtp_depth=1`` (a ``config_overrides`` entry) `from_hf` loads a published
-  checkpoint's MTP layer (``model.layers.61.*``: ``enorm``, ``hnorm``, ``eh_proj``,
-  ``shared_head.norm`` and a decoder layer) and `to_hf` writes it; a checkpoint without one
-  (transformers saves none) leaves the modules freshly initialised, with a warning.
+  preset's parameter count (671,026,404,352) is without MTP (``num_nextn_predict_layers=0``,
+  what transformers builds). `from_hf` reads ``num_nextn_predict_layers`` from config.json and
+  loads the checkpoint's MTP layer in DeepSeek's layout (``model.layers.61.*``: ``enorm``,
+  ``hnorm``, ``eh_proj``, ``shared_head.norm``, a decoder layer, and copies of the embedding
+  and head, ``embed_tokens`` and ``shared_head.head``, which zoo shares with the trunk: their
+  shapes are checked, their values not read); `to_hf` writes all of it. A checkpoint that
+  declares MTP but holds none (transformers saves none) leaves the modules freshly
+  initialised, with a warning.
 * `DeepSeek3Config` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names plus the
   base's zoo-only fields (``dtype``, ``param_dtype``, ``remat_policy``, the attention and MoE
   choices).
@@ -78,7 +82,7 @@ class DeepSeek3Config(DecoderConfig):
         **DecoderConfig.hf_supported, "attention_bias": (False,), "scoring_func": ("sigmoid",),
         "topk_method": ("noaux_tc",), "moe_layer_freq": (1,)}
     hf_constants: ClassVar[dict[str, Any]] = {
-        **DecoderConfig.hf_constants, "attention_bias": False, "num_nextn_predict_layers": 0,
+        **DecoderConfig.hf_constants, "attention_bias": False,
         "bos_token_id": 0, "eos_token_id": 1}
     aux_loss_field: ClassVar[str] = "aux_loss_alpha"
 
@@ -110,7 +114,7 @@ class DeepSeek3Config(DecoderConfig):
     aux_loss_alpha: float = 1e-4  # weight of aux["load_balance_loss"] (DeepSeek's seq-wise alpha)
     # multi-token prediction: modules (DeepSeek-V3 trains with 1) and their loss weight
     # (DeepSeek: 0.3, then 0.1 for the last 4.8T tokens)
-    mtp_depth: int = zoo_field(0)
+    num_nextn_predict_layers: int = 0  # MTP modules (config.json's name; also `mtp_depth`)
     mtp_loss_weight: float = zoo_field(0.3)
 
     def __post_init__(self):
@@ -129,7 +133,8 @@ class DeepSeek3Config(DecoderConfig):
             raise ValueError(f"{what}: first_k_dense_replace={self.first_k_dense_replace} must be "
                              f"between 0 and num_hidden_layers={self.num_hidden_layers}")
         if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
-            raise ValueError(f"{what}: mtp_depth={self.mtp_depth!r} must be an int >= 0 (the "
+            raise ValueError(f"{what}: num_nextn_predict_layers={self.mtp_depth!r} must be an "
+                             f"int >= 0 (the "
                              f"multi-token-prediction modules; DeepSeek-V3 trains with 1)")
         if not (isinstance(self.mtp_loss_weight, (int, float)) and self.mtp_loss_weight >= 0
                 and math.isfinite(self.mtp_loss_weight)):
@@ -188,10 +193,10 @@ class DeepSeek3Config(DecoderConfig):
         """Parameter count from `nnx.eval_shape` (allocates nothing; bias buffers excluded)."""
         return count_params(DeepSeek3.abstract(self))
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The base's, with ``num_nextn_predict_layers`` the MTP depth whose tensors `to_hf`
-        writes."""
-        return {**super().to_hf_config(), "num_nextn_predict_layers": self.mtp_depth}
+    @property
+    def mtp_depth(self) -> int:
+        """The number of MTP modules: ``num_nextn_predict_layers``."""
+        return self.num_nextn_predict_layers
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (routed: top-k + shared experts; no embedding)."""
@@ -288,8 +293,9 @@ class DeepSeek3(CausalLM):
     """The DeepSeek-V3 causal LM: ``logits, aux = model(tokens, positions=..., segment_ids=...)``.
 
     ``DeepSeek3(config, *, inputs_shape=(batch, length), partitioner=None, rngs,
-    decoder_layer_cls=None)``; see `zoo.models.decoder.CausalLM`. With ``config.mtp_depth``
-    modules (`MTP`), ``mtp_tokens=`` ``[depth, B, L]`` (row ``d``: the token ``d + 1`` places
+    decoder_layer_cls=None)``; see `zoo.models.decoder.CausalLM`. With
+    ``config.num_nextn_predict_layers`` modules (`MTP`), ``mtp_tokens=`` ``[depth, B, L]`` (row
+    ``d``: the token ``d + 1`` places
     ahead of each position, `zoo.train.step.mtp_targets`) adds their logits to the aux dict as
     ``aux["mtp_logits"]`` ``[depth, B, L, V]``; their MoE layers' aux entries follow the
     trunk's.
@@ -309,16 +315,21 @@ class DeepSeek3(CausalLM):
 
     def hf_keys(self, prefix: str = "") -> list:
         """The base's rows, then MTP module ``d``'s under the layer index after the trunk's
-        (``model.layers.{num_hidden_layers + d - 1}.*``, DeepSeek's published layout). The
-        published checkpoint also stores copies of the embedding and ``lm_head`` there
-        (``embed_tokens``, ``shared_head.head``); zoo shares the trunk's, so those two are not
-        written, and are ignored (with the usual warning) when read."""
+        (``model.layers.{num_hidden_layers + d - 1}.*``, DeepSeek's published layout), with
+        the copies of the embedding and ``lm_head`` that layout keeps there (``embed_tokens``,
+        ``shared_head.head``): rows of the trunk's variables under a second key, so `to_hf`
+        writes them and `from_hf` checks their shapes (the first row of a variable is the one
+        read)."""
         from zoo.layers import hf_keys as hfk
         rows = super().hf_keys(prefix)
         layers = hfk.join(prefix, hfk.hf_name(self, "layers"))
+        shared = {"embed_tokens": "embed_tokens.weight", "lm_head": "shared_head.head.weight"}
         for d, module in enumerate(self.mtp):
+            at = f"{layers}.{module.layer.layer_idx}"
             rows += [dataclasses.replace(r, path=("mtp", d, *r.path))
-                     for r in module.hf_keys(f"{layers}.{module.layer.layer_idx}")]
+                     for r in module.hf_keys(at)]
+            rows += [dataclasses.replace(r, keys=(f"{at}.{shared[attr]}",))
+                     for attr in shared for r in hfk.child(self, attr, prefix)]
         return rows
 
     def hf_load_map(self, keys) -> list:
@@ -326,16 +337,22 @@ class DeepSeek3(CausalLM):
         zoo-only: they start as the constructor initialises them, with a warning."""
         from zoo.layers import hf_keys as hfk
         keys, rows = set(keys), self.hf_key_map()
-        fresh = {d for d, m in enumerate(self.mtp)
-                 if not any(r.keys and r.keys[0] in keys for r in rows
-                            if r.path[:2] == ("mtp", d) and r.path[2] == "eh_proj")}
+        layers = hfk.hf_name(self, "layers")
+        fresh = {f"{layers}.{m.layer.layer_idx}." for m in self.mtp
+                 if f"{layers}.{m.layer.layer_idx}.eh_proj.weight" not in keys}
         if fresh:
-            warnings.warn(f"DeepSeek3.from_hf: the checkpoint holds no MTP module for depth(s) "
-                          f"{sorted(d + 1 for d in fresh)} (no "
-                          f"'model.layers.{self.config.num_hidden_layers}.eh_proj.weight'); "
-                          f"they start freshly initialised", stacklevel=4)
-        return [hfk.zoo_only(r.path) if r.path[:1] == ("mtp",) and r.path[1] in fresh else r
-                for r in rows]
+            warnings.warn(f"DeepSeek3.from_hf: num_nextn_predict_layers={len(self.mtp)}, but "
+                          f"the checkpoint holds no MTP layer under {sorted(fresh)} (no "
+                          f"eh_proj.weight there; transformers saves none): those MTP modules "
+                          f"start freshly initialised", stacklevel=4)
+        out = []
+        for r in rows:
+            if not any(k.startswith(p) for k in r.keys for p in fresh):
+                out.append(r)
+            elif r.path[:1] == ("mtp",):
+                out.append(hfk.zoo_only(r.path))
+            # else: a shared copy of a trunk variable the checkpoint lacks; not needed
+        return out
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None

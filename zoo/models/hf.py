@@ -443,7 +443,9 @@ def load_into(model: nnx.Module, table: Iterable[Tensor | LayerStack], reader: C
     check_tensors(model, table, reader, what=what)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
-    rows = {t.path: t for t in table}
+    rows: dict[tuple[Any, ...], Tensor | LayerStack] = {}
+    for t in table:  # a variable's first row is the one read (later ones: shared copies)
+        rows.setdefault(t.path, t)
     initial = initial or {}
     for path, var in flat:
         row = rows[path]
