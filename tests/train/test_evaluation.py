@@ -204,8 +204,7 @@ def test_the_command_refuses_bad_input(tmp_path, capsys):
         assert message in err[-1], err
 
 
-@pytest.mark.e2e
-@pytest.mark.slow  # a second compile of the train step
+@pytest.mark.e2e  # a second compile of the train step (~40 s)
 def test_a_resume_keeps_one_eval_row_per_step(evaluated, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(evaluated, run_dir)

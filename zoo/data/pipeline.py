@@ -4,7 +4,7 @@ Stages, each a Grain dataset so the whole chain is checkpointable::
 
     byte ranges of files (stat only)        MapDataset.source   (corpus.index_ranges)
       -> shuffle per epoch, repeat           .shuffle(seed).repeat(num_epochs)
-      -> read + tokenize on demand           .map(_ReadTokenize), threads via ReadOptions
+      -> read, keep the split, tokenize      .map(_ReadTokenize), threads via ReadOptions
       -> cut into pieces of <= L tokens      FlatMapIterDataset(_SplitPieces)
       -> shuffle pieces in windows           WindowShuffleIterDataset
       -> first-fit packing into rows of L    grain.experimental.FirstFitPackIterDataset
@@ -32,6 +32,10 @@ busiest context shard computes the fewest kernel tiles; see `zoo.data.reorder`);
 masks come from ``positions``/``segment_ids``, so the model never un-permutes and the loss (a
 weighted mean) needs no inverse. `zoo.data.restore_order` with the batch's positions and
 segment ids gives packing order back.
+
+``validation_fraction=f`` holds out the documents whose text hashes below ``f``
+(`zoo.data.split`): ``split="train"`` (default) never yields them, ``split="validation"``
+yields only them, so the two streams share no document whatever the seed or file order.
 
 ``corpus_docs="short"`` cuts every ``.py`` file into one document per top-level function or
 class (`corpus.split_short`), so rows pack many documents of skewed lengths -- like web or code
