@@ -207,6 +207,9 @@ class Progress(Hook):
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
                                   refresh=False)
+            if "eval_loss" in row:
+                self._bar.write(f"{self.name}: step {step}: eval_loss {row['eval_loss']:.3f}, "
+                                f"perplexity {row['eval_ppl']:.2f} (held out)")
 
     def on_end(self, trainer, summary) -> None:
         self.close()
