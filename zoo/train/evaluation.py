@@ -11,10 +11,10 @@
   ``metrics.jsonl`` columns ``eval_loss``, ``eval_ppl``, ``eval_tokens``, ``eval_time_s``.
 * `Evaluate(every, batches)` -- the `Trainer` hook: at every ``every``-th step and at the last
   planned step it evaluates ``batches`` batches of the held-out split (`zoo.data.split`,
-  through ``Built.eval_data``: the same batches, in the same order, every time) and adds the
-  columns to that step's row, so the loggers after it (metrics.jsonl, TensorBoard, W&B, the
-  loss plot) show them. It asks the trainer for the model of exactly that step
-  (``needs_model``).
+  through ``Built.eval_data``; read at the first evaluation and kept, so every evaluation
+  sees the same batches) and adds the columns to that step's row, so the loggers after it
+  (metrics.jsonl, TensorBoard, W&B, the loss plot) show them. It asks the trainer for the
+  model of exactly that step (``needs_model``).
 
 ``python -m zoo.evaluate --run DIR`` (`zoo.evaluate`) runs the same `Evaluator` on a saved run.
 """
@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -107,6 +108,7 @@ class Evaluate(Hook):
             raise ValueError(f"Evaluate(every={every}, batches={batches}): both must be >= 1")
         self.every, self.batches, self.data = every, batches, data
         self._evaluator: Evaluator | None = None
+        self._held: list[dict[str, Any]] | None = None  # this process's rows of the batches
         self.last: Evaluation | None = None
 
     def needs_model(self, trainer, step: int) -> bool:
@@ -120,6 +122,11 @@ class Evaluate(Hook):
                                f"{trainer.step}; call on_step when the model is that step's")
         if self._evaluator is None:
             self._evaluator = Evaluator(trainer.built)
-        data = (self.data or trainer.built.eval_data)()
-        self.last = self._evaluator.evaluate(trainer.model, data, self.batches)
+        if self._held is None:  # read once: the same batches every time, no re-reading
+            data = (self.data or trainer.built.eval_data)()
+            try:
+                self._held = list(itertools.islice(data, self.batches))
+            finally:
+                getattr(data, "close", lambda: None)()
+        self.last = self._evaluator.evaluate(trainer.model, self._held)
         row.update(self.last.row())
