@@ -8,6 +8,8 @@
   parallelism: ``"auto"`` (default), ``"row"``, ``"document"``, ``"none"`` (`zoo.data.reorder`).
 * `shard_tiles` / `shard_pairs` -- the work each context shard's attention does
   (`zoo.data.work`): kernel tiles not skipped, causal pairs.
+* `split` -- the held-out validation documents, chosen by a hash of their text
+  (``text_dataset(validation_fraction=, split=)``).
 * `ByteTokenizer` (default), `HFTokenizer` (a local ``tokenizer.json``).
 """
 

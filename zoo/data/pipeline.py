@@ -4,7 +4,7 @@ Stages, each a Grain dataset so the whole chain is checkpointable::
 
     byte ranges of files (stat only)        MapDataset.source   (corpus.index_ranges)
       -> shuffle per epoch, repeat           .shuffle(seed).repeat(num_epochs)
-      -> read + tokenize on demand           .map(_ReadTokenize), threads via ReadOptions
+      -> read, keep the split, tokenize      .map(_ReadTokenize), threads via ReadOptions
       -> cut into pieces of <= L tokens      FlatMapIterDataset(_SplitPieces)
       -> shuffle pieces in windows           WindowShuffleIterDataset
       -> first-fit packing into rows of L    grain.experimental.FirstFitPackIterDataset
@@ -32,6 +32,10 @@ busiest context shard computes the fewest kernel tiles; see `zoo.data.reorder`);
 masks come from ``positions``/``segment_ids``, so the model never un-permutes and the loss (a
 weighted mean) needs no inverse. `zoo.data.restore_order` with the batch's positions and
 segment ids gives packing order back.
+
+``validation_fraction=f`` holds out the documents whose text hashes below ``f``
+(`zoo.data.split`): ``split="train"`` (default) never yields them, ``split="validation"``
+yields only them, so the two streams share no document whatever the seed or file order.
 
 ``corpus_docs="short"`` cuts every ``.py`` file into one document per top-level function or
 class (`corpus.split_short`), so rows pack many documents of skewed lengths -- like web or code
@@ -63,6 +67,7 @@ import numpy as np
 from grain import experimental as gx
 
 from zoo.data import corpus
+from zoo.data import split as split_lib
 from zoo.data import work
 from zoo.data.reorder import STRATEGIES, check_length, load_balance as _load_balance
 from zoo.data.tokenizer import ByteTokenizer, identity
@@ -132,20 +137,22 @@ class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
 
 
 class _ReadTokenize:
-    """Byte range -> list of token arrays, ``[bos] + encode(text) + [eos]`` per document."""
+    """Byte range -> list of token arrays, ``[bos] + encode(text) + [eos]`` per document of
+    the split (`zoo.data.split`: documents held out by ``fraction`` are the validation ones)."""
 
-    def __init__(self, tokenizer, short: bool = False):
+    def __init__(self, tokenizer, short: bool = False, fraction: float = 0.0,
+                 split: str = "train"):
         self.tokenizer = tokenizer
         self.short = short
+        self.fraction, self.validation = fraction, split == "validation"
         self.bos = getattr(tokenizer, "bos_id", None)
         self.eos = getattr(tokenizer, "eos_id", None)
 
     def __call__(self, rng: corpus.Range) -> list[np.ndarray]:
         out = []
-        docs = corpus.read_documents(*rng)
-        if self.short and not rng[4] and rng[0].endswith(".py"):  # .py: a doc per definition
-            docs = [(piece, True, True) for text, _, _ in docs
-                    for piece in corpus.split_short(text)]
+        docs = split_lib.range_documents(rng, self.short)  # .py short: a doc per definition
+        if self.fraction > 0:
+            docs = [d for d in docs if split_lib.held_out(d[0], self.fraction) == self.validation]
         for text, starts, ends in docs:
             parts = [np.asarray(self.tokenizer.encode(text), dtype=np.int32).reshape(-1)]
             if not parts[0].size:
@@ -239,6 +246,7 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
                  balance: str = "auto", load_balance: bool = True,
                  balance_tile: int | None = None, rows_per_device: int = 1,
                  corpus_docs: str = "file",
+                 validation_fraction: float = 0.0, split: str = "train",
                  tokenizer=None, seed: int = 0,
                  shuffle: bool = True, num_epochs: int | None = None,
                  process_index: int | None = None,
@@ -261,6 +269,9 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
         empty in every row (the recipes pass their batch sharding's rows per device).
       corpus_docs: ``"file"`` (a document per file, per ``.jsonl`` line) or ``"short"`` (``.py``
         files cut into one document per top-level function or class).
+      validation_fraction, split: hold out the documents whose text hashes below this fraction
+        (`zoo.data.split`); ``split="train"`` yields the others, ``"validation"`` the held-out
+        ones. A split that would be empty is a `ValueError` here. 0 (default): no holdout.
       tokenizer: anything with ``encode``/``bos_id``/``eos_id``/``pad_id``; default
         `ByteTokenizer`.
       seed, shuffle: file order (reshuffled each epoch), piece windows and packed rows are
@@ -302,6 +313,16 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     if corpus_docs not in CORPUS_DOCS:
         raise ValueError(f"text_dataset: corpus_docs={corpus_docs!r} must be one of "
                          f"{', '.join(map(repr, CORPUS_DOCS))}")
+    if split not in split_lib.SPLITS:
+        raise ValueError(f"text_dataset: split={split!r} must be one of "
+                         f"{', '.join(map(repr, split_lib.SPLITS))}")
+    if isinstance(validation_fraction, bool) or not isinstance(
+            validation_fraction, (int, float)) or not 0 <= validation_fraction < 1:
+        raise ValueError(f"text_dataset: validation_fraction={validation_fraction!r} must be a "
+                         f"number in [0, 1), e.g. 0.02")
+    if split == "validation" and not validation_fraction:
+        raise ValueError("text_dataset: split='validation' needs validation_fraction > 0 (the "
+                         "share of documents held out), e.g. 0.02")
     balance_tile = work.TILE if balance_tile is None else _positive_int("balance_tile",
                                                                         balance_tile)
     balance = balance if load_balance else "none"
@@ -319,14 +340,19 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
 
     files = corpus.find_files(paths)
     ranges = corpus.index_ranges(files)
+    if validation_fraction:
+        split_lib.check_split(ranges, validation_fraction, split, short=corpus_docs == "short")
     arguments = dict(  # what shapes the stream; a resume must match (see the module docstring)
         seq_len=seq_len, context_parallel=context_parallel, balance=balance,
         balance_tile=balance_tile, corpus_docs=corpus_docs, seed=int(seed), shuffle=shuffle,
         tokenizer=identity(tokenizer), paths=_paths_text(paths), files=_files_digest(ranges))
+    if validation_fraction:  # absent when 0, so a state saved before holdouts still matches
+        arguments.update(validation_fraction=float(validation_fraction), split=split)
     ds = grain.MapDataset.source(ranges)
     if shuffle:
         ds = ds.shuffle(seed=seed)  # a fresh permutation every epoch (seed + epoch)
-    ds = ds.repeat(num_epochs).map(_ReadTokenize(tokenizer, short=corpus_docs == "short"))
+    ds = ds.repeat(num_epochs).map(_ReadTokenize(tokenizer, short=corpus_docs == "short",
+                                                 fraction=validation_fraction, split=split))
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS,
                                               prefetch_buffer_size=_READ_BUFFER))
     ds = gx.FlatMapIterDataset(ds, _SplitPieces(seq_len))

@@ -9,6 +9,8 @@
   and divergence guard), `Summary`.
 * `zoo.train.hooks` -- the trainer's loggers and stop conditions (metrics.jsonl, progress bar,
   TensorBoard, Weights & Biases, loss plot), `read_metrics`, `plot_loss`.
+* `zoo.train.evaluation` -- the held-out loss: `Evaluator` (compiled once), the `Evaluate`
+  hook (``eval_every``); ``python -m zoo.evaluate`` uses them on a saved run.
 * `zoo.train.load` -- `load(run_dir)`: a run's trained model on any mesh.
 * `zoo.train.step` -- `make_tx`, `lr_schedule`, `loss_fn`, `make_train_step`,
   `create_sharded`, `abstract_state`, `make_global_batch`, `BATCH_KEYS`.

@@ -84,6 +84,12 @@ class Built:
         return {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_weights" else np.int32,
                                         sharding=self.batch_sharding) for k in BATCH_KEYS}
 
+    def eval_data(self, paths: Sequence[str] | None = None):
+        """This process's batches of the held-out documents (`zoo.data.split`), once through,
+        in a fixed order; or of every document of `paths`. A fresh iterator each call."""
+        return _data(self.config, self.partitioner, self.batch_sharding, self.tokenizer,
+                     split="validation" if paths is None else "train", paths=paths)[0]
+
 
 # -- the model ---------------------------------------------------------------------------------
 
@@ -223,6 +229,8 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
         schedule=schedule if custom_tx else None)
     data, data_files = (_data(config, partitioner, batch_sharding, tokenizer) if with_data
                         else (None, None))
+    if with_data and config.eval_every:  # an empty held-out split is refused before compiling
+        _data(config, partitioner, batch_sharding, tokenizer, split="validation")[0].close()
     return Built(config=config, family=family, model_cls=model_cls, model_config=model_config,
                  partitioner=partitioner, make_model=make_model, tx=tx, schedule=schedule,
                  train_step=train_step, batch_sharding=batch_sharding, data=data,
@@ -253,8 +261,11 @@ def _check_shapes(make_model, batch_sharding, config: TrainConfig):
                          f"seq_len {L})") from None
 
 
-def _data(config: TrainConfig, partitioner, batch_sharding, tokenizer):
-    """This process's batch iterator and the --data files it reads (None: built-in)."""
+def _data(config: TrainConfig, partitioner, batch_sharding, tokenizer, *,
+          split: str = "train", paths: Sequence[str] | None = None):
+    """A batch iterator of this process and the files it reads (None: built-in): the training
+    stream, the held-out documents once through (``split="validation"``), or every document
+    of `paths` once through."""
     import jax
 
     from zoo import data as data_lib
@@ -263,12 +274,16 @@ def _data(config: TrainConfig, partitioner, batch_sharding, tokenizer):
     if B % jax.process_count():
         raise ValueError(f"--batch-size {B} must be divisible by the {jax.process_count()} "
                          f"processes")
-    files = validate.check_data(config.data_files)
+    other = paths is not None  # not the run's corpus: every document counts
+    paths = tuple(paths) if other else config.data_files
+    files = validate.check_data(paths)
     return data_lib.text_dataset(
-        list(config.data_files) if config.data_files else None, seq_len=L, batch_size=B,
+        list(paths) if paths else None, seq_len=L, batch_size=B,
         context_parallel=partitioner.context_size("attention"), balance=config.load_balance,
         rows_per_device=batch_sharding.shard_shape((B, L))[0], corpus_docs=config.corpus_docs,
-        tokenizer=tokenizer, seed=config.seed), files
+        validation_fraction=0.0 if other else config.validation_fraction, split=split,
+        num_epochs=1 if other or split == "validation" else None, tokenizer=tokenizer,
+        seed=config.seed), files
 
 
 def _from_hf(config: TrainConfig, model_cls, model_config, partitioner, tx, kwargs):

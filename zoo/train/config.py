@@ -8,7 +8,9 @@ The sections (frozen dataclasses, one default per setting):
 * `ScheduleSection` ``schedule`` -- peak rate, warmup, final fraction;
 * `ParallelismSection` ``parallelism`` -- strategy, mesh, attention, dtypes, remat, devices and
   processes;
-* `DataSection` ``data`` -- files, documents, load balance, tokenizer, batch and length;
+* `DataSection` ``data`` -- files, documents, the held-out share, load balance, tokenizer, batch
+  and length;
+* `EvalSection` ``eval`` -- how often and on how many held-out batches the loss is evaluated;
 * `CheckpointSection` ``checkpoint`` -- run dir, interval, rotation;
 * `RunSection` ``run`` -- steps, seed, divergence stop, progress bar, loggers, rehearsal.
 
@@ -35,7 +37,8 @@ from zoo.train.fields import (DTypeName, apply_overrides, config_to_json, config
                               describe, is_union, parse_text)
 
 __all__ = ["TrainConfig", "ModelSection", "OptimizerSection", "ScheduleSection",
-           "ParallelismSection", "DataSection", "CheckpointSection", "RunSection", "SECTIONS",
+           "ParallelismSection", "DataSection", "EvalSection", "CheckpointSection",
+           "RunSection", "SECTIONS",
            "DTypeName", "parse_text", "describe", "add_flags", "from_args", "flag_name",
            "apply_overrides", "config_to_json", "config_to_python"]
 
@@ -194,6 +197,9 @@ class DataSection:
                 "permutation whose busiest shard computes the fewest attention tiles (zoo.data)",
         aliases={"--no-load-balance": "none"})
     tokenizer: str | None = _field(None, "a tokenizer.json (None: bytes)")
+    validation_fraction: float = _field(
+        0.02, "share of the documents held out for evaluation, chosen by a hash of each "
+              "document's text and never trained on (zoo.data.split); 0: none")
     batch_size: int = _field(8, "global batch (rows)")
     seq_len: int = _field(256, "tokens per row")
     data_timeout: float = _field(
@@ -212,6 +218,25 @@ class DataSection:
             _check(len(self.data) > 0, "data", "(no paths)", "needs at least one file, glob "
                    "or folder", "name the text, or leave --data out for the built-in corpus")
         _at_least_one(self, "batch_size", "seq_len")
+        _check(_finite(self.validation_fraction) and 0 <= self.validation_fraction < 1,
+               "validation_fraction", self.validation_fraction, "must be in [0, 1)",
+               "e.g. 0.02 (0: no documents held out)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """The held-out loss during training (`zoo.train.evaluation.Evaluate`)."""
+
+    eval_every: int = _field(0, "steps between evaluations of the held-out loss and perplexity "
+                                "(also at the last planned step; 0: none)")
+    eval_batches: int = _field(4, "batches of the held-out split each evaluation reads (fewer "
+                                  "when the split is smaller)")
+
+    def __post_init__(self):
+        _check(isinstance(self.eval_every, int) and not isinstance(self.eval_every, bool)
+               and self.eval_every >= 0, "eval_every", self.eval_every,
+               "must be an integer >= 0", "e.g. 50 (0: no evaluation)")
+        _at_least_one(self, "eval_batches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,8 +297,8 @@ class RunSection:
 
 SECTIONS: dict[str, type] = {"model": ModelSection, "optimizer": OptimizerSection,
                              "schedule": ScheduleSection, "parallelism": ParallelismSection,
-                             "data": DataSection, "checkpoint": CheckpointSection,
-                             "run": RunSection}
+                             "data": DataSection, "eval": EvalSection,
+                             "checkpoint": CheckpointSection, "run": RunSection}
 # flat setting name -> its section
 _SECTION_OF = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
@@ -292,6 +317,7 @@ class TrainConfig:
     schedule: ScheduleSection
     parallelism: ParallelismSection
     data: DataSection
+    eval: EvalSection
     checkpoint: CheckpointSection
     run: RunSection
 
@@ -322,6 +348,9 @@ class TrainConfig:
         _check(warmup is None or warmup <= steps, "warmup", warmup,
                f"must be in [0, --steps {steps}]", "lower --warmup or raise --steps (or leave "
                "--warmup out: min(100, steps/10))")
+        _check(not self.eval.eval_every or self.data.validation_fraction > 0, "eval_every",
+               self.eval.eval_every, "evaluates held-out documents, but --validation-fraction "
+               "is 0", "pass --validation-fraction 0.02, or leave --eval-every out")
 
     def __getattr__(self, name: str) -> Any:
         if name == "data_files":

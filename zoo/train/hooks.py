@@ -5,17 +5,21 @@ A hook is any object with some of these methods (`Hook` has them all, doing noth
 * ``on_start(trainer)`` -- the model is created or restored and the step compiled;
   ``trainer.step`` is the step the run starts from;
 * ``on_step(trainer, step, row)`` -- step `step`'s metrics (``row``, the `metrics.jsonl` row)
-  were read and checked;
+  were read and checked; a hook may add columns to ``row`` for the hooks after it;
+* ``needs_model(trainer, step) -> bool`` -- True: `on_step` of `step` sees ``trainer.model``
+  as of that step (the trainer waits for it before dispatching the next);
 * ``on_checkpoint(trainer, step)`` -- a checkpoint of `step` was started;
 * ``should_stop(trainer, step) -> bool`` -- True ends the run after this step, with a
   checkpoint, as SIGTERM does;
 * ``on_end(trainer, summary)`` -- `Trainer.train` returns `summary`;
 * ``close()`` -- the trainer closes.
 
-The loggers users already read are hooks: `MetricsFile` (``metrics.jsonl``), `Progress` (a
-tqdm bar), `TensorBoard` (event files under ``RUN_DIR/tensorboard``), `Wandb` (Weights &
-Biases, when installed and asked for), `LossPlot` (``loss.png``). The loggers write on process
-0 only; a hook of one's own runs on every process.
+`zoo.train.evaluation.Evaluate` (the held-out loss, ``eval_every``) comes first, so the
+loggers write its columns. The loggers users already read are hooks: `MetricsFile`
+(``metrics.jsonl``), `Progress` (a tqdm bar), `TensorBoard` (event files under
+``RUN_DIR/tensorboard``), `Wandb` (Weights & Biases, when installed and asked for), `LossPlot`
+(``loss.png``). The loggers write on process 0 only; a hook of one's own runs on every
+process.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ __all__ = ["Hook", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot"
 # the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
            "model_flops_per_s", "step_time_s", "data_time_s", "target_tokens", "dropped_tokens",
-           "expert_max_over_mean", "eval_loss", "eval_perplexity", "mtp_loss", "moe_rounds")
+           "expert_max_over_mean", "eval_loss", "eval_ppl", "mtp_loss", "moe_rounds")
 
 
 class Hook:
@@ -48,6 +52,9 @@ class Hook:
 
     def on_checkpoint(self, trainer, step: int) -> None:
         pass
+
+    def needs_model(self, trainer, step: int) -> bool:
+        return False
 
     def should_stop(self, trainer, step: int) -> bool:
         return False
@@ -200,6 +207,9 @@ class Progress(Hook):
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
                                   refresh=False)
+            if "eval_loss" in row:
+                self._bar.write(f"{self.name}: step {step}: eval_loss {row['eval_loss']:.3f}, "
+                                f"perplexity {row['eval_ppl']:.2f} (held out)")
 
     def on_end(self, trainer, summary) -> None:
         self.close()
@@ -335,10 +345,15 @@ class LossPlot(Hook):
 
 
 def default_hooks(config, run_dir: str, name: str) -> list[Hook]:
-    """The loggers a run has unless told otherwise: metrics.jsonl, the progress bar (if
-    ``config.progress``), TensorBoard (if ``config.tensorboard``), W&B (if ``config.wandb``
-    names a project) and the loss plot."""
-    hooks: list[Hook] = [MetricsFile(run_dir)]
+    """The hooks a run has unless told otherwise: the held-out evaluation (if
+    ``config.eval_every``), metrics.jsonl, the progress bar (if ``config.progress``),
+    TensorBoard (if ``config.tensorboard``), W&B (if ``config.wandb`` names a project) and the
+    loss plot."""
+    hooks: list[Hook] = []
+    if config.eval_every:
+        from zoo.train.evaluation import Evaluate
+        hooks.append(Evaluate(config.eval_every, config.eval_batches))
+    hooks.append(MetricsFile(run_dir))
     if config.progress:
         hooks.append(Progress(name))
     if config.tensorboard:

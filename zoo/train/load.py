@@ -68,7 +68,10 @@ def load(run_dir: str | os.PathLike, *, step: int | None = None,
         record = ckpt.read_config(step)
         family = _family(record)
         model_config = config_from_json(family.config_cls, record["model"])
-        train = TrainConfig(**record["train"])
+        settings, data = dict(record["train"]), record["train"].get("data")
+        if isinstance(data, dict) and "validation_fraction" not in data:  # saved before
+            settings["data"] = dict(data, validation_fraction=0.0)          # holdouts: none
+        train = TrainConfig(**settings)
         n = len(devices) if devices is not None else jax.device_count()
         same = mesh is None and _mesh_size(train.mesh) == n
         train = train.replace(mesh=mesh if mesh or not same else train.mesh,

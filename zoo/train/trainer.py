@@ -20,8 +20,9 @@
   the loss is above that bound no checkpoint is written; when the run stops for it, the
   checkpoints saved from the state that first produced the risen loss onwards are moved aside
   to ``checkpoints/diverged-<step>``, so a rerun resumes from the last good one.
-* **hooks** -- loggers and stop conditions (`zoo.train.hooks`): metrics.jsonl, the progress
-  bar, TensorBoard, W&B and the loss plot by default, plus the caller's ``hooks=``.
+* **hooks** -- (`zoo.train.hooks`) the held-out loss (``eval_every``), metrics.jsonl, progress
+  bar, TensorBoard, W&B and loss plot, plus ``hooks=``; a step some hook ``needs_model`` for is
+  finished before the next is dispatched, so its ``on_step`` sees that step's model.
 * **checkpoints** -- every ``checkpoint_every`` steps, at the end of each `train`, and when
   SIGTERM/SIGINT (or a hook's ``should_stop``) arrives: the step in flight finishes and is
   saved; several processes agree through a flag reduced on the devices with the step. Each
@@ -389,12 +390,12 @@ class Trainer:
                     self._finish(pending)
                 pending = flight
                 stopping = self._stopping(stop)
-                if self.step % self.config.checkpoint_every == 0 or self.step == target \
-                        or stopping:
+                save = self.step % self.config.checkpoint_every == 0 or self.step == target
+                if save or stopping or self._model_needed(self.step):  # this step's state
                     pending = None
                     self._finish(flight)
                     stopping = self._stopping(stop)
-                    held_back = self._checkpoint(held_back)
+                    held_back = self._checkpoint(held_back) if save or stopping else held_back
                 if self._monitor.rising and self._monitor.first_rise is not None:
                     guard.protect_last_good(self._ckpt, self._monitor.first_rise)
                 if stopping:
@@ -414,6 +415,10 @@ class Trainer:
         return DataStreamError(f"{e}. Training stopped at step {self.step}; "
                                f"{guard.last_checkpoint(self._ckpt)}. Fix the data, then rerun "
                                f"to resume (or start over on new files with another --run-dir)")
+
+    def _model_needed(self, step: int) -> bool:
+        """A hook's ``needs_model``: its ``on_step`` reads `model` as of this step."""
+        return any(getattr(h, "needs_model", lambda *a: False)(self, step) for h in self.hooks)
 
     def _stopping(self, stop: guard.StopFlag) -> bool:
         if self._agree is not None:  # several processes: the flag they all read
