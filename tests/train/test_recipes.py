@@ -439,6 +439,19 @@ def test_help_lists_every_train_config_field_with_its_default(capsys):
     assert "(default:0.01)" in text and "(default:deepseek3)" in text  # the recipe's
 
 
+def test_the_training_guide_lists_every_section_and_field():
+    """docs/training.md's table of sections names each TrainConfig field, in its section."""
+    table = {}
+    for line in (ROOT / "docs" / "training.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and cells[0] != "`section`":
+            table[cells[0].strip("`")] = [c.strip(" `") for c in cells[1].split(",")]
+    config = TrainConfig()
+    want = {s.name: [f.name for f in dataclasses.fields(getattr(config, s.name))]
+            for s in dataclasses.fields(TrainConfig)}
+    assert {k: table.get(k) for k in want} == want
+
+
 def test_values_are_parsed_from_the_field_types():
     """`parse_text` follows the resolved annotation: ints, floats, bools, optionals, tuples,
     Literals, dtype names, nested dataclasses; a bad value names what was expected."""
