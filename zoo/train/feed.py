@@ -65,9 +65,10 @@ class Feed:
         self.data.set_state(state)
         self.state = self.data.get_state()
 
-    def probe(self, stop: Any = None) -> None:
+    def probe(self, stop: Any = None) -> Feed:
         """Pull a first batch, check it has a target, and rewind the stream (see the module
-        docstring). Returns early, without a verdict, when `stop` is signalled."""
+        docstring); returns the feed. Returns early, without a verdict, when `stop` is
+        signalled."""
         box: dict[str, Any] = {}
 
         def pull():
@@ -82,7 +83,7 @@ class Feed:
         while thread.is_alive():
             thread.join(self.poll_s)
             if stop is not None and stop.signal is not None:
-                return
+                return self
             if thread.is_alive() and time.monotonic() - start > self.timeout_s:
                 raise NoTrainingData(
                     f"the data stream yielded no first batch within {self.timeout_s:g} s "
@@ -100,6 +101,7 @@ class Feed:
             self.data.set_state(self.state)
         else:  # a stream without state cannot rewind: the probed batch is the first one
             self._queue.put(("batch", box["batch"], None))
+        return self
 
     def _files(self) -> str:
         if not self.sizes:

@@ -149,15 +149,14 @@ class Trainer:
         self._agree = None
         self._feed: Feed | None = None
         self._data_restart: dict[str, Any] | None = None  # set when resuming on other data
-        self.abandoned: list[threading.Thread] = []  # still running after a signal stopped
-        #                                               the compile
+        self.abandoned: list[threading.Thread] = []  # still running after a compile signal
 
     # -- public --------------------------------------------------------------------------------
     def train(self, steps: int | None = None) -> Summary:
         """Train until `steps` updates are done (default ``config.steps``); see the module
-        docstring. Raises `TrainingDiverged`, `IncompatibleCheckpoint`,
-        `zoo.data.PipelineStateMismatch`, `NoTrainingData`, `DataStreamError`,
-        `CheckpointSaveFailed` or `CompileInterrupted`."""
+        docstring. Raises `TrainingDiverged`, `IncompatibleCheckpoint`, `NoTrainingData`,
+        `zoo.data.PipelineStateMismatch`, `DataStreamError`, `CheckpointSaveFailed` or
+        `CompileInterrupted`."""
         t_start = time.perf_counter()
         target = self.config.steps if steps is None else int(steps)
         with guard.StopFlag() as stop:
@@ -226,8 +225,7 @@ class Trainer:
         model, optimizer = self.built.abstract_state()
         self._check_run_dir(model, optimizer)
         self._feed = Feed(self.built.data, files=self.built.data_files,
-                          timeout_s=self.config.data_timeout)
-        self._feed.probe(stop)  # a first batch with a target, before anything is compiled
+                          timeout_s=self.config.data_timeout).probe(stop)  # a first batch
         if jax.process_index() == 0:
             print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
         # compile from shapes while the model is restored or created; the main thread only
