@@ -50,7 +50,8 @@ from zoo.layers.rope import YaRN, yarn_get_mscale
 
 __all__ = ["CheckpointReader", "LayerStack", "Tensor", "check_checkpoint", "check_tensors",
            "copy", "dequantize_mxfp4", "expected_shapes", "export_tensors", "linear",
-           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint", "stacked_linear", "zoo_only"]
+           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint",
+           "stacked_linear", "zoo_only"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
