@@ -89,7 +89,10 @@ def test_alternating_layers_scan_as_runs_of_one_kind():
                                                  "full_attention", "full_attention"))
     assert layer_runs(gpt_oss.GptOssDecoderLayer, cfg, scan=True) == [(0, 2), (2, 2)]
     assert [cfg.window(i) for i in range(4)] == [32, 32, None, None]
-    assert gpt_oss.GptOssConfig.mini().layer_types == ("sliding_attention", "full_attention") * 2
+    alternating = ("sliding_attention", "full_attention") * 2
+    assert gpt_oss.GptOssConfig.mini().kinds == alternating
+    assert gpt_oss.GptOssConfig.mini(layer_types=alternating).layer_types is None
+    assert gpt_oss.GptOssConfig.mini(num_hidden_layers=3).kinds == alternating[:3]
 
 
 @pytest.mark.parametrize("bad,match", [

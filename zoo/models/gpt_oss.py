@@ -48,7 +48,8 @@ OSS_YARN = YaRN(factor=32.0, original_max_position_embeddings=4096, beta_fast=32
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GptOssConfig(DecoderConfig):
     """gpt-oss hyper-parameters; field names and defaults are Hugging Face's ``GptOssConfig``
-    (``layer_types`` None: sliding and full layers alternate, sliding first)."""
+    (``layer_types`` None: sliding and full layers alternate, sliding first; that pattern
+    given explicitly is stored as None too, see `kinds`)."""
 
     hf_model_type: ClassVar[str] = "gpt_oss"
     hf_architecture: ClassVar[str] = "GptOssForCausalLM"
@@ -83,16 +84,15 @@ class GptOssConfig(DecoderConfig):
         what = type(self).__name__
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", YaRN(**self.rope_scaling))
-        if self.layer_types is None:
-            object.__setattr__(self, "layer_types", tuple(
-                LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)))
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types is not None:  # the default pattern is stored as None, so a
+            types = tuple(self.layer_types)  # changed num_hidden_layers re-derives it
+            object.__setattr__(self, "layer_types", None if types == tuple(
+                LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)) else types)
         super().__post_init__()
         check_positive(self, ("head_dim", "num_local_experts", "num_experts_per_tok",
                               "sliding_window"))
-        if len(self.layer_types) != self.num_hidden_layers or \
-                not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(f"{what}: layer_types={list(self.layer_types)} must name one of "
+        if len(self.kinds) != self.num_hidden_layers or not set(self.kinds) <= set(LAYER_TYPES):
+            raise ValueError(f"{what}: layer_types={list(self.kinds)} must name one of "
                              f"{LAYER_TYPES} for each of the {self.num_hidden_layers} layers "
                              f"(or be None: alternating, sliding first)")
         if self.num_experts_per_tok > self.num_local_experts:
@@ -128,16 +128,22 @@ class GptOssConfig(DecoderConfig):
 
     def to_hf_config(self) -> dict[str, Any]:
         """The inherited mapping, with ``layer_types`` as the list transformers checks for."""
-        return {**super().to_hf_config(), "layer_types": list(self.layer_types)}
+        return {**super().to_hf_config(), "layer_types": list(self.kinds)}
 
     # -- derived quantities --------------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind (``layer_types``, or the alternating default)."""
+        return self.layer_types or tuple(LAYER_TYPES[i % 2]
+                                         for i in range(self.num_hidden_layers))
+
     @property
     def num_experts(self) -> int:
         return self.num_local_experts
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s attention window (None: full attention)."""
-        return self.sliding_window if self.layer_types[layer_idx] == LAYER_TYPES[0] else None
+        return self.sliding_window if self.kinds[layer_idx] == LAYER_TYPES[0] else None
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing)."""
