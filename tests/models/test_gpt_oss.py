@@ -105,3 +105,55 @@ def test_alternating_layers_scan_as_runs_of_one_kind():
 def test_config_errors_name_the_value_and_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         gpt_oss.GptOssConfig.mini(**bad)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny gpt-oss (sliding window 3 / full, random sinks and biases) saved, packed rows
+    with padding, and the unsharded logits and gradients on them."""
+    from conformance import grads_by_path, perturbed, run
+    cfg = gpt_oss.GptOssConfig.mini(vocab_size=64, hidden_size=32, intermediate_size=16,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=3)
+    path = tmp_path_factory.mktemp("gpt_oss_windowed")
+    gpt_oss.to_hf(perturbed(gpt_oss.GptOss(cfg, rngs=nnx.Rngs(0))), path)
+    rng = np.random.RandomState(1)
+    B, L = 4, 32
+    tokens = rng.randint(0, 64, (B, L))
+    positions, segments = np.zeros((B, L), int), np.zeros((B, L), int)
+    for row, docs in enumerate([(5, 20, 7), (32,), (11, 9), (1, 2, 25)]):
+        start = 0
+        for d, n in enumerate(docs):
+            positions[row, start:start + n], segments[row, start:start + n] = np.arange(n), d + 1
+            start += n
+    r = rng.randn(B, L, 64).astype(np.float32)
+    logits, _, grads = run(gpt_oss.from_hf(path), tokens, r, positions, segments)
+    return path, (tokens, positions, segments, r), np.asarray(logits), grads_by_path(grads)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("implementation", ["ring", "all_gather"])
+def test_sinks_and_alternating_window_exact_under_context_parallelism(windowed, cp,
+                                                                      implementation):
+    """Packed, load-balanced rows (shard r holds chunks r and 2cp-1-r; the ring knows the
+    layout, so the sliding layers skip the hops their window cannot see): logits and every
+    gradient, sinks included, equal the unsharded model's."""
+    from conformance import close, grads_by_path, run
+
+    from zoo.data.reorder import chunk_order
+    from zoo.partitioning import Partitioner, make_mesh
+    path, (tokens, positions, segments, r), want, want_grads = windowed
+    L = tokens.shape[1]
+    order = np.concatenate([np.arange(c * L // (2 * cp), (c + 1) * L // (2 * cp))
+                            for c in chunk_order(cp)])
+    p = Partitioner(make_mesh(data=8 // cp, context=cp), "cp")
+    model = gpt_oss.from_hf(path, partitioner=p, config_overrides=dict(
+        attention_implementation=implementation, attention_layout="balanced"))
+    assert {la.self_attn.implementation for la in model.layers} == {implementation}
+    logits, _, grads = run(model, *(a[:, order] for a in (tokens, r, positions, segments)))
+    assert close(logits, want[:, order], 1e-5)
+    got = dict(grads_by_path(grads))
+    for name, g in want_grads:
+        assert close(got[name], g, 1e-4), name
+    assert any(name.endswith("sinks") for name, _ in want_grads)
