@@ -79,7 +79,7 @@ class Glm4MoeConfig(DecoderConfig):
         super().__post_init__()
         check_positive(self, ("head_dim", "moe_intermediate_size", "num_experts_per_tok",
                               "n_routed_experts", "n_group", "topk_group"))
-        self.rope()  # partial_rotary_factor in (0, 1], an even number of rotary dims
+        self.rope().rotary_dim(self.head_dim)  # factor in (0, 1], an even number of rotary dims
         for name in ("attention_bias", "use_qk_norm", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{what}: {name}={getattr(self, name)!r} must be True or False")
@@ -125,11 +125,10 @@ class Glm4MoeConfig(DecoderConfig):
     # -- Hugging Face config.json --------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], **overrides) -> Glm4MoeConfig:
-        """The inherited mapping; ``partial_rotary_factor`` from the top level or from
-        ``rope_parameters`` (transformers 5.x keeps it there)."""
+        """The inherited mapping; ``partial_rotary_factor`` from ``rope_parameters``
+        (transformers 5.x keeps it there, and it wins) or the top level (the Hub's spelling)."""
         rope = cfg.get("rope_parameters") or {}
-        if cfg.get("partial_rotary_factor") is None and isinstance(rope, dict) \
-                and rope.get("partial_rotary_factor") is not None:
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
             cfg = {**cfg, "partial_rotary_factor": rope["partial_rotary_factor"]}
         return super().from_hf_config(cfg, **overrides)
 
