@@ -704,3 +704,60 @@ def test_exact_overflow_loads_the_drop_layers_weights(setups):
         build(s["cfg"], part, dispatch="all_gather", overflow="exact")
     with pytest.raises(ValueError, match="overflow='spill' must be one of"):
         build(s["cfg"], part, dispatch="all_to_all", overflow="spill")
+
+
+# gpt-oss's options: router bias, expert biases, the clamped GLU, gate/up interleaved in one
+# weight (the unsharded layer is checked against transformers in the conformance suite)
+OSS = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, scoring="softmax",
+           router_bias=True, expert_bias=True, gate_up="interleaved",
+           activation=ops.GLU(alpha=1.702, limit=0.5, up_offset=1.0))
+
+
+@pytest.fixture(scope="module")
+def oss_reference():
+    """The unsharded gpt-oss-style layer with random biases, its output and gradients."""
+    rng = np.random.default_rng(3)
+    moe = MoE(inputs_shape=(B, L, D), partitioner=None, rngs=nnx.Rngs(1), **OSS)
+    for name in ("router_bias", "wi_gate_up_bias", "wo_bias"):
+        var = getattr(moe, name)
+        var[...] = jnp.asarray(rng.normal(size=var[...].shape).astype(np.float32) * 0.5)
+    x = rng.normal(size=(B, L, D)).astype(np.float32)
+    ct = rng.normal(size=(B, L, D)).astype(np.float32)
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, _)), grads = _loss_fn(graphdef, rest, ct)(params, x)
+    values = {"/".join(map(str, p)): np.asarray(v.get_value())
+              for p, v in nnx.to_flat_state(params)}
+    return values, x, ct, np.asarray(y), grads
+
+
+@pytest.mark.parametrize("mesh, dispatch, impl", [
+    (None, "all_gather", "ragged_dot"), ("fsdp_f2e2t2", "all_gather", "auto"),
+    ("epcp_f2e4", "all_to_all", "auto"), ("ep8", "all_to_all", "ragged_dot"),
+    ("cp_c4e2", "all_gather", "auto")])
+def test_gpt_oss_options_under_every_dispatch(oss_reference, mesh, dispatch, impl):
+    """Biases, clamp and interleaved weights are exact under expert, tensor and FSDP sharding
+    and every grouped matmul (output and every gradient against the unsharded layer)."""
+    values, x, ct, y_ref, g_ref = oss_reference
+    moe = MoE(inputs_shape=(B, L, D), partitioner=_mesh(mesh), rngs=nnx.Rngs(1),
+              dispatch=dispatch, grouped_matmul=impl, **OSS)
+    for path, var in nnx.to_flat_state(nnx.state(moe, nnx.Param)):
+        var.set_value(jax.device_put(values["/".join(map(str, path))], var.get_value().sharding))
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    (_, (y, _)), (g, g_x) = _loss_fn(graphdef, rest, ct)(params, x)
+    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_x), np.asarray(g_ref[1]), rtol=1e-4, atol=1e-5)
+    want = dict(nnx.to_flat_state(g_ref[0]))
+    for path, var in nnx.to_flat_state(g):
+        np.testing.assert_allclose(np.asarray(var.get_value()), np.asarray(want[path].get_value()),
+                                   rtol=1e-4, atol=1e-5, err_msg=str(path))
+    assert float(jnp.abs(want[("wi_gate_up_bias",)].get_value()).max()) > 0
+
+
+def test_glu_clamps_as_gpt_oss():
+    act = ops.GLU(alpha=1.702, limit=7.0, up_offset=1.0)
+    gate, up = jnp.asarray([-9.0, 0.5, 9.0]), jnp.asarray([-9.0, 0.5, 9.0])
+    g = np.minimum(np.asarray(gate), 7.0)
+    want = g / (1 + np.exp(-1.702 * g)) * (np.clip(np.asarray(up), -7, 7) + 1)
+    np.testing.assert_allclose(np.asarray(act(gate, up)), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ops.GLU()(gate, up)),
+                                  np.asarray(jax.nn.silu(gate) * up))

@@ -185,7 +185,8 @@ def reference(spec: FamilySpec, tmp_path_factory) -> types.SimpleNamespace:
     model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # a mixed-up norm cannot hide behind unit scales
+            # a mixed-up norm, bias or sink cannot hide behind unit scales or zeros
+            if "norm" in name or name.endswith((".bias", "_bias", "sinks")):
                 p.add_(0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if spec.bias_scale and "e_score_correction_bias" in name:
@@ -197,7 +198,7 @@ def reference(spec: FamilySpec, tmp_path_factory) -> types.SimpleNamespace:
     r = rng.randn(B, L, cfg.vocab_size).astype(np.float32)
     chosen, hooks = [], []
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):  # the routers: (..., indices) with indices last
+        if name.endswith(("mlp.gate", "mlp.router")):  # routers: (..., indices), indices last
             hooks.append(module.register_forward_hook(
                 lambda m, i, out: chosen.append(out[-1].detach().numpy().copy())))
     out = model(torch.tensor(tokens)).logits
@@ -304,11 +305,12 @@ def check_packed_documents(spec: FamilySpec, ref, model) -> None:
 
 
 def perturbed(model, seed: int = 7):
-    """`model` with random norm scales and router biases (a unit scale or a zero bias would hide
-    a mixed-up key); returns the model."""
+    """`model` with random norm scales, biases and sinks (a unit scale or a zero bias would
+    hide a mixed-up key); returns the model."""
     key = jax.random.key(seed)
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        if path[-1] in ("scale", "e_score_correction_bias"):
+        if path[-1] in ("scale", "e_score_correction_bias", "bias", "sinks") or \
+                str(path[-1]).endswith("_bias"):
             key, sub = jax.random.split(key)
             base = 1.0 if path[-1] == "scale" else 0.0
             var.set_value(base + 0.3 * jax.random.normal(sub, var.get_value().shape))

@@ -8,7 +8,7 @@ from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loa
                          check_packed_documents, check_param_count, check_recipe,
                          check_round_trip, check_strategy, load, reference)
 
-from zoo.models import deepseek3, mixtral, qwen3_moe
+from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -22,6 +22,9 @@ DEEPSEEK_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
                  "--set", "kv_lora_rank=16", "--set", "q_lora_rank=16",
                  "--set", "qk_rope_head_dim=8", "--set", "qk_nope_head_dim=8",
                  "--set", "v_head_dim=8")
+GPT_OSS_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
+                "--set", "intermediate_size=16", "--set", "num_attention_heads=4",
+                "--set", "head_dim=8")
 QWEN3_MOE_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
                   "--set", "intermediate_size=32", "--set", "moe_intermediate_size=16",
                   "--set", "num_attention_heads=4", "--set", "head_dim=8")
@@ -56,6 +59,7 @@ FAMILIES = [
                 original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,
                 beta_fast=32, beta_slow=1)),
         presets={"deepseek_v3": deepseek3.DeepSeek3Config.deepseek_v3,
+                 "kimi_k2": deepseek3.DeepSeek3Config.kimi_k2,
                  "mini": deepseek3.DeepSeek3Config.mini},
         recipe="mini_deepseek3", recipe_flags=DEEPSEEK_TINY, bias_scale=0.05),
     FamilySpec(
@@ -72,11 +76,45 @@ FAMILIES = [
         presets={"qwen3_30b_a3b": qwen3_moe.Qwen3MoeConfig.qwen3_30b_a3b,
                  "mini": qwen3_moe.Qwen3MoeConfig.mini},
         recipe="mini_qwen3_moe", recipe_flags=QWEN3_MOE_TINY),
+    FamilySpec(
+        name="glm4_moe", config_cls=glm4_moe.Glm4MoeConfig, model_cls=glm4_moe.Glm4Moe,
+        from_hf=glm4_moe.from_hf, to_hf=glm4_moe.to_hf,
+        # q/k/v biases (none on o_proj), q/k norms, half-rotary heads, a dense first layer,
+        # grouped sigmoid routing with a random selection bias, a shared expert
+        hf_config=lambda: transformers.Glm4MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            attention_bias=True, use_qk_norm=True, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5}),
+        presets={"glm4_5": glm4_moe.Glm4MoeConfig.glm4_5,
+                 "glm4_5_air": glm4_moe.Glm4MoeConfig.glm4_5_air,
+                 "mini": glm4_moe.Glm4MoeConfig.mini},
+        recipe="mini_glm4_moe", recipe_flags=QWEN3_MOE_TINY, bias_scale=0.05),
+    FamilySpec(
+        name="gpt_oss", config_cls=gpt_oss.GptOssConfig, model_cls=gpt_oss.GptOss,
+        from_hf=gpt_oss.from_hf, to_hf=gpt_oss.to_hf,
+        # sliding (window 6 of 16 tokens) and full layers alternating, sinks, biases on q/k/v/o,
+        # router and experts, YaRN without truncation, a clamp low enough to bite both ways
+        hf_config=lambda: transformers.GptOssConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.1,
+            max_position_embeddings=32, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                beta_slow=1.0, truncate=False, original_max_position_embeddings=8)),
+        presets={"gpt_oss_20b": gpt_oss.GptOssConfig.gpt_oss_20b,
+                 "gpt_oss_120b": gpt_oss.GptOssConfig.gpt_oss_120b,
+                 "mini": gpt_oss.GptOssConfig.mini},
+        recipe="mini_gpt_oss", recipe_flags=GPT_OSS_TINY),
 ]
 # the published totals, as a cross-check of the transformers count itself
 PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
              "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP layer
-             "qwen3_30b_a3b": 30_532_122_624}
+             "qwen3_30b_a3b": 30_532_122_624,
+             "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672}
 
 PRESETS = [(f, name) for f in FAMILIES for name in f.presets]
 

@@ -38,7 +38,7 @@ from test_conformance import DEEPSEEK_TINY
 from test_conformance import FAMILIES as conformance_families
 
 import zoo.generate as G
-from zoo.models import deepseek3, mixtral, qwen3_moe
+from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from zoo.partitioning import Partitioner, make_mesh
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,8 @@ PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
 
 
 FAMILIES = {spec.name: spec for spec in conformance_families}
-MODULES = {"mixtral": mixtral, "deepseek3": deepseek3, "qwen3_moe": qwen3_moe}
+MODULES = {"mixtral": mixtral, "deepseek3": deepseek3, "qwen3_moe": qwen3_moe,
+           "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
 
 
 @dataclasses.dataclass

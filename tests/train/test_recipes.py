@@ -616,3 +616,13 @@ def test_no_compile_cache_on_several_cpu_devices():
         assert not jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("recipe", ["mini_glm4_moe", "mini_gpt_oss"])
+def test_new_family_recipes_describe_themselves(recipe):
+    """``--help`` in a fresh process names the recipe's family and preset defaults."""
+    out = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--help"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--family" in out.stdout and "--set FIELD=VALUE" in out.stdout

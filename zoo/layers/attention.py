@@ -226,7 +226,8 @@ class Attention(AttentionBlock):
       logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax (None: off).
       sinks: learn one sink logit per head (parameter ``sinks``, zeros at init).
       kernel: the block kernel (``"auto"``, ``"flash"``, ``"tokamax"``, registered, instance).
-      use_bias: biases on the q/k/v/o projections.
+      use_bias: biases on the q/k/v projections (and o, unless ``out_bias`` says otherwise).
+      out_bias: a bias on ``o_proj`` (None: ``use_bias``; GLM-4.5 has q/k/v biases only).
       qk_norm: RMSNorm (eps ``qk_norm_eps``) over head_dim on each q and k head before RoPE.
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
     """
@@ -240,13 +241,15 @@ class Attention(AttentionBlock):
                  param_dtype=jnp.float32, mask: Mask | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
                  kernel="auto", qk_norm: bool = False, qk_norm_eps: float = 1e-6,
-                 layout: str | None = None, rngs: nnx.Rngs):
+                 layout: str | None = None, out_bias: bool | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_kv_heads, what="Attention")
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"Attention: head_dim={head_dim} must be even (RoPE rotates pairs "
                              f"of dimensions)")
+        if rope is not None:
+            rope.rotary_dim(head_dim)  # a partial rotary slice must be even too
         if sliding_window is not None and (
                 not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"Attention: sliding_window={sliding_window!r} must be a positive "
@@ -279,6 +282,7 @@ class Attention(AttentionBlock):
                              out_axes=(kv_axis, "head_dim"), **kw)
         self.v_proj = Linear(embed, (num_kv_heads, head_dim), in_axes=("embed",),
                              out_axes=(kv_axis, "head_dim"), **kw)
+        kw["use_bias"] = use_bias if out_bias is None else out_bias
         self.o_proj = Linear((num_heads, head_dim), embed, in_axes=("heads", "head_dim"),
                              out_axes=("embed",), **kw)
         self.q_norm, self.k_norm = qk_norms(qk_norm, qk_norm_eps, head_dim, p, param_dtype, rngs)

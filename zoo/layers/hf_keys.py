@@ -39,12 +39,15 @@ class Tensor:
     ``stacked``), or none: a zoo-only variable (initialised by the constructor, not saved).
     ``in_ndim``: None copies the tensor (reshaped); ``k`` means an ``nn.Linear`` weight
     ``[out, in]`` whose zoo kernel is ``[*in (k dims), *out]``: ``kernel = W.T.reshape(...)``.
+    ``flat``: the Hugging Face tensor is the zoo array flattened (a bias ``[N*H]`` of a zoo
+    ``[N, H]`` projection).
     """
 
     path: tuple[Any, ...]
     keys: tuple[str, ...]
     in_ndim: int | None = None
     stacked: bool = False
+    flat: bool = False
 
     @property
     def zoo_only(self) -> bool:
@@ -66,7 +69,7 @@ class Tensor:
 
     def to_hf(self, z: np.ndarray) -> np.ndarray:
         if self.in_ndim is None:
-            return z
+            return z.reshape(-1) if self.flat else z
         n_in = math.prod(z.shape[:self.in_ndim])
         return np.ascontiguousarray(z.reshape(n_in, -1).T)
 
@@ -82,9 +85,10 @@ def linear(path: Sequence[Any], key: str, in_ndim: int = 1) -> Tensor:
     return Tensor(tuple(path), (key,), in_ndim)
 
 
-def copy(path: Sequence[Any], key: str) -> Tensor:
-    """A tensor stored as is (reshaped): norm scales, embeddings, biases."""
-    return Tensor(tuple(path), (key,), None)
+def copy(path: Sequence[Any], key: str, *, flat: bool = False) -> Tensor:
+    """A tensor stored as is (reshaped): norm scales, embeddings, biases; ``flat``: stored
+    flattened (the bias of a multi-dimensional projection)."""
+    return Tensor(tuple(path), (key,), None, flat=flat)
 
 
 def stacked_linear(path: Sequence[Any], keys: Sequence[str]) -> Tensor:

@@ -80,5 +80,5 @@ class Linear(nnx.Module):
         """``prefix.weight`` (``nn.Linear`` layout ``[out, in]``) and ``prefix.bias``."""
         rows = [hfk.linear(("kernel",), f"{prefix}.weight", in_ndim=len(self.in_features))]
         if self.bias is not None:
-            rows.append(hfk.copy(("bias",), f"{prefix}.bias"))
+            rows.append(hfk.copy(("bias",), f"{prefix}.bias", flat=len(self.out_features) > 1))
         return rows

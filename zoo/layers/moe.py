@@ -8,6 +8,13 @@
   ``capacity_factor`` (all_gather only), fixed capacity per expert that drops overflow.
 * Shared experts (DeepSeek-V3): a dense SwiGLU `MLP` of width ``shared_mlp_dim or
   num_shared_experts * mlp_dim`` added to the routed output.
+* gpt-oss's options (off by default, so other checkpoints load unchanged): ``router_bias``
+  (a learned ``[E]`` bias on the router logits), ``expert_bias`` (learned per-expert biases
+  on the gate/up projections, added before the activation, and on the down projection,
+  added per routed copy and weighted with it), ``activation`` (a `zoo.ops.moe.GLU`: the
+  clamped SwiGLU) and ``gate_up="interleaved"`` (one ``wi_gate_up [E, D, 2F]`` whose even
+  columns are the gate and odd ones the up projection, Hugging Face's fused
+  ``experts.gate_up_proj``; a tensor shard keeps whole pairs).
 * ``y, aux = moe(x)``; aux holds ``load_balance_loss`` (``E * sum_e f_e P_e``, see
   `zoo.ops.moe.load_balance_loss`), ``expert_counts`` (int32 [E], over the global batch),
   ``dropped_tokens`` (int32: token copies dropped, global; 0 when dropless) and
@@ -73,6 +80,7 @@ from zoo.partitioning import Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
 DISPATCHES = ("auto", "all_to_all", "all_gather")
+GATE_UPS = ("separate", "interleaved")
 OVERFLOWS = ("drop", "exact")
 
 
@@ -108,6 +116,12 @@ class MoE(nnx.Module):
         (the default) or ``"exact"`` (`zoo.ops.moe_rounds.all_to_all_rounds`: they travel in
         further rounds over the same buffers, nothing is dropped; ``aux["moe_rounds"]`` is the
         most rounds any device ran). It adds no parameters or variables.
+      router_bias: a learned bias on the router logits (gpt-oss).
+      expert_bias: learned per-expert biases on the gate/up and down projections (gpt-oss).
+        With a capacity or buffers that drop copies, a dropped copy still adds its down bias.
+      activation: the experts' gated activation (`zoo.ops.moe.GLU`; default SwiGLU).
+      gate_up: ``"separate"`` (``wi_gate``/``wi_up``) or ``"interleaved"`` (``wi_gate_up``,
+        gate in the even columns: gpt-oss's fused layout).
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.
@@ -127,8 +141,9 @@ class MoE(nnx.Module):
                  num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
                  capacity_factor: float | None = None, dispatch: str = "auto",
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
-                 overflow: str = "drop", dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 overflow: str = "drop", router_bias: bool = False, expert_bias: bool = False,
+                 activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)
         batch, length, embed = p.check_inputs_shape(inputs_shape, what="MoE")
         E, k = num_experts, num_experts_per_tok
@@ -173,6 +188,16 @@ class MoE(nnx.Module):
             raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
                              "capacity after the gather); with dispatch='all_to_all' bound the "
                              "buffers with buffer_factor instead")
+        if not isinstance(activation, ops.GLU):
+            raise ValueError(f"activation={activation!r} must be a zoo.ops.moe.GLU (e.g. GLU() "
+                             f"for SwiGLU, GLU(alpha=1.702, limit=7.0, up_offset=1.0) for gpt-oss)")
+        if gate_up not in GATE_UPS:
+            raise ValueError(f"gate_up={gate_up!r} must be one of {GATE_UPS} ('interleaved': one "
+                             f"[E, D, 2F] weight, gate in the even columns, as gpt-oss)")
+        if overflow == "exact" and (expert_bias or activation != ops.SWIGLU):
+            raise ValueError("overflow='exact' runs the plain SwiGLU experts; expert_bias and a "
+                             "clamped activation need overflow='drop' (with buffer_factor=None "
+                             "nothing is dropped)")
         shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
         p.check_split("num_experts", E, "experts", "moe", what="MoE",
                       role="experts are sharded over them",
@@ -191,6 +216,7 @@ class MoE(nnx.Module):
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
         self.grouped_matmul, self.overflow = grouped_matmul, overflow
+        self.activation, self.gate_up = activation, gate_up
         self.dispatch_requested = dispatch
         self.dispatch = self._resolve_dispatch(dispatch, batch * length)
         if buffer_factor is not None and self.dispatch == "all_gather":
@@ -208,13 +234,24 @@ class MoE(nnx.Module):
         self.router = nnx.Param(p.param(kernel_init, ("embed", None), "moe")(
             rngs.params(), (embed, E), jnp.float32))
         expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        zeros = nnx.initializers.zeros_init()
+        self.router_bias = (nnx.Param(p.param(zeros, (None,), "moe")(
+            rngs.params(), (E,), jnp.float32)) if router_bias else None)
         w_in, w_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
-        self.wi_gate = nnx.Param(p.param(expert_init, w_in, "moe")(
-            rngs.params(), (E, embed, mlp_dim), param_dtype))
-        self.wi_up = nnx.Param(p.param(expert_init, w_in, "moe")(
-            rngs.params(), (E, embed, mlp_dim), param_dtype))
-        self.wo = nnx.Param(p.param(expert_init, w_out, "moe")(
-            rngs.params(), (E, mlp_dim, embed), param_dtype))
+
+        def param(init, axes, shape, on=True):
+            return nnx.Param(p.param(init, axes, "moe")(rngs.params(), shape, param_dtype)) \
+                if on else None
+        fused = gate_up == "interleaved"
+        self.wi_gate_up = param(expert_init, w_in, (E, embed, 2 * mlp_dim), fused)
+        self.wi_gate = param(expert_init, w_in, (E, embed, mlp_dim), not fused)
+        self.wi_up = param(expert_init, w_in, (E, embed, mlp_dim), not fused)
+        self.wo = param(expert_init, w_out, (E, mlp_dim, embed))
+        b_in = ("experts", "mlp")
+        self.wi_gate_up_bias = param(zeros, b_in, (E, 2 * mlp_dim), fused and expert_bias)
+        self.wi_gate_bias = param(zeros, b_in, (E, mlp_dim), not fused and expert_bias)
+        self.wi_up_bias = param(zeros, b_in, (E, mlp_dim), not fused and expert_bias)
+        self.wo_bias = param(zeros, ("experts", "embed"), (E, embed), expert_bias)
         self.e_score_correction_bias = (RouterBias(p.param(
             nnx.initializers.zeros_init(), (None,), "moe")(rngs.params(), (E,), jnp.float32))
             if scoring == "sigmoid" else None)
@@ -230,13 +267,25 @@ class MoE(nnx.Module):
         ``experts.{e}``, the shared experts' MLP."""
         router = hfk.join(prefix, hfk.hf_name(self, "router"))
         rows = [hfk.linear(("router",), f"{router}.weight")]
+        if self.router_bias is not None:
+            rows.append(hfk.copy(("router_bias",), f"{router}.bias"))
         if self.e_score_correction_bias is not None:
             rows.append(hfk.copy(("e_score_correction_bias",),
                                  f"{router}.e_score_correction_bias"))
+        if self.gate_up == "interleaved":  # the fused layout: one [E, in, out] tensor each
+            for attr in ("wi_gate_up", "wo"):
+                key = f"{prefix}.experts.{hfk.hf_name(self, attr)}"
+                rows.append(hfk.copy((attr,), key))
+                if getattr(self, f"{attr}_bias") is not None:
+                    rows.append(hfk.copy((f"{attr}_bias",), f"{key}_bias"))
+            return rows + hfk.child(self, "shared_experts", prefix)
         for attr in ("wi_gate", "wi_up", "wo"):
             name = hfk.hf_name(self, attr)
-            rows.append(hfk.stacked_linear(
-                (attr,), [f"{prefix}.experts.{e}.{name}.weight" for e in range(self.num_experts)]))
+            keys = [f"{prefix}.experts.{e}.{name}" for e in range(self.num_experts)]
+            rows.append(hfk.stacked_linear((attr,), [f"{k}.weight" for k in keys]))
+            if getattr(self, f"{attr}_bias") is not None:
+                rows.append(hfk.Tensor((f"{attr}_bias",), tuple(f"{k}.bias" for k in keys),
+                                       stacked=True))
         return rows + hfk.child(self, "shared_experts", prefix)
 
     # -- pieces a subclass may override ----------------------------------------------------
@@ -244,6 +293,8 @@ class MoE(nnx.Module):
         """``x [B, L, D]`` -> ``(weights [B, L, k], indices [B, L, k], scores [B, L, E])``."""
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32),
                             self.router[...].astype(jnp.float32))
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
         return ops.route(logits, k=self.num_experts_per_tok, scoring=self.scoring, bias=bias,
                          n_group=self.n_group, topk_group=self.topk_group,
@@ -286,19 +337,45 @@ class MoE(nnx.Module):
         a2a, ag = (ops.dispatch_bytes(s, **dims) for s in ("all_to_all", "all_gather"))
         return "all_to_all" if a2a < ag else "all_gather"
 
-    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset):
+    def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset, bias=None):
         """all_gather's per-device work: ``x [T, D]``, ``indices/weights [T, k]``, local expert
-        weights ``[E_local, ...]`` -> ``(y [T, D] float32, dropped copies int32)``."""
+        weights ``[E_local, ...]`` (and gate/up biases) -> ``(y [T, D] float32, dropped
+        copies int32)``."""
+        kw = dict(expert_offset=expert_offset, activation=self.activation, bias=bias)
         if self.capacity_factor is None:
             return ops.dropless_experts(
-                x, indices, weights, wi_gate, wi_up, wo, expert_offset=expert_offset,
-                impl=self.grouped_matmul,
+                x, indices, weights, wi_gate, wi_up, wo, impl=self.grouped_matmul,
                 expected_rows=max(1, x.shape[0] * self.num_experts_per_tok * wi_gate.shape[0]
-                                  // self.num_experts))
+                                  // self.num_experts), **kw)
         capacity = ops.expert_capacity(x.shape[0], self.num_experts_per_tok, self.num_experts,
                                        self.capacity_factor)
         return ops.capacity_experts(x, indices, weights, wi_gate, wi_up, wo, capacity=capacity,
-                                    expert_offset=expert_offset)
+                                    **kw)
+
+    def _expert_arrays(self) -> list[tuple[nnx.Param, tuple[str, ...]]]:
+        """The expert parameters the dispatch takes, with their logical axes (gate/up weights,
+        down weights, then the gate/up biases if any); `_split_experts` reads them back."""
+        names = ["wi_gate_up"] if self.gate_up == "interleaved" else ["wi_gate", "wi_up"]
+        biases = [f"{n}_bias" for n in names if getattr(self, f"{n}_bias") is not None]
+        axes = {"wo": ("experts", "mlp", "embed"), **{b: ("experts", "mlp") for b in biases}}
+        return [(getattr(self, n), axes.get(n, ("experts", "embed", "mlp")))
+                for n in [*names, "wo", *biases]]
+
+    def _split_experts(self, arrays):
+        """``(wi_gate, wi_up, wo, (gate_bias, up_bias) or None)`` of `_expert_arrays`' values
+        (local shards inside the `shard_map`: a tensor shard holds whole gate/up pairs)."""
+        if self.gate_up == "interleaved":
+            wgu, wo, *b = arrays
+            bias = (b[0][..., 0::2], b[0][..., 1::2]) if b else None
+            return wgu[..., 0::2], wgu[..., 1::2], wo, bias
+        wg, wu, wo, *b = arrays
+        return wg, wu, wo, (tuple(b) or None)
+
+    def _output_bias(self, weights: jax.Array, indices: jax.Array) -> jax.Array:
+        """``sum_j weights[j] * wo_bias[indices[j]]`` ``[B, L, D]`` float32, as one matmul."""
+        dense = jnp.einsum("blk,blke->ble", weights.astype(jnp.float32),
+                           jax.nn.one_hot(indices, self.num_experts, dtype=jnp.float32))
+        return jnp.einsum("ble,ed->bld", dense, self.wo_bias[...].astype(jnp.float32))
 
     def experts(self, x: jax.Array, weights: jax.Array, indices: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
@@ -312,16 +389,16 @@ class MoE(nnx.Module):
         B, L, D = x.shape
         k = self.num_experts_per_tok
         dtype = self.dtype or x.dtype
-        wg, wu, wo = (w[...].astype(dtype) for w in (self.wi_gate, self.wi_up, self.wo))
+        arrays = [(w[...].astype(dtype), axes) for w, axes in self._expert_arrays()]
         p = self.partitioner
         if p.mesh is None:
+            wg, wu, wo, bias = self._split_experts([a for a, _ in arrays])
             y, dropped = self.local_experts(x.reshape(B * L, D), indices.reshape(B * L, k),
-                                            weights.reshape(B * L, k), wg, wu, wo, 0)
+                                            weights.reshape(B * L, k), wg, wu, wo, 0, bias=bias)
             return y.reshape(B, L, D).astype(dtype), dropped, one
 
         tok, plan, replicated = self._token_plan()
-        spec_in, spec_out = (p.spec(("experts", "embed", "mlp"), "moe"),
-                             p.spec(("experts", "mlp", "embed"), "moe"))
+        specs = [p.spec(axes, "moe") for _, axes in arrays]
         ep_axes = p.mesh_axes("experts", "moe")
         mlp_axes = p.mesh_axes("mlp", "moe")
         token_axes = tuple(dict.fromkeys(
@@ -329,17 +406,18 @@ class MoE(nnx.Module):
         n_ep = p.size("experts", "moe")
         num_local = self.num_experts // n_ep
 
-        def gather_weights(wg, wu, wo):
+        def gather_weights(local):
             # FSDP: whole local experts; the transpose of this all-gather is a reduce-scatter
-            if _entry_axes(spec_in[1]):
-                wg = jax.lax.all_gather(wg, _entry_axes(spec_in[1]), axis=1, tiled=True)
-                wu = jax.lax.all_gather(wu, _entry_axes(spec_in[1]), axis=1, tiled=True)
-            if _entry_axes(spec_out[2]):
-                wo = jax.lax.all_gather(wo, _entry_axes(spec_out[2]), axis=2, tiled=True)
-            return wg, wu, wo
+            out = []
+            for w, (_, axes), spec in zip(local, arrays, specs):
+                d = axes.index("embed") if "embed" in axes else None
+                if d is not None and _entry_axes(spec[d]):
+                    w = jax.lax.all_gather(w, _entry_axes(spec[d]), axis=d, tiled=True)
+                out.append(w)
+            return self._split_experts(out)
 
-        def all_gather_body(x, weights, indices, wg, wu, wo):
-            wg, wu, wo = gather_weights(wg, wu, wo)
+        def all_gather_body(x, weights, indices, *local):
+            wg, wu, wo, bias = gather_weights(local)
             # each expert-sharding axis either shards a token dimension (gather/scatter it
             # there) or leaves tokens replicated (then every shard saw all tokens: plain psum)
             for a, d in plan:
@@ -348,7 +426,8 @@ class MoE(nnx.Module):
             nb, nl = x.shape[:2]
             offset = jax.lax.axis_index(ep_axes) * num_local if ep_axes else 0
             y, dropped = self.local_experts(x.reshape(nb * nl, D), indices.reshape(nb * nl, k),
-                                            weights.reshape(nb * nl, k), wg, wu, wo, offset)
+                                            weights.reshape(nb * nl, k), wg, wu, wo, offset,
+                                            bias=bias)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
@@ -359,16 +438,18 @@ class MoE(nnx.Module):
             dropped = jax.lax.psum(dropped, token_axes) if token_axes else dropped
             return y, jnp.stack([dropped, jnp.ones((), jnp.int32)])
 
-        def all_to_all_body(x, weights, indices, wg, wu, wo):
-            wg, wu, wo = gather_weights(wg, wu, wo)
+        def all_to_all_body(x, weights, indices, *local):
+            wg, wu, wo, bias = gather_weights(local)
             nb, nl = x.shape[:2]
             t = nb * nl
             cap = ops.a2a_capacity(t, k, num_local, n_ep, self.buffer_factor)
+            extra = {} if self.overflow == "exact" else dict(activation=self.activation,
+                                                             bias=bias)
             exchange = ops.all_to_all_experts if self.overflow == "drop" else all_to_all_rounds
             y, stat = exchange(
                 x.reshape(t, D), indices.reshape(t, k), weights.reshape(t, k), wg, wu, wo,
                 axis_name=ep_axes[0] if len(ep_axes) == 1 else ep_axes, num_shards=n_ep,
-                capacity=cap, impl=self.grouped_matmul)
+                capacity=cap, impl=self.grouped_matmul, **extra)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
@@ -377,9 +458,9 @@ class MoE(nnx.Module):
             return y, jnp.stack([jnp.zeros((), jnp.int32), jax.lax.pmax(stat, token_axes)])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
-        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, spec_in, spec_in, spec_out),
+        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
                            out_specs=(tok, P()))
-        y, stats = fn(x.astype(dtype), weights, indices, wg, wu, wo)
+        y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]
 
     # -- forward -------------------------------------------------------------------------------
@@ -404,6 +485,8 @@ class MoE(nnx.Module):
                 else:  # a subclass's own experts
                     y, dropped = self.experts(x, weights, indices)
                     rounds = jnp.ones((), jnp.int32)
+                if self.wo_bias is not None:
+                    y = y + self._output_bias(weights, indices).astype(y.dtype)
             if self.shared_experts is not None:
                 with jax.named_scope("shared_experts"):
                     y = y + self.shared_experts(x).astype(y.dtype)
@@ -430,7 +513,7 @@ def _as_counts(counts: Any) -> Any:
 
 def _stacked_rows(m: MoE) -> int:
     """Layers a MoE module holds: its stack size when scanned (weights ``[n, E, D, F]``)."""
-    shape = m.wi_gate[...].shape
+    shape = m.wo[...].shape
     return int(shape[0]) if len(shape) == 4 else 1
 
 

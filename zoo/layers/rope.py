@@ -83,11 +83,31 @@ class YaRN:
 
 @dataclasses.dataclass(frozen=True)
 class RoPE:
-    """Rotary embedding config. ``apply(x [..., L, N, H], positions [..., L])``."""
+    """Rotary embedding config. ``apply(x [..., L, N, H], positions [..., L])``.
+
+    ``partial_rotary_factor`` (GLM-4.5: 0.5): only the leading ``int(H * factor)`` dims of a
+    head rotate (in the configured layout, within that slice); the rest pass unchanged.
+    """
 
     theta: float = 10000.0
     interleaved: bool = False
     scaling: YaRN | None = None
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self):
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"RoPE: partial_rotary_factor={f!r} must be in (0, 1] (the "
+                             f"fraction of each head's dims that rotate; 1: all)")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The rotating dims of a head of `head_dim` (even; ValueError naming the fix)."""
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim < 2 or dim % 2:
+            raise ValueError(f"RoPE: head_dim={head_dim} * partial_rotary_factor="
+                             f"{self.partial_rotary_factor} gives {dim} rotary dims, which must "
+                             f"be even and >= 2 (RoPE rotates pairs); change either")
+        return dim
 
     def inv_freq(self, dim: int) -> np.ndarray:
         if dim % 2:
@@ -104,8 +124,10 @@ class RoPE:
         return 1.0 if self.scaling is None else self.scaling.softmax_scale_multiplier()
 
     def apply(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        return apply_rope(x, positions, self.inv_freq(x.shape[-1]),
-                          interleaved=self.interleaved, factor=self.cos_sin_factor())
+        dim = self.rotary_dim(x.shape[-1]) if self.partial_rotary_factor != 1 else x.shape[-1]
+        rot = apply_rope(x[..., :dim], positions, self.inv_freq(dim),
+                         interleaved=self.interleaved, factor=self.cos_sin_factor())
+        return rot if dim == x.shape[-1] else jnp.concatenate([rot, x[..., dim:]], axis=-1)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, *,

@@ -3,6 +3,8 @@
 * `zoo.models.mixtral` -- `MixtralConfig`, `Mixtral`, `from_hf`, `to_hf`.
 * `zoo.models.deepseek3` -- `DeepSeek3Config`, `DeepSeek3`, `from_hf`, `to_hf`.
 * `zoo.models.qwen3_moe` -- `Qwen3MoeConfig`, `Qwen3Moe`, `from_hf`, `to_hf`.
+* `zoo.models.glm4_moe` -- `Glm4MoeConfig`, `Glm4Moe`, `from_hf`, `to_hf` (GLM-4.5).
+* `zoo.models.gpt_oss` -- `GptOssConfig`, `GptOss`, `from_hf`, `to_hf` (MXFP4 read).
 * `zoo.models.config` -- `DecoderConfig`, the base of every family's config.
 * `zoo.models.decoder` -- the shared `DecoderLayer` / `CausalLM` (subclass to swap a layer).
 * `zoo.models.hf` -- config.json / safetensors helpers shared by the families.
@@ -11,9 +13,13 @@
 from zoo.models.config import DecoderConfig
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, DeepSeek3DecoderLayer
+from zoo.models.glm4_moe import Glm4Moe, Glm4MoeConfig, Glm4MoeDecoderLayer
+from zoo.models.gpt_oss import GptOss, GptOssConfig, GptOssDecoderLayer
 from zoo.models.mixtral import Mixtral, MixtralConfig, MixtralDecoderLayer
 from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, Qwen3MoeDecoderLayer
 
 __all__ = ["CausalLM", "DecoderConfig", "DecoderLayer", "count_params", "DeepSeek3",
-           "DeepSeek3Config", "DeepSeek3DecoderLayer", "Mixtral", "MixtralConfig",
+           "DeepSeek3Config", "DeepSeek3DecoderLayer", "Glm4Moe", "Glm4MoeConfig",
+           "Glm4MoeDecoderLayer", "GptOss", "GptOssConfig",
+           "GptOssDecoderLayer", "Mixtral", "MixtralConfig",
            "MixtralDecoderLayer", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer"]

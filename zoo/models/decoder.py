@@ -162,6 +162,13 @@ class DecoderLayer(nnx.Module):
         layers into scanned runs before building any)."""
         return True
 
+    @classmethod
+    def layer_kind(cls, config, layer_idx: int) -> Any:
+        """What makes layers differ in structure (only layers of one kind share a scanned
+        stack): `uses_moe` here; a family whose layers also differ in their attention
+        (gpt-oss's sliding and full layers) returns a tuple of both."""
+        return cls.uses_moe(config, layer_idx)
+
     def make_norm(self, config, *, partitioner: Partitioner, rngs: nnx.Rngs) -> nnx.Module:
         return self.norm_cls(config.hidden_size, eps=config.rms_norm_eps, partitioner=partitioner,
                              param_dtype=config.param_dtype, rngs=rngs)
@@ -217,10 +224,11 @@ class DecoderLayer(nnx.Module):
 
 
 def layer_runs(layer_cls: type[DecoderLayer], config, scan: bool) -> list[tuple[int, int]]:
-    """``[(first layer, count), ...]``: maximal runs of layers of one kind (dense or MoE) when
-    scanning, single layers otherwise. Empty runs never appear."""
+    """``[(first layer, count), ...]``: maximal runs of layers of one kind
+    (`DecoderLayer.layer_kind`: dense or MoE, by default) when scanning, single layers
+    otherwise. Empty runs never appear."""
     runs: list[tuple[int, int]] = []
-    kinds = [layer_cls.uses_moe(config, i) for i in range(config.num_hidden_layers)]
+    kinds = [layer_cls.layer_kind(config, i) for i in range(config.num_hidden_layers)]
     for i, kind in enumerate(kinds):
         if scan and runs and kinds[runs[-1][0]] == kind:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)

@@ -157,6 +157,19 @@ class DeepSeek3Config(DecoderConfig):
         return cls(**{"remat_policy": "full", **overrides})
 
     @classmethod
+    def kimi_k2(cls, **overrides) -> DeepSeek3Config:
+        """moonshotai/Kimi-K2 (Base/Instruct): DeepSeek-V3's architecture with 384 routed
+        experts, 64 heads, one dense layer and no expert groups; 1,026,408,209,408 parameters
+        (no MTP layer: ``num_nextn_predict_layers=0``), 32B active. Layers rematerialised."""
+        return cls(**{**dict(
+            vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+            n_routed_experts=384, routed_scaling_factor=2.827, n_group=1, topk_group=1,
+            first_k_dense_replace=1, max_position_embeddings=131072, rope_theta=50000.0,
+            rope_scaling=YaRN(factor=32.0, original_max_position_embeddings=4096,
+                              beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+            aux_loss_alpha=0.001, remat_policy="full"), **overrides})
+
+    @classmethod
     def mini(cls, **overrides) -> DeepSeek3Config:
         """A DeepSeek-V3-shaped reduction that trains on a CPU: 3 layers (1 dense, 2 MoE), MLA
         with a query LoRA and YaRN, 16 routed experts in 4 groups (top-2 groups, top-4 experts)
@@ -396,5 +409,6 @@ def _after_step(model, aux, *, expert_bias_rate: float = 0.0) -> None:
 
 registry.register(registry.Family(
     name="deepseek3", config_cls=DeepSeek3Config, model_cls=DeepSeek3,
-    presets={"deepseek_v3": DeepSeek3Config.deepseek_v3, "mini": DeepSeek3Config.mini},
+    presets={"deepseek_v3": DeepSeek3Config.deepseek_v3, "kimi_k2": DeepSeek3Config.kimi_k2,
+             "mini": DeepSeek3Config.mini},
     after_step=_after_step))

@@ -6,7 +6,9 @@
   ``rope_parameters`` and the published ``rope_theta`` + ``rope_scaling`` (YaRN or none).
 * `CheckpointReader` -- reads one tensor at a time with `safetensors.safe_open` (numpy), from a
   single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
-  ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly.
+  ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly,
+  and so are MXFP4 tensors (gpt-oss's experts: ``X_blocks`` + ``X_scales`` read as ``X``,
+  see `dequantize_mxfp4`).
 * `Tensor` -- one row of a model's key map (`zoo.layers.hf_keys`, re-exported here with its
   helpers `linear`, `copy`, `stacked_linear`, `zoo_only`): a zoo variable path, its Hugging Face
   key (or one key per expert, stacked on the leading axis, or none: zoo-only) and the layout
@@ -47,8 +49,9 @@ from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
 __all__ = ["CheckpointReader", "LayerStack", "Tensor", "check_checkpoint", "check_tensors",
-           "copy", "expected_shapes", "export_tensors", "linear", "load_into", "read_config",
-           "rope_from_hf", "rope_to_hf", "save_checkpoint", "stacked_linear", "zoo_only"]
+           "copy", "dequantize_mxfp4", "expected_shapes", "export_tensors", "linear",
+           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint",
+           "stacked_linear", "zoo_only"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -176,7 +179,11 @@ class CheckpointReader:
     """Tensor-by-tensor access to the ``*.safetensors`` of one checkpoint folder.
 
     ``get(key)`` returns a numpy array; FP8 weights that have a ``key + "_scale_inv"`` tensor
-    are dequantised with it in ``block_size`` blocks (DeepSeek-V3's published format).
+    are dequantised with it in ``block_size`` blocks (DeepSeek-V3's published format). A pair
+    ``key + "_blocks"`` / ``key + "_scales"`` (MXFP4, gpt-oss's published experts) is the
+    tensor ``key``: `dequantize_mxfp4`, then the last two axes swapped (the blocks are stored
+    ``[..., out, in / 32, 16]``; the tensor is ``[..., in, out]``, as transformers' parameter);
+    ``keys()`` lists ``key`` in their place.
     """
 
     def __init__(self, path: str | os.PathLike, *, block_size: Sequence[int] = (128, 128)):
@@ -203,6 +210,8 @@ class CheckpointReader:
                                  f"safetensors format only (convert *.bin with transformers' "
                                  f"save_pretrained(safe_serialization=True))")
             self._file = {key: name for name in files for key in self._header(name)[0]}
+        self._mxfp4 = {k[:-len("_blocks")] for k in self._file
+                       if k.endswith("_blocks") and k[:-len("_blocks")] + "_scales" in self._file}
 
     def _header(self, name: str) -> tuple[dict, int]:
         if name not in self._headers:
@@ -211,6 +220,9 @@ class CheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of tensor `key` from its file's header (no tensor data is read)."""
+        if key in self._mxfp4:
+            *lead, rows, groups, half = self.shape(key + "_blocks")
+            return (*lead, groups * 2 * half, rows)
         name = self._file[key]
         info = self._header(name)[0].get(key)
         if info is None:
@@ -219,12 +231,16 @@ class CheckpointReader:
         return tuple(info["shape"])
 
     def keys(self) -> list[str]:
-        return list(self._file)
+        packed = {k + suffix for k in self._mxfp4 for suffix in ("_blocks", "_scales")}
+        return [k for k in self._file if k not in packed] + sorted(self._mxfp4)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._file
+        return key in self._file or key in self._mxfp4
 
     def get(self, key: str) -> np.ndarray:
+        if key in self._mxfp4:
+            w = dequantize_mxfp4(self._read(key + "_blocks"), self._read(key + "_scales"))
+            return np.ascontiguousarray(np.swapaxes(w, -1, -2))
         if key not in self._file:
             raise KeyError(f"checkpoint {self.path!r} has no tensor {key!r}")
         arr = self._read(key)
@@ -288,6 +304,24 @@ def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) ->
     bo, bi = block
     full = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
     return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
+
+
+# FP4 (e2m1) code -> value: sign bit 3, two exponent bits, one mantissa bit
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling) to float32: ``blocks [..., G, 16]`` uint8, two FP4 codes a
+    byte (low nibble first), ``scales [..., G]`` uint8 exponents (bias 127) shared by each
+    group of 32 values -> ``[..., G * 32]``."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.dtype}{blocks.shape} / scales "
+                         f"{scales.dtype}{scales.shape} must be uint8 [..., G, 16] and [..., G]")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)
+    values = FP4_E2M1[codes]  # [..., G, 32]
+    out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return out.reshape(*blocks.shape[:-2], -1).astype(np.float32)
 
 
 # -- the key map -----------------------------------------------------------------------------
@@ -362,7 +396,7 @@ def uncovered(model: nnx.Module, table: Iterable[Tensor | LayerStack], *, what: 
 def _hf_shape(row: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The Hugging Face tensor shape of one zoo row of `shape` (`Tensor.to_hf`'s output)."""
     if row.in_ndim is None:
-        return shape
+        return (math.prod(shape),) if row.flat else shape
     return (math.prod(shape[row.in_ndim:]), math.prod(shape[:row.in_ndim]))
 
 

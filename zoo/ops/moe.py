@@ -27,6 +27,10 @@ dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exc
   copies beyond the capacity are dropped, first choices before second choices.
 * `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
   compares).
+* `GLU` -- the experts' gated activation (a value): ``silu(gate) * up`` by default;
+  gpt-oss's clamped form ``GLU(alpha=1.702, limit=7.0, up_offset=1.0)``. The expert functions
+  take it as ``activation=`` and optional per-expert ``bias=(gate_bias, up_bias)`` ``[E_local,
+  F]`` added before it (gpt-oss); the defaults keep the plain SwiGLU.
 
 Legend: T tokens, M token copies (T*k), k experts per token, D embed, E experts (E_local on
 this device), F mlp, C capacity per expert (or per peer), R receive rows, EP expert shards.
@@ -34,6 +38,7 @@ this device), F mlp, C capacity per expert (or per peer), R receive rows, EP exp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -41,6 +46,39 @@ import jax.numpy as jnp
 import numpy as np
 
 SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class GLU:
+    """``(gate * sigmoid(alpha * gate)) * (up + up_offset)``, with ``gate <= limit`` and ``up``
+    in ``[-limit, limit]`` first when `limit` is set. ``GLU()`` is SwiGLU (``silu(gate) * up``);
+    gpt-oss: ``GLU(alpha=1.702, limit=7.0, up_offset=1.0)``."""
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def __post_init__(self):
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"GLU: limit={self.limit!r} must be > 0 (the clamp bound) or None")
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self == SWIGLU:
+            return jax.nn.silu(gate) * up
+        if self.limit is not None:
+            gate = jnp.minimum(gate, self.limit)
+            up = jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (up + self.up_offset)
+
+
+SWIGLU = GLU()
+
+
+def _row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The local expert of each of `rows` rows sorted by expert (rows past the groups: the
+    last expert; callers mask them)."""
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right"),
+                       group_sizes.shape[0] - 1)
 
 
 # -- routing ---------------------------------------------------------------------------------
@@ -200,8 +238,8 @@ blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
-                    group_sizes: jax.Array, block: int, order: jax.Array | None = None
-                    ) -> jax.Array:
+                    group_sizes: jax.Array, block: int, order: jax.Array | None = None,
+                    activation: GLU = SWIGLU, bias=None) -> jax.Array:
     """Grouped SwiGLU for XLA:CPU: each expert's rows padded to a multiple of `block`, then
     `blocked_matmul` over the blocks that hold rows (the rest are skipped at run time).
 
@@ -230,8 +268,10 @@ def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.
     axes = frozenset().union(*(_varying(v) for v in (xp, be, wi_gate, wi_up, wo)))
     xp, be, active, wi_gate, wi_up, wo = (_vary(v, axes)
                                           for v in (xp, be, active, wi_gate, wi_up, wo))
-    h = (jax.nn.silu(blocked_matmul(xp, wi_gate, be, active))
-         * blocked_matmul(xp, wi_up, be, active))
+    gate, up = blocked_matmul(xp, wi_gate, be, active), blocked_matmul(xp, wi_up, be, active)
+    if bias is not None:  # one expert per block
+        gate, up = (h + b[be][:, None, :].astype(h.dtype) for h, b in zip((gate, up), bias))
+    h = activation(gate, up)
     out = blocked_matmul(h, wo, be, active).reshape(blocks * block, -1)
     r = jnp.arange(rows)  # sorted row -> its padded row
     e_row = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right"),
@@ -242,10 +282,13 @@ def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.
     return out[jnp.clip(dest, 0, blocks * block - 1)]  # rows past the groups: masked by caller
 
 
-def _ragged_swiglu(dot, x, wi_gate, wi_up, wo, group_sizes):
+def _ragged_swiglu(dot, x, wi_gate, wi_up, wo, group_sizes, activation=SWIGLU, bias=None):
     gate = dot(x, wi_gate, group_sizes)  # MD,EDF->MF
     up = dot(x, wi_up, group_sizes)
-    return dot(jax.nn.silu(gate) * up, wo, group_sizes)  # MF,EFD->MD
+    if bias is not None:
+        e = _row_experts(group_sizes, x.shape[0])
+        gate, up = (h + b[e].astype(h.dtype) for h, b in zip((gate, up), bias))
+    return dot(activation(gate, up), wo, group_sizes)  # MF,EFD->MD
 
 
 def _tokamax_dot(x, w, group_sizes):
@@ -261,8 +304,8 @@ def _tokamax_dot(x, w, group_sizes):
 
 def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
                    group_sizes: jax.Array, impl: str = "auto", *,
-                   expected_rows: int | None = None, order: jax.Array | None = None
-                   ) -> jax.Array:
+                   expected_rows: int | None = None, order: jax.Array | None = None,
+                   activation: GLU = SWIGLU, bias=None) -> jax.Array:
     """SwiGLU of rows sorted by expert: ``[R, D] -> [R, D]``; rows past ``sum(group_sizes)``
     are undefined (callers mask them).
 
@@ -280,20 +323,21 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
     own gathers, saving two ``[R, D]`` temporaries).
+    ``activation``: a `GLU`; ``bias``: None or ``(gate_bias, up_bias)`` ``[E_local, F]``.
     """
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
     block = block_size(expected_rows or x.shape[0], wi_gate.shape[0])
     args = (x, wi_gate, wi_up, wo, group_sizes)
-    blocked = lambda *a: _blocked_swiglu(*a, block, order)
+    blocked = lambda *a: _blocked_swiglu(*a, block, order, activation, bias)
 
     def sorted_rows(dot):
         def run(x, *rest):
             if order is None:
-                return _ragged_swiglu(dot, x, *rest)
+                return _ragged_swiglu(dot, x, *rest, activation, bias)
             inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
                                                                      dtype=order.dtype))
-            return _ragged_swiglu(dot, x[order], *rest)[inverse]
+            return _ragged_swiglu(dot, x[order], *rest, activation, bias)[inverse]
         return run
     if impl == "blocked":
         return blocked(*args)
@@ -316,14 +360,15 @@ def _combine(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
 
 def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,
                      wi_up: jax.Array, wo: jax.Array, *, expert_offset=0, impl: str = "auto",
-                     expected_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+                     expected_rows: int | None = None, activation: GLU = SWIGLU,
+                     bias=None) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of the local experts' SwiGLU outputs for each token; nothing dropped.
 
     Args:
       x: ``[T, D]`` tokens; indices, weights: ``[T, k]`` from `route`.
       wi_gate, wi_up: ``[E_local, D, F]``; wo: ``[E_local, F, D]`` (experts
         ``expert_offset ..``; the offset may be traced, e.g. from `jax.lax.axis_index`).
-      impl, expected_rows: the grouped matmul, see `grouped_swiglu`.
+      impl, expected_rows, activation, bias: the grouped matmul, see `grouped_swiglu`.
     Returns:
       ``(y [T, D] float32, dropped)`` with ``dropped`` an int32 zero (nothing is dropped).
     """
@@ -334,7 +379,7 @@ def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_ga
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
     x_sorted = x.astype(wi_gate.dtype)[order % num_tokens]  # [M, D]
     out = grouped_swiglu(x_sorted, wi_gate, wi_up, wo, group_sizes, impl,
-                         expected_rows=expected_rows)
+                         expected_rows=expected_rows, activation=activation, bias=bias)
     # rows past the local groups belong to other shards' experts: zero them explicitly, since
     # a grouped-matmul kernel need not define them
     valid = jnp.arange(order.shape[0]) < group_sizes.sum()
@@ -367,7 +412,8 @@ def _send_padded(x, e_local, src, filled, axis_name):
 def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
                        wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *,
                        axis_name, num_shards: int, capacity: int, impl: str = "auto",
-                       transport: str = "auto") -> tuple[jax.Array, jax.Array]:
+                       transport: str = "auto", activation: GLU = SWIGLU,
+                       bias=None) -> tuple[jax.Array, jax.Array]:
     """Expert-parallel dispatch by all-to-all, inside `jax.shard_map` over `axis_name`.
 
     Each device holds its own tokens ``x [T, D]`` (with ``indices/weights [T, k]``) and the
@@ -426,7 +472,7 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     order2 = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
     out = grouped_swiglu(recv_x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows=copies,
-                         order=order2)  # in arrival order
+                         order=order2, activation=activation, bias=bias)  # in arrival order
     out = jnp.where((keys < num_local)[:, None], out, 0)
 
     pos = jnp.zeros_like(order).at[order].set(jnp.arange(copies, dtype=order.dtype))
@@ -471,8 +517,8 @@ def dispatch_bytes(scheme: str, *, tokens: int, k: int, embed: int, num_shards: 
 
 
 def capacity_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,
-                     wi_up: jax.Array, wo: jax.Array, *, capacity: int, expert_offset=0
-                     ) -> tuple[jax.Array, jax.Array]:
+                     wi_up: jax.Array, wo: jax.Array, *, capacity: int, expert_offset=0,
+                     activation: GLU = SWIGLU, bias=None) -> tuple[jax.Array, jax.Array]:
     """Like `dropless_experts` with at most `capacity` copies per local expert.
 
     Priority: all first choices (in token order), then all second choices, ... (GShard's
@@ -497,7 +543,9 @@ def capacity_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_ga
     xb = jnp.where(filled[..., None], x[tokens], 0).astype(wi_gate.dtype)
     gate = jnp.einsum("ecd,edf->ecf", xb, wi_gate)
     up = jnp.einsum("ecd,edf->ecf", xb, wi_up)
-    ob = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, wo)  # [E_local, C, D]
+    if bias is not None:
+        gate, up = (h + b[:, None, :].astype(h.dtype) for h, b in zip((gate, up), bias))
+    ob = jnp.einsum("ecf,efd->ecd", activation(gate, up), wo)  # [E_local, C, D]
     # back to sorted copies, then to (j, t) order
     e_idx = jnp.minimum(keys_sorted, num_local - 1)
     c_idx = jnp.clip(pos_sorted, 0, capacity - 1)
