@@ -25,7 +25,10 @@
 * Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
   unsharded code on the sharded parameters (XLA partitions it) with the cache sharded over the
   batch axes.
-* ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``).
+* ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
+  verifies it (`zoo.speculative`), with plain greedy decoding's tokens.
+* ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``;
+  ``--speculative mtp``).
 
 Legend: B batch, L prompt length, S cache length, D embed, V vocab, N heads, K kv heads,
 H head dim, Rkv kv_lora_rank, Hr qk_rope_head_dim, Hn qk_nope_head_dim, Hv v_head_dim.
@@ -634,6 +637,9 @@ def _parser():
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", choices=["mtp"], default=None, help="draft with the "
+                   "model's multi-token-prediction module and verify (greedy; DeepSeek-V3 with "
+                   "num_nextn_predict_layers >= 1)")
     p.add_argument("--step", type=int, default=None, help="--run: this checkpoint step "
                    "(default the newest)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's; "
@@ -689,6 +695,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt is empty; give at least one character of text")
     try:
         model, tokenizer = _load(args)
+        if args.speculative:
+            from zoo.speculative import generate_speculative
+            start = time.perf_counter()
+            text, spec = generate_speculative(
+                model, args.prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, tokenizer=tokenizer, speculative=args.speculative)
+            print(args.prompt + text)
+            print(f"{spec}; {_rate(spec.tokens, time.perf_counter() - start)} with compilation")
+            return 0
         stats: dict[str, Any] = {}
         ids, _ = _generate(
             model, [args.prompt], max_new_tokens=args.max_new_tokens,

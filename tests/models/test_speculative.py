@@ -108,10 +108,24 @@ def test_refusals(random_model):
         name = type(model).__name__
         with pytest.raises(ValueError, match=f"{name} has none.*num_nextn_predict_layers=1"):
             G.generate(model, [[1, 2]], max_new_tokens=2, speculative="mtp")
-    with pytest.raises(ValueError, match="greedy only.*temperature=0"):
+    with pytest.raises(ValueError, match=r"greedy only.*temperature=0"):
         G.generate(random_model, [[1, 2]], max_new_tokens=2, temperature=0.7,
                    speculative="mtp")
     with pytest.raises(ValueError, match="speculative='mtp' or None"):
         G.generate(random_model, [[1, 2]], max_new_tokens=2, speculative="ngram")
     assert np.array_equal(S.generate_speculative(random_model, [[1]], max_new_tokens=0)[0],
                           [[]])
+
+
+def test_command_line(random_model, monkeypatch, capsys):
+    from zoo.data import ByteTokenizer
+    monkeypatch.setattr(G, "_load", lambda args: (random_model, ByteTokenizer()))
+    assert G.main(["--run", "x", "--prompt", "def", "--max-new-tokens", "4",
+                   "--speculative", "mtp"]) == 0
+    text, stats = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert text.startswith("def") and "drafts accepted" in stats and "forward passes" in stats
+    mixtral = Mixtral(MixtralConfig.mini(num_hidden_layers=1), rngs=nnx.Rngs(0))
+    monkeypatch.setattr(G, "_load", lambda args: (mixtral, ByteTokenizer()))
+    with pytest.raises(SystemExit) as e:
+        G.main(["--run", "x", "--prompt", "def", "--speculative", "mtp"])
+    assert e.value.code == 2 and "Mixtral has none" in capsys.readouterr().err
