@@ -25,7 +25,10 @@
 * Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
   unsharded code on the sharded parameters (XLA partitions it) with the cache sharded over the
   batch axes.
-* ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``).
+* ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
+  verifies it (`zoo.speculative`), with plain greedy decoding's tokens.
+* ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``;
+  ``--speculative mtp``).
 
 Legend: B batch, L prompt length, S cache length, D embed, V vocab, N heads, K kv heads,
 H head dim, Rkv kv_lora_rank, Hr qk_rope_head_dim, Hn qk_nope_head_dim, Hv v_head_dim.
@@ -188,13 +191,14 @@ def _run_layers(layer, x, entries, fn):
     return jax.lax.scan(body, x, (state, entries))
 
 
-def _logits(model, x: jax.Array) -> jax.Array:
-    """x [B, D] (after the last layer) -> float32 logits [B, V], no sharding constraint."""
-    x = model.norm(x)
+def _logits(model, x: jax.Array, norm=None) -> jax.Array:
+    """x [..., D] (after the last layer) -> float32 logits [..., V] through the final norm (or
+    `norm`, e.g. an MTP module's) and the head, no sharding constraint."""
+    x = (norm or model.norm)(x)
     if model.lm_head is None:
         table = model.embed_tokens.embedding[...]
         dtype = model.embed_tokens.dtype or x.dtype
-        logits = jnp.einsum("bd,vd->bv", x.astype(dtype), table.astype(dtype))
+        logits = jnp.einsum("...d,vd->...v", x.astype(dtype), table.astype(dtype))
     else:
         logits = model.lm_head(x)
     return logits.astype(jnp.float32)
@@ -228,11 +232,16 @@ def _prefill_attention(attn, h, positions, segment_ids, out: dict):
         return attn.out(o)
 
 
-def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
-    L = tokens.shape[1]
-    segment_ids = segment_ids.astype(jnp.int32)
-    positions = jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0).astype(jnp.int32)
-    dtype = jnp.dtype(model.config.dtype)
+def _prefill_positions(segment_ids):
+    """Left-padded rows' segment ids [B, L] -> positions counting each row's tokens from 0."""
+    return jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0).astype(jnp.int32)
+
+
+def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int):
+    """Run ``layers`` (entries of ``model.layers``, or an MTP module's layer) over ``x [B, L,
+    D]``: (x, one cache entry per layer, ``[n, B, max_length, ...]`` with the first L
+    slots filled)."""
+    L = x.shape[1]
 
     def layer_fn(layer, x, _):
         out = {}
@@ -240,18 +249,29 @@ def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
                                                            segment_ids, out))
         return x, jax.tree.map(lambda a: a.astype(dtype), out["entry"])
 
-    x = model.embed_tokens(tokens)
-    layers = []
-    for layer in model.layers:
+    entries = []
+    for layer in layers:
         x, entry = _run_layers(layer, x, None, layer_fn)
         pad = max_length - L  # [n, B, L, ...] -> [n, B, S, ...]
-        layers.append({k: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
-                       for k, a in entry.items()})
+        entries.append({k: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+                        for k, a in entry.items()})
+    return x, tuple(entries)
+
+
+def _prefill_cache(layers, positions, segment_ids, max_length: int) -> KVCache:
+    grow = ((0, 0), (0, max_length - positions.shape[1]))
+    return KVCache(layers, jnp.pad(positions, grow), jnp.pad(segment_ids, grow),
+                   jnp.asarray(positions.shape[1], jnp.int32), positions[:, -1] + 1)
+
+
+def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
+    segment_ids = segment_ids.astype(jnp.int32)
+    positions = _prefill_positions(segment_ids)
+    x, layers = _prefill_layers(model.layers, model.embed_tokens(tokens), positions,
+                                segment_ids, dtype=jnp.dtype(model.config.dtype),
+                                max_length=max_length)
     logits = _logits(model, x[:, -1])
-    grow = ((0, 0), (0, max_length - L))
-    cache = KVCache(tuple(layers), jnp.pad(positions, grow), jnp.pad(segment_ids, grow),
-                    jnp.asarray(L, jnp.int32), positions[:, -1] + 1)
-    return logits, _constrain_cache(cache, p)
+    return logits, _constrain_cache(_prefill_cache(layers, positions, segment_ids, max_length), p)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p", "max_length"))
@@ -276,9 +296,14 @@ def prefill(model, tokens, segment_ids, *, max_length: int) -> tuple[jax.Array, 
 # -- decode ----------------------------------------------------------------------------------
 
 def _write(cache_array, new, slot):
-    """Write ``new [B, 1, ...]`` into slot `slot` of ``cache_array [B, S, ...]``."""
-    start = (0, slot) + (0,) * (new.ndim - 2)
-    return jax.lax.dynamic_update_slice(cache_array, new.astype(cache_array.dtype), start)
+    """Write ``new [B, T, ...]`` into slots ``slot ... slot + T - 1`` of ``cache_array [B, S,
+    ...]``; ``slot`` a scalar, or one per row ``[B]`` (speculative decoding's rows advance
+    apart)."""
+    new = new.astype(cache_array.dtype)
+    if jnp.ndim(slot) == 1:
+        return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(
+            c, n, (s,) + (0,) * (n.ndim - 1)))(cache_array, new, slot)
+    return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
 
 
 def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
@@ -313,12 +338,10 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
     return attn.out(o.astype(q.dtype)), {"latent_pe": cache}
 
 
-def _decode(model, p: Partitioner, cache: KVCache, tokens):
-    slot = cache.length
-    q_pos = cache.next_positions[:, None]  # [B, 1]
-    kv_pos = _write(cache.positions, q_pos, slot)
-    kv_seg = _write(cache.segment_ids, jnp.ones_like(q_pos), slot)
-
+def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot):
+    """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
+    ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
+    ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots."""
     def layer_fn(layer, x, entry):
         out = {}
 
@@ -330,13 +353,22 @@ def _decode(model, p: Partitioner, cache: KVCache, tokens):
         x, _ = layer.block(x, attention)
         return x, out["entry"]
 
-    x = model.embed_tokens(tokens[:, None])
-    layers = []
-    for layer, entries in zip(model.layers, cache.layers, strict=True):
-        x, entries = _run_layers(layer, x, entries, layer_fn)
-        layers.append(entries)
+    new = []
+    for layer, entry in zip(layers, entries, strict=True):
+        x, entry = _run_layers(layer, x, entry, layer_fn)
+        new.append(entry)
+    return x, tuple(new)
+
+
+def _decode(model, p: Partitioner, cache: KVCache, tokens):
+    slot = cache.length
+    q_pos = cache.next_positions[:, None]  # [B, 1]
+    kv_pos = _write(cache.positions, q_pos, slot)
+    kv_seg = _write(cache.segment_ids, jnp.ones_like(q_pos), slot)
+    x, layers = _cached_layers(model.layers, cache.layers, model.embed_tokens(tokens[:, None]),
+                               q_pos, kv_pos, kv_seg, slot)
     logits = _logits(model, x[:, 0])
-    cache = KVCache(tuple(layers), kv_pos, kv_seg, slot + 1, cache.next_positions + 1)
+    cache = KVCache(layers, kv_pos, kv_seg, slot + 1, cache.next_positions + 1)
     return logits, _constrain_cache(cache, p)
 
 
@@ -474,12 +506,24 @@ def generate_with_logits(model, prompts, *, max_new_tokens: int, temperature: fl
                      stats=stats, keep_logits=True)
 
 
-def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop,
-              tokenizer, stats, keep_logits: bool):
+def _pad_prompts(model, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ``tokens [B, L]`` and ``segment_ids`` (1 on tokens) with B and L rounded up
+    to what the model's partitioner divides: every row's last token in the last slot."""
     from zoo.models.decoder import nominal_inputs_shape
+    nb, nl = nominal_inputs_shape(model.partitioner)
+    B, L = _round_up(len(ids), nb), _round_up(max(map(len, ids)), nl)
+    tokens = np.zeros((B, L), np.int32)
+    segs = np.zeros((B, L), np.int32)
+    for i, row in enumerate(ids):
+        tokens[i, L - len(row):], segs[i, L - len(row):] = row, 1
+    return tokens, segs
+
+
+def _checked_prompts(model, prompts, tokenizer, max_new_tokens, temperature, top_k, top_p,
+                     stop) -> tuple[list[list[int]], set[int]]:
+    """(prompt ids, stop ids) after checking the sampling arguments and the model's room."""
     ids = _as_prompts(model, prompts, tokenizer)
-    V = model.config.vocab_size
-    _check_sampling(max_new_tokens, temperature, top_k, top_p, V)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, model.config.vocab_size)
     stops = set() if stop is None else {int(stop)} if isinstance(stop, (int, np.integer)) \
         else {int(s) for s in stop}
     longest = max(map(len, ids))
@@ -488,16 +532,19 @@ def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed
         raise ValueError(f"generate: the longest prompt ({longest} tokens) plus max_new_tokens="
                          f"{max_new_tokens} exceeds the model's {limit} positions "
                          f"(max_position_embeddings); shorten the prompt or generate fewer")
+    return ids, stops
+
+
+def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed, stop,
+              tokenizer, stats, keep_logits: bool):
+    ids, stops = _checked_prompts(model, prompts, tokenizer, max_new_tokens, temperature,
+                                  top_k, top_p, stop)
+    V = model.config.vocab_size
     n = len(ids)
     if max_new_tokens == 0:
         return [[] for _ in ids], [np.zeros((0, V), np.float32) for _ in ids]
-    p = model.partitioner
-    nb, nl = nominal_inputs_shape(p)
-    B, L = _round_up(n, nb), _round_up(longest, nl)
-    tokens = np.zeros((B, L), np.int32)
-    segs = np.zeros((B, L), np.int32)
-    for i, row in enumerate(ids):  # left padding: every row's last token in the last slot
-        tokens[i, L - len(row):], segs[i, L - len(row):] = row, 1
+    tokens, segs = _pad_prompts(model, ids)
+    B, L = tokens.shape
     compile_before = _STATS["compile_s"]
     start = time.perf_counter()
     logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
@@ -535,7 +582,8 @@ def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed
 
 def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             stop: int | Sequence[int] | None = None, tokenizer=None):
+             stop: int | Sequence[int] | None = None, tokenizer=None,
+             speculative: str | None = None):
     """Each prompt's continuation (prompt excluded) from `model` (any family, scanned or
     unrolled, sharded or not).
 
@@ -550,9 +598,18 @@ def generate(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
       stop: token id(s) that end a row's continuation (included in it).
       tokenizer: with ``encode``/``decode`` (e.g. `zoo.data.ByteTokenizer`): prompts are text
         and the continuations come back as text (one string for one string).
+      speculative: ``"mtp"``: greedy speculative decoding, the model's multi-token-prediction
+        module drafting one token that the model verifies (`zoo.speculative`; the same tokens
+        as plain greedy decoding; `zoo.speculative.generate_speculative` also returns the
+        acceptance statistics). Needs ``temperature=0`` and a model with MTP.
 
     Returns a list (one per prompt) of token-id lists, or of strings with a tokenizer.
     """
+    if speculative is not None:
+        from zoo.speculative import generate_speculative
+        return generate_speculative(model, prompts, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, stop=stop, tokenizer=tokenizer,
+                                    speculative=speculative)[0]
     ids, _ = _generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=seed, stop=stop, tokenizer=tokenizer,
                        stats=None, keep_logits=False)
@@ -580,6 +637,9 @@ def _parser():
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", choices=["mtp"], default=None, help="draft with the "
+                   "model's multi-token-prediction module and verify (greedy; DeepSeek-V3 with "
+                   "num_nextn_predict_layers >= 1)")
     p.add_argument("--step", type=int, default=None, help="--run: this checkpoint step "
                    "(default the newest)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's; "
@@ -635,6 +695,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt is empty; give at least one character of text")
     try:
         model, tokenizer = _load(args)
+        if args.speculative:
+            from zoo.speculative import generate_speculative
+            start = time.perf_counter()
+            text, spec = generate_speculative(
+                model, args.prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, tokenizer=tokenizer, speculative=args.speculative)
+            print(args.prompt + text)
+            print(f"{spec}; {_rate(spec.tokens, time.perf_counter() - start)} with compilation")
+            return 0
         stats: dict[str, Any] = {}
         ids, _ = _generate(
             model, [args.prompt], max_new_tokens=args.max_new_tokens,

@@ -295,11 +295,15 @@ class MTP(nnx.Module):
         return rows + [dataclasses.replace(r, path=("layer", *r.path))
                        for r in hfk.keys_of(self.layer, prefix)]
 
-    def __call__(self, h, embedded, positions, segment_ids, remat):
+    def combine(self, h, embedded):
+        """The decoder layer's input: ``eh_proj([enorm(embedded); hnorm(h)])`` [B, L, D]
+        (`zoo.speculative` runs the layer with a KV cache on it)."""
         x = jnp.concatenate([self.enorm(embedded), self.hnorm(h).astype(embedded.dtype)], -1)
-        x = self.eh_proj(x)
-        return run_layers(self.layer, x, positions=positions, segment_ids=segment_ids,
-                          remat=remat)
+        return self.eh_proj(x)
+
+    def __call__(self, h, embedded, positions, segment_ids, remat):
+        return run_layers(self.layer, self.combine(h, embedded), positions=positions,
+                          segment_ids=segment_ids, remat=remat)
 
 
 class DeepSeek3(CausalLM):
