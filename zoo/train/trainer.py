@@ -63,8 +63,7 @@ _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss, gradient norm or parameter norm became NaN or Inf, or the loss stayed far
-    above its recent best (see `zoo.train.guard`); nothing from those steps was saved."""
+    """A NaN/Inf loss or norm, or a loss far above its best (`zoo.train.guard`); unsaved."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -191,7 +190,7 @@ class Trainer:
                 ckpt, self._ckpt = self._ckpt, None
                 ckpt.close()  # waits for the save in flight (bounded)
             self._hooks("close", pass_trainer=False)
-            (self._feed or self.built.data).close()
+            getattr(self._feed or self.built.data, "close", lambda: None)()
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -225,7 +224,8 @@ class Trainer:
         model, optimizer = self.built.abstract_state()
         self._check_run_dir(model, optimizer)
         self._feed = Feed(self.built.data, files=self.built.data_files,
-                          timeout_s=self.config.data_timeout).probe(stop)  # a first batch
+                          timeout_s=self.config.data_timeout)
+        self._feed.probe(stop)  # a first batch with a target, before anything is compiled
         if jax.process_index() == 0:
             print(f"{self.name}: compiling the train step ...", file=sys.stderr, flush=True)
         # compile from shapes while the model is restored or created; the main thread only
