@@ -118,14 +118,15 @@ def test_refusals(random_model):
 
 
 def test_command_line(random_model, monkeypatch, capsys):
+    from zoo import generate_cli
     from zoo.data import ByteTokenizer
-    monkeypatch.setattr(G, "_load", lambda args: (random_model, ByteTokenizer()))
+    monkeypatch.setattr(generate_cli, "_load", lambda args: (random_model, ByteTokenizer()))
     assert G.main(["--run", "x", "--prompt", "def", "--max-new-tokens", "4",
                    "--speculative", "mtp"]) == 0
     text, stats = capsys.readouterr().out.strip().splitlines()[-2:]
     assert text.startswith("def") and "drafts accepted" in stats and "forward passes" in stats
     mixtral = Mixtral(MixtralConfig.mini(num_hidden_layers=1), rngs=nnx.Rngs(0))
-    monkeypatch.setattr(G, "_load", lambda args: (mixtral, ByteTokenizer()))
+    monkeypatch.setattr(generate_cli, "_load", lambda args: (mixtral, ByteTokenizer()))
     with pytest.raises(SystemExit) as e:
         G.main(["--run", "x", "--prompt", "def", "--speculative", "mtp"])
     assert e.value.code == 2 and "Mixtral has none" in capsys.readouterr().err
