@@ -92,6 +92,9 @@ def parse_args(argv=None):
       help="override a field of every model's config, e.g. --set num_hidden_layers=2")
     a("--devices", type=int, default=None, help="virtual CPU devices (default 8 unless "
       "JAX_NUM_CPU_DEVICES or XLA_FLAGS sets a count)")
+    a("--profile", action="store_true", help="also break one step into attention, MoE "
+      "dispatch, grouped matmul, dense matmuls, collectives, optimizer and other (XLA's "
+      "per-op times from the jax profiler; see benchmarks/_profile.py), each with its MFU")
     a("--quick", action="store_true", help=f"smoke test: {QUICK['models']} x "
       f"{QUICK['strategies']}, {QUICK['steps']} steps, seq_len {QUICK['seq_len']}, "
       f"--set {' '.join(QUICK['overrides'])}")
@@ -190,6 +193,15 @@ def bench_one(recipe, strategy: str, mesh_text: str, args, machine_rate_fn):
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     rates.append(machine_rate_fn())
+    profile = None
+    if args.profile:
+        from _profile import profile_step
+
+        def run(step=compiled):
+            nonlocal model, optimizer, metrics
+            model, optimizer, metrics = step(model, optimizer, batch, lr)
+            jax.block_until_ready((nnx.state(model), nnx.state(optimizer), metrics))
+        profile = profile_step(compiled, run)
     loss = float(metrics["loss"])
     if not np.isfinite(loss):
         raise RuntimeError(f"{recipe.name} {strategy}: loss {loss} is not finite")
@@ -202,6 +214,7 @@ def bench_one(recipe, strategy: str, mesh_text: str, args, machine_rate_fn):
                 cp=partitioner.context_size("attention"), compile_s=compile_s, step_s=step_s,
                 tokens_per_s=tokens_per_s, model_flops=model_flops, machine_rate=rate,
                 mfu=model_flops / rate, loss=loss, rates=(min(rates), max(rates)),
+                profile=profile,
                 mflop_per_token=config.flops_per_token(L) / 1e6)
 
 
@@ -283,6 +296,12 @@ def main(argv=None) -> int:
                   flush=True)
     print()
     print(format_table(rows, first))
+    if args.profile:
+        from _profile import format_profile
+        for r in rows:
+            print()
+            print(format_profile(f"{r['model']} {r['strategy']} ({r['mesh']})", r["profile"],
+                                 machine_rate=r["machine_rate"], step_s=r["step_s"]))
     print(f"\nwall time {time.perf_counter() - started:.0f} s", flush=True)
     for line in skipped:
         print(f"skipped {line}", flush=True)

@@ -388,11 +388,17 @@ def test_auto_rule():
     # MLA: per-head K/V with a wider q/k head than v head
     assert choose(partitioner=cp8, num_heads=16, num_kv_heads=16, q_length=8192,
                   kv_length=8192, head_dim=192, v_head_dim=128) == "ring"
-    # ... but with its latent on the wire (512 + 64 values per token) one gather is enough
+    # DeepSeek-V3's MLA: its latent crosses the wire either way, but each shard attends to the
+    # expanded K/V, which no single gather holds at ~1/cp memory -> the ring
     assert choose(partitioner=cp8, num_heads=128, num_kv_heads=128, q_length=8192,
                   kv_length=8192, head_dim=192, v_head_dim=128) == "ring"
-    assert choose(partitioner=cp8, num_heads=128, num_kv_heads=128, q_length=8192,
-                  kv_length=8192, head_dim=192, v_head_dim=128, wire_width=576) == "all_gather"
+    # the rule is gather_slices' "one piece"
+    from zoo.ops.ring import gather_slices
+    for heads, kv_heads in ((32, 8), (64, 4), (16, 16)):
+        one = gather_slices(8, (1, 1024, heads, 128), (1, 1024, kv_heads, 128),
+                            (1, 1024, kv_heads, 128))[0] == 1
+        assert choose(partitioner=cp8, num_heads=heads, num_kv_heads=kv_heads,
+                      **kw) == ("all_gather" if one else "ring")
 
 
 def test_gather_slices():
@@ -402,9 +408,16 @@ def test_gather_slices():
     # 8 heads over 2 kv heads, cp=2: K/V (2*64*2*128) == local q (64*8*64) -> one gather
     assert gather_slices(2, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (1, 64)
     # cp=8: four times too big -> slices of a quarter of the query size: 16 of 4 keys a shard
-    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (16, 4)
+    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64),
+                         min_piece=1) == (16, 4)
     # MHA, cp=8, local length 24: 32 slices wanted, at most 24 -> 1 key each
-    assert gather_slices(8, (1, 24, 4, 64), (1, 24, 4, 64), (1, 24, 4, 64)) == (24, 1)
+    assert gather_slices(8, (1, 24, 4, 64), (1, 24, 4, 64), (1, 24, 4, 64),
+                         min_piece=1) == (24, 1)
+    # a gathered slice keeps the ring's floor of keys: 256 on CPU (8 x 32), 1,024 on TPU/GPU
+    assert gather_slices(8, (1, 64, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)) == (2, 32)
+    assert gather_slices(8, (1, 1024, 128, 192), (1, 1024, 128, 192), (1, 1024, 128, 128),
+                         platform="tpu") == (8, 128)
+    assert gather_slices(8, (1, 24, 4, 64), (1, 24, 4, 64), (1, 24, 4, 64)) == (1, 24)
     assert gather_slices(1, (1, 64, 4, 64), (1, 64, 4, 64), (1, 64, 4, 64)) == (1, 64)
 
 

@@ -1,6 +1,8 @@
-"""Smoke test of `benchmarks/train_step.py --quick`: it runs, prints its table, and the table's
-figures agree with each other and with the model config's own FLOP count."""
+"""Smoke test of `benchmarks/train_step.py --quick --profile`: it runs, prints its table and
+its profile, and their figures agree with each other and with the model config's own FLOP
+count."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -12,6 +14,7 @@ from zoo.models.mixtral import MixtralConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train_step.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the scripts' own helper modules
 
 pytestmark = pytest.mark.e2e  # every test runs the benchmark script in a subprocess
 
@@ -22,8 +25,8 @@ def _number(text: str) -> float:
 
 @pytest.fixture(scope="module")
 def quick_run():
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick"], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--profile"], capture_output=True,
+                          text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -33,7 +36,7 @@ def test_quick_prints_a_consistent_table(quick_run):
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
     assert lines[header + 1].startswith("|---|")
-    rows = [line for line in lines[header + 2:] if line.startswith("|")]
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2:]))
     assert len(rows) == 1, quick_run  # --quick: one model x one strategy
     row = dict(zip(columns, (c.strip() for c in rows[0].strip("|").split("|"))))
 
@@ -55,6 +58,43 @@ def test_quick_prints_a_consistent_table(quick_run):
     assert model_gflops == pytest.approx(flops_per_token * tokens_per_s / 1e9, rel=0.01)
     assert mfu == pytest.approx(model_gflops / machine_gflops, rel=0.03, abs=6e-4)
     assert 0 < mfu < 1
+
+
+def test_the_profile_adds_up_to_the_step(quick_run):
+    """--profile: one row per part; the shares add up to the whole and the rows' times to the
+    step; the matmul parts ran dots and the collectives none; the dots that ran hold at least
+    the model's own FLOPs (the padded expert blocks and partial attention blocks add some)."""
+    from _profile import CATEGORIES
+
+    lines = quick_run.splitlines()
+    title = next(line for line in lines if line.startswith("mini_mixtral ep_as_cp ("))
+    step_ms = float(re.search(r"step (\d+) ms", title).group(1))
+    start = lines.index(title) + 2
+    assert lines[start] == "| part | share | ms of the step | GFLOP | GFLOP/s | MFU |"
+    rows = {}
+    for line in lines[start + 2:start + 2 + len(CATEGORIES)]:
+        part, share, ms, gflop, rate, mfu = (c.strip() for c in line.strip("|").split("|"))
+        rows[part] = dict(share=_number(share) / 100, ms=_number(ms), gflop=_number(gflop))
+    assert list(rows) == list(CATEGORIES)
+    assert sum(r["share"] for r in rows.values()) == pytest.approx(1, abs=0.01)
+    assert sum(r["ms"] for r in rows.values()) == pytest.approx(step_ms, abs=len(rows))
+    assert rows["grouped matmul"]["gflop"] > 0 and rows["dense matmuls"]["gflop"] > 0
+    assert rows["collectives"]["gflop"] == 0
+    model = MixtralConfig.mini(num_hidden_layers=1).flops_per_token(64) * 8 * 64 / 1e9
+    ran = sum(r["gflop"] for r in rows.values())
+    assert model * 0.9 < ran < model * 4, (ran, model)
+
+
+def test_categories_follow_scope_and_opcode():
+    from _profile import categorize
+    step = "jit(step)/transpose(jvp(layers_0_to_1))/layer_0"
+    assert categorize("all-to-all", f"{step}/moe/experts", 0) == "collectives"
+    assert categorize("fusion", f"{step}/self_attn/attend/attention_ring", 1e6) == "attention"
+    assert categorize("fusion", f"{step}/moe/experts/grouped_matmul/dot", 1e6) == "grouped matmul"
+    assert categorize("fusion", f"{step}/moe/shared_experts/mlp/dot", 1e6) == "dense matmuls"
+    assert categorize("sort", f"{step}/moe/experts/sort", 0) == "MoE dispatch"
+    assert categorize("fusion", "jit(step)/optimizer/add", 0) == "optimizer"
+    assert categorize("fusion", f"{step}/input_layernorm/mul", 0) == "other"
 
 
 def test_bad_flags_name_the_fix():

@@ -65,7 +65,7 @@ def check_inputs_shape(inputs_shape: Sequence[int], p: Partitioner, *, num_heads
 
 def resolve_implementation(implementation: str, p: Partitioner, *, length: int, num_heads: int,
                            num_kv_heads: int, head_dim: int, v_head_dim: int,
-                           wire_width: int | None = None, what: str = "Attention") -> str:
+                           what: str = "Attention") -> str:
     """Check ``implementation`` and resolve ``"auto"`` once, at construction."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{what}: implementation={implementation!r}; valid values are "
@@ -73,8 +73,7 @@ def resolve_implementation(implementation: str, p: Partitioner, *, length: int, 
     if implementation == "auto":
         return choose_implementation(partitioner=p, q_length=length, kv_length=length,
                                      num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, v_head_dim=v_head_dim,
-                                     wire_width=wire_width)
+                                     head_dim=head_dim, v_head_dim=v_head_dim)
     return implementation
 
 

@@ -113,8 +113,7 @@ class MLA(AttentionBlock):
         self.scale = self.qk_head_dim ** -0.5 * self.rope.softmax_scale_multiplier()
         self.implementation = resolve_implementation(
             implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_heads,
-            head_dim=self.qk_head_dim, v_head_dim=v_head_dim,
-            wire_width=kv_lora_rank + qk_rope_head_dim, what="MLA")
+            head_dim=self.qk_head_dim, v_head_dim=v_head_dim, what="MLA")
         resolve_scores(self, "MLA", mask=mask, sliding_window=None,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
                        num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,

@@ -131,7 +131,7 @@ def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 
 def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_length: int,
                           num_heads: int, num_kv_heads: int, head_dim: int,
-                          v_head_dim: int | None = None, wire_width: int | None = None) -> str:
+                          v_head_dim: int | None = None) -> str:
     """What ``implementation="auto"`` runs: ``"all_gather"`` or ``"ring"``.
 
     Without sequence sharding both are the same local flash kernel (no collective); we name it
@@ -141,18 +141,19 @@ def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_
     per layer instead of ``cp`` dependent ring steps, with the same bytes moved; ``"ring"``
     otherwise (MHA, MLA's per-head K/V, large cp), where a gather would have to be sliced into
     ``cp``-ish pieces to keep memory ~1/cp and the ring's neighbour-only exchange is the better
-    fit. On the 8-device CPU of the tests the two run within ~20% of each other either way.
-    ``wire_width`` is what crosses the wire per token (default ``K * (H + Hv)``; MLA sends
-    its latent, ``kv_lora_rank + Hr``), so "the whole K/V" is ``S * wire_width``.
+    fit. "The whole K/V" is the *expanded* per-head K/V, also for MLA, whose latent is what
+    crosses the wire: both strategies move the same latent bytes, but each shard expands what
+    it holds, so a gather that is not one piece is sliced (`zoo.ops.ring.gather_slices`) into
+    dependent steps that are narrower than the ring's pieces. (Choosing by the latent's size
+    picked a 32-slice gather for the mini DeepSeek-V3 under EP-as-CP, 2.6x slower than the
+    ring.)
     """
     p = resolve(partitioner)
     cp = p.context_size("attention")
     if cp == 1:
         return "all_gather"
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    if wire_width is None:
-        wire_width = num_kv_heads * (head_dim + v_head_dim)
-    gathered = kv_length * wire_width
+    gathered = kv_length * num_kv_heads * (head_dim + v_head_dim)
     local_q = q_length // cp * num_heads * head_dim
     return "all_gather" if gathered <= local_q else "ring"
 
@@ -200,7 +201,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     return _run(reference, q, (k, v), (), None, q_positions, kv_positions, q_segment_ids,
                 kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod, partitioner,
                 implementation, kernel, split, layout, rounds, num_kv_heads=K, head_dim=H,
-                v_head_dim=Hv, wire_width=K * (H + Hv))
+                v_head_dim=Hv)
 
 
 def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.Array, *,
@@ -246,7 +247,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     return _run(reference, q, (latent, k_pe), (kv_up,), expand, q_positions, kv_positions,
                 q_segment_ids, kv_segment_ids, m, scale, logits_soft_cap, sinks, score_mod,
                 partitioner, implementation, kernel, split, layout, rounds, num_kv_heads=N,
-                head_dim=Hqk, v_head_dim=v.shape[-1], wire_width=R + Hr)
+                head_dim=Hqk, v_head_dim=v.shape[-1])
 
 
 def _mla_expand(qk_nope_head_dim, params, payload):
@@ -260,7 +261,7 @@ def _mla_expand(qk_nope_head_dim, params, payload):
 
 def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, scale, soft_cap,
          sinks, score_mod, partitioner, implementation, kernel, split, layout, rounds, *,
-         num_kv_heads, head_dim, v_head_dim, wire_width):
+         num_kv_heads, head_dim, v_head_dim):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; valid values are "
                          f"{', '.join(repr(i) for i in IMPLEMENTATIONS)} (block kernels are "
@@ -282,7 +283,7 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
     if implementation == "auto":
         implementation = choose_implementation(
             partitioner=p, q_length=L, kv_length=S, num_heads=N, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, v_head_dim=v_head_dim, wire_width=wire_width)
+            head_dim=head_dim, v_head_dim=v_head_dim)
     if qseg is None:  # one document, no padding
         qseg, kseg = jnp.ones((B, L), jnp.int32), jnp.ones((B, S), jnp.int32)
     scores = Scores(mask, H ** -0.5 if scale is None else float(scale),

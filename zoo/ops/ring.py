@@ -186,7 +186,14 @@ def _gather(x, cfg):
     return lax.all_gather(x, cfg.axes, axis=1, tiled=True) if cfg.axes else x
 
 
-def gather_slices(cp, q_shape, k_shape, v_shape):
+# keys per ring step at least: a smaller step costs more in per-step latency (and, on GPU,
+# the host reads of its sub-block decisions) than its memory saves; wider on accelerators,
+# whose kernels want wide tiles (`zoo.ops.flash.ACCELERATOR_TILES`); a floor to check there
+# with benchmarks/accel_attention.py
+MIN_RING_PIECE = {"cpu": 256, "accelerator": 1024}
+
+
+def gather_slices(cp, q_shape, k_shape, v_shape, min_piece=None, platform="cpu"):
     """(number of gather steps m, keys per shard per step) for the all-gather strategy, from
     local shapes [B, L/cp, N, H], [B, S/cp, K, H], [B, S/cp, K, V] of the *expanded* K/V.
 
@@ -194,12 +201,16 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     Otherwise m slices -- slice t is keys [t*c, (t+1)*c) of every shard -- with m the smallest
     divisor of the local kv length that keeps a gathered slice within a quarter of that size,
     so per-device memory stays ~1/cp (a quarter, not all of it: the gathered slice, its layout
-    copies and the backward's per-slice dK/dV are all that size). Either way the bytes moved
-    equal one gather (and one reduce-scatter).
+    copies and the backward's per-slice dK/dV are all that size), as long as a gathered slice
+    keeps at least ``min_piece`` keys (default `MIN_RING_PIECE` of `platform`, the ring's
+    floor: narrower steps cost more in per-step latency than their memory saves, so memory
+    then gives way). Either way the bytes moved equal one gather (and one reduce-scatter).
     """
     s_local = k_shape[1]
     if cp == 1:
         return 1, s_local
+    if min_piece is None:
+        min_piece = MIN_RING_PIECE["cpu" if platform == "cpu" else "accelerator"]
     need = cp * s_local * k_shape[2] * (k_shape[3] + v_shape[3])
     budget = q_shape[1] * q_shape[2] * q_shape[3]
     if need > budget:
@@ -207,6 +218,10 @@ def gather_slices(cp, q_shape, k_shape, v_shape):
     m = min(-(-need // budget), s_local)
     while s_local % m:
         m += 1
+    while m > 1 and cp * (s_local // m) < min_piece:  # widen to the floor (a divisor still)
+        m -= 1
+        while s_local % m:
+            m -= 1
     return m, s_local // m
 
 
@@ -221,12 +236,6 @@ def _pieces(cfg, L, S, kv_groups, kv_split=None):
     lk = per // ks if per % ks == 0 else per
     return lq, L // lq, lk, S // lk
 
-
-# keys per ring step at least: a smaller step costs more in per-step latency (and, on GPU,
-# the host reads of its sub-block decisions) than its memory saves; wider on accelerators,
-# whose kernels want wide tiles (`zoo.ops.flash.ACCELERATOR_TILES`); a floor to check there
-# with benchmarks/accel_attention.py
-MIN_RING_PIECE = {"cpu": 256, "accelerator": 1024}
 
 
 def ring_rounds(cp, q_shape, k_shape, v_shape, min_piece=None, platform="cpu") -> int:
@@ -465,7 +474,7 @@ def _gathered(cfg, t, c, xs):
 
 def _slices(cfg, q, params, payload):
     k, v = jax.eval_shape(lambda: _expand(cfg, params, payload))
-    return gather_slices(_cp(cfg), q.shape, k.shape, v.shape)
+    return gather_slices(_cp(cfg), q.shape, k.shape, v.shape, platform=cfg.platform)
 
 
 def _forward(cfg, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg):

@@ -221,11 +221,13 @@ def _apply_update(optimizer, model, grads, lr, schedule) -> jax.Array | None:
                 f"a rate the optimizer does not apply: it applies the lr argument (zoo.train."
                 f"step.scale_by_lr, e.g. make_tx()); drop schedule= and pass schedule(t) as lr, "
                 f"or build the optimizer on the schedule (e.g. optax.adamw(schedule))")
-        optimizer.update(model, grads, lr=lr)
+        with jax.named_scope("optimizer"):
+            optimizer.update(model, grads, lr=lr)
         return jnp.asarray(lr, jnp.float32)
     applied = None if schedule is None else jnp.asarray(schedule(optimizer.step[...]),
                                                         jnp.float32)
-    optimizer.update(model, grads)
+    with jax.named_scope("optimizer"):
+        optimizer.update(model, grads)
     return applied if applied is not None else _injected_lr(optimizer.opt_state)
 
 
