@@ -21,8 +21,10 @@
   returns their logits in ``aux["mtp_logits"]``; `zoo.train.step.loss_fn` adds
   ``mtp_loss_weight`` times their mean cross-entropy (`mtp_targets` finds each token's
   successor from positions and segment ids, so any sequence layout works). The `deepseek_v3`
-  preset's parameter count (671,026,404,352) is without MTP (``num_nextn_predict_layers=0``,
-  what transformers builds). `from_hf` reads ``num_nextn_predict_layers`` from config.json and
+  preset has one module, as the published config: 682,636,472,320 parameters, the trunk's
+  671,026,404,352 (what transformers builds, ``num_nextn_predict_layers=0``) and the MTP
+  module's 11,610,067,968 (the published "671B + 14B" counts the checkpoint's layer 61, which
+  also holds copies of the embedding and head: 13,463,426,048). `from_hf` reads ``num_nextn_predict_layers`` from config.json and
   loads the checkpoint's MTP layer in DeepSeek's layout (``model.layers.61.*``: ``enorm``,
   ``hnorm``, ``eh_proj``, ``shared_head.norm``, a decoder layer, and copies of the embedding
   and head, ``embed_tokens`` and ``shared_head.head``, which zoo shares with the trunk: their
@@ -152,9 +154,11 @@ class DeepSeek3Config(DecoderConfig):
     # -- presets -------------------------------------------------------------------------------
     @classmethod
     def deepseek_v3(cls, **overrides) -> DeepSeek3Config:
-        """deepseek-ai/DeepSeek-V3 (and -R1): 671B parameters without MTP, 37B active.
-        Layers rematerialised (``remat_policy="full"``): at this size activations decide."""
-        return cls(**{"remat_policy": "full", **overrides})
+        """deepseek-ai/DeepSeek-V3 (and -R1) as published: 671B parameters plus one MTP module
+        (``num_nextn_predict_layers=1``, 11.6B more), 37B active in the trunk. ``num_nextn_predict_layers=0``
+        is the model transformers builds (and the scale rehearsal's goal row). Layers
+        rematerialised (``remat_policy="full"``): at this size activations decide."""
+        return cls(**{"remat_policy": "full", "num_nextn_predict_layers": 1, **overrides})
 
     @classmethod
     def kimi_k2(cls, **overrides) -> DeepSeek3Config:
