@@ -20,12 +20,18 @@ experts over ``expert``). ``--bytes`` instead prints the per-device collective b
 full-size MoE layer (DeepSeek-V3 at EP 8/64/256, Mixtral 8x7B at EP 8) from the programs as
 lowered (not compiled), against the analytic minimum; ``--temporaries`` the per-device XLA
 temporaries of a one-layer full-width DeepSeek-V3 train step (compiled ahead of time, not run)
-with the MoE and with a dense MLP in its place. Usage::
+with the MoE and with a dense MLP in its place. ``--overflow`` times ``overflow="exact"``
+(overflowing copies travel in further rounds over the same buffers) against ``"drop"`` at
+buffer factors 1, 1.25 and 2, with the worst-case dropless buffers as each routing's baseline,
+on ``expert=8`` (the 8 virtual devices): ``balanced`` (the random router), ``skewed`` (the
+first device's experts favoured by a logit bias of 1) and ``one_device`` (every copy to the
+first device's experts). Usage::
 
     python benchmarks/moe.py                    # E = 8, 16, 64; EP = 1, 2, 4; all variants
     python benchmarks/moe.py --experts 8 --ep 1 --variants ragged,dense --iters 5
     python benchmarks/moe.py --bytes --devices 256
     python benchmarks/moe.py --temporaries none,2,1 --devices 64
+    python benchmarks/moe.py --overflow
 
 Legend: T tokens, D embed, E experts (E_local per device), F mlp, k experts per token.
 """
@@ -87,8 +93,9 @@ VARIANTS = {"ragged": (MoE, dict(dispatch="all_gather", grouped_matmul="ragged_d
                                  buffer_factor=2.0))}
 
 
-def build(cls, *, experts, ep, batch, length, embed, mlp, k):
-    """A compiled forward+backward step and its arguments; returns (run, compile seconds)."""
+def build(cls, *, experts, ep, batch, length, embed, mlp, k, with_aux=False):
+    """A compiled forward+backward step and its arguments; returns (run, compile seconds),
+    and with ``with_aux`` the forward's aux dict as well."""
     n = len(jax.devices())
     part = Partitioner(make_mesh(expert=ep, fsdp=n // ep), "fsdp")
     cls, kw = cls
@@ -107,7 +114,11 @@ def build(cls, *, experts, ep, batch, length, embed, mlp, k):
 
     t0 = time.perf_counter()
     jax.block_until_ready(step(params, x))
-    return (lambda: step(params, x)), time.perf_counter() - t0
+    run, compile_s = (lambda: step(params, x)), time.perf_counter() - t0
+    if not with_aux:
+        return run, compile_s
+    aux = jax.jit(lambda params, x: nnx.merge(graphdef, params, rest)(x)[1])(params, x)
+    return run, compile_s, jax.device_get(aux)
 
 
 def timed(run, iters):
@@ -116,6 +127,64 @@ def timed(run, iters):
         out = run()
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / iters
+
+
+# -- exact overflow against drop ----------------------------------------------------------------
+ROUTINGS = {"balanced": 0.0, "skewed": 1.0, "one_device": 100.0}  # logit bias, device 0's experts
+
+
+def skewed(bias: float, ep: int):
+    """An MoE whose router favours the first device's experts by ``bias`` in every logit."""
+    class SkewedMoE(MoE):
+        def route(self, x):
+            E = self.num_experts
+            hot = jnp.where(jnp.arange(E) < E // ep, bias, 0.0)
+            logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32),
+                                self.router[...].astype(jnp.float32)) + hot
+            return ops.route(logits, k=self.num_experts_per_tok, scoring=self.scoring,
+                             norm_topk_prob=self.norm_topk_prob)
+    return SkewedMoE
+
+
+def overflow_table(args, dims) -> None:
+    ep, experts = jax.device_count(), int(args.experts.split(",")[-1])
+    if experts % ep:
+        raise SystemExit(f"--overflow: experts={experts} is not divisible by the {ep} devices; "
+                         f"pass --experts with a multiple of {ep}")
+    routings = [r for r in re.split(r"[, ]+", args.routings) if r]
+    if bad := [r for r in routings if r not in ROUTINGS]:
+        raise SystemExit(f"--routings: unknown {bad}; valid: {', '.join(ROUTINGS)}")
+    factors = [float(f) for f in args.factors.split(",")]
+    tokens = args.batch * args.length
+    print(f"{ep} x {jax.devices()[0].platform} devices, expert={ep}; E={experts}, T={tokens} "
+          f"tokens, D={args.embed}, F={args.mlp}, k={args.k}; forward+backward, best of "
+          f"{args.rounds} rounds x {args.iters} steps", flush=True)
+    configs = [(r, o, f) for r in routings for o, f in
+               [("dropless", None)] + [(o, f) for f in factors for o in ("drop", "exact")]]
+    runs, info = {}, {}
+    for c in configs:
+        r, o, f = c
+        kw = dict(dispatch="all_to_all", grouped_matmul="blocked", buffer_factor=f,
+                  overflow="drop" if o == "dropless" else o)
+        runs[c], compile_s, aux = build((skewed(ROUTINGS[r], ep), kw), experts=experts, ep=ep,
+                                        with_aux=True, **dims)
+        load = np.asarray(aux["expert_counts"]).reshape(ep, -1).sum(1)
+        info[c] = dict(compile_s=compile_s, busiest=load.max() / load.mean(),
+                       rounds=int(aux["moe_rounds"]), dropped=float(aux["dropped_fraction"]))
+        print(f"  compiled {r} {o} f={f} in {compile_s:.1f}s", flush=True)
+    best = {c: float("inf") for c in configs}
+    for _ in range(args.rounds):
+        for c in configs:
+            best[c] = min(best[c], timed(runs[c], args.iters))
+    print("\n| routing | busiest device (x balanced share) | overflow | buffer_factor | "
+          "moe_rounds | dropped copies | tokens/s | vs dropless | compile s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for c in configs:
+        r, o, f = c
+        i, base = info[c], best[(r, "dropless", None)]
+        print(f"| {r} | {i['busiest']:.2f} | {o} | {'-' if f is None else f'{f:g}'} | "
+              f"{i['rounds'] if o == 'exact' else '-'} | {i['dropped']:.2%} | "
+              f"{tokens / best[c]:,.0f} | {base / best[c]:.2f} | {i['compile_s']:.1f} |")
 
 
 # -- collective bytes per device ----------------------------------------------------------------
@@ -200,7 +269,8 @@ def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len
     from zoo.train import TrainConfig, build
     from zoo.train.rehearse import rehearse_built
     cfg = DeepSeek3Config.deepseek_v3(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1,
-                                      remat_policy="full", moe_buffer_factor=buffer_factor)
+                                      remat_policy="full", moe_buffer_factor=buffer_factor,
+                                      num_nextn_predict_layers=0)  # the layer alone
     batch = fsdp * expert * tokens // seq_len
     train = TrainConfig(mesh=f"fsdp={fsdp},expert={expert}", strategy="fsdp", batch_size=batch,
                         seq_len=seq_len, dtype="bfloat16")
@@ -250,6 +320,11 @@ def main(argv=None):
                     help="print only the collective-bytes table (full-size shapes, lowered, "
                          "not run; EP up to --devices)")
     ap.add_argument("--tokens-per-device", type=int, default=4096)
+    ap.add_argument("--overflow", action="store_true",
+                    help="print only overflow='exact' against 'drop' (and dropless) at "
+                         "--factors on --routings, E = the last of --experts, EP = devices")
+    ap.add_argument("--factors", default="1,1.25,2", help="buffer factors for --overflow")
+    ap.add_argument("--routings", default=",".join(ROUTINGS), help="for --overflow")
     ap.add_argument("--temporaries", default=None, metavar="FACTORS",
                     help="print only the full-width DeepSeek-V3 layer temporaries for these "
                          "buffer factors, e.g. none,2,1 (needs --devices 64; ~2 min each)")
@@ -265,6 +340,8 @@ def main(argv=None):
         return bytes_table(args.tokens_per_device)
     tokens = args.batch * args.length
     dims = dict(batch=args.batch, length=args.length, embed=args.embed, mlp=args.mlp, k=args.k)
+    if args.overflow:
+        return overflow_table(args, dims)
     variants = [v for v in re.split(r"[, ]+", args.variants) if v]
     experts = [int(e) for e in args.experts.split(",")]
     eps = [int(e) for e in args.ep.split(",")]
@@ -301,4 +378,5 @@ if __name__ == "__main__":
     from _record import json_main  # --json PATH: the table as a record
     raise SystemExit(json_main(main, ["moe_bytes"] if "--bytes" in sys.argv else
                                ["moe_temporaries"] if "--temporaries" in sys.argv else
+                               ["moe_overflow"] if "--overflow" in sys.argv else
                                ["moe_throughput"]))

@@ -58,7 +58,9 @@ FAMILIES = [
                 rope_type="yarn", rope_theta=10000.0, factor=4.0,
                 original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,
                 beta_fast=32, beta_slow=1)),
-        presets={"deepseek_v3": deepseek3.DeepSeek3Config.deepseek_v3,
+        # transformers builds no MTP layer: its count is the preset with none
+        presets={"deepseek_v3": lambda: deepseek3.DeepSeek3Config.deepseek_v3(
+                     num_nextn_predict_layers=0),
                  "kimi_k2": deepseek3.DeepSeek3Config.kimi_k2,
                  "mini": deepseek3.DeepSeek3Config.mini},
         recipe="mini_deepseek3", recipe_flags=DEEPSEEK_TINY, bias_scale=0.05),

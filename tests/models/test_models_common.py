@@ -40,8 +40,10 @@ def test_flops_per_token():
     assert c.active_matmul_params() == active  # ~12.9B "active parameters"
     attn = 32 * 2 * 32 * 256 * 2048.5
     assert c.flops_per_token(4096) == pytest.approx(6 * active + 3 * attn)
-    d = DeepSeek3Config.deepseek_v3()
-    assert 36e9 < d.active_matmul_params() < 38e9  # "37B activated"
+    d = DeepSeek3Config.deepseek_v3(num_nextn_predict_layers=0)
+    assert 36e9 < d.active_matmul_params() < 38e9  # "37B activated" (the trunk)
+    mtp = DeepSeek3Config.deepseek_v3()  # one MTP module: its layer's work is trained too
+    assert mtp.flops_per_token(4096) > d.flops_per_token(4096)
     assert d.flops_per_token(4096, causal=False) > d.flops_per_token(4096)
 
 

@@ -152,6 +152,30 @@ def test_mtp_settings_are_checked():
     assert with_mtp.num_params() > DeepSeek3Config.mini().num_params()
 
 
+def test_deepseek_v3_counts_its_mtp_module():
+    """The preset has the published MTP layer: its count is the trunk's (671,026,404,352, what
+    transformers counts: tests/models/test_conformance.py checks the preset at 0) plus the MTP
+    module's; the checkpoint's layer 61 also holds copies of the embedding and head, which zoo
+    shares, and with them the published "671B + 14B" (13.46B before the FP8 block scales)."""
+    from zoo.models import count_params
+    from zoo.models.hf import expected_shapes
+    full, trunk = DeepSeek3Config.deepseek_v3(), DeepSeek3Config.deepseek_v3(
+        num_nextn_predict_layers=0)
+    assert full.num_nextn_predict_layers == 1 and trunk.num_params() == 671_026_404_352
+    model = DeepSeek3.abstract(full)
+    module = count_params(model.mtp)
+    assert full.num_params() - trunk.num_params() == module == 11_610_067_968
+    shapes = expected_shapes(model, model.hf_key_map())
+    layer_61 = sum(int(np.prod(s)) for k, (s, _) in shapes.items()
+                   if k.startswith("model.layers.61."))
+    copies = 2 * full.vocab_size * full.hidden_size  # embed_tokens, shared_head.head
+    bias = full.n_routed_experts  # e_score_correction_bias: saved, but a buffer, not counted
+    assert layer_61 == module + copies + bias == 13_463_426_304
+    moe_layers = full.num_moe_layers + 1
+    assert sum(int(np.prod(s)) for s, _ in shapes.values()) == (
+        full.num_params() + copies + moe_layers * bias)
+
+
 def test_train_step_updates_the_mtp_layers_bias_too(unsharded):
     """The after-step bias update takes the MTP layer's expert counts (after the trunk's
     scanned stack) and moves its selection bias as well."""

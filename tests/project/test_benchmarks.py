@@ -1,6 +1,7 @@
-"""Smoke test of `benchmarks/train_step.py --quick --profile`: it runs, prints its table and
-its profile, and their figures agree with each other and with the model config's own FLOP
-count."""
+"""Smoke tests of the benchmark scripts: `benchmarks/train_step.py --quick --profile` runs,
+prints its table and its profile, and their figures agree with each other and with the model
+config's own FLOP count; `benchmarks/moe.py --overflow` at tiny shapes counts the rounds and
+drops the worst routing must give."""
 
 import itertools
 import os
@@ -102,3 +103,28 @@ def test_bad_flags_name_the_fix():
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "unknown strategy 'tp'; valid: fsdp, cp, ep_as_cp" in proc.stderr
+
+
+def test_moe_overflow_table_counts_rounds_and_drops():
+    """Every copy to the first device's experts (``one_device``), buffers of the balanced share
+    (factor 1) on 8 devices: drop keeps 1/8 of the copies, exact needs 8 rounds and drops none,
+    and the dropless baseline is its own ratio 1.00."""
+    script = os.path.join(ROOT, "benchmarks", "moe.py")
+    proc = subprocess.run([sys.executable, script, "--overflow", "--experts", "16", "--batch",
+                           "8", "--length", "8", "--embed", "16", "--mlp", "16", "--iters", "1",
+                           "--rounds", "1", "--factors", "1", "--routings", "one_device"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| routing |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = [dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+            for line in lines[header + 2:] if line.startswith("|")]
+    by = {r["overflow"]: r for r in rows}
+    assert sorted(by) == ["drop", "dropless", "exact"] and len(rows) == 3
+    assert all(r["routing"] == "one_device" and r["busiest device (x balanced share)"] == "8.00"
+               for r in rows)
+    assert by["dropless"]["vs dropless"] == "1.00" and by["dropless"]["buffer_factor"] == "-"
+    assert by["drop"]["dropped copies"] == "87.50%" and by["drop"]["moe_rounds"] == "-"
+    assert by["exact"]["dropped copies"] == "0.00%" and by["exact"]["moe_rounds"] == "8"
+    assert all(_number(r["tokens/s"]) > 0 for r in rows)

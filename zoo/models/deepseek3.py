@@ -21,12 +21,15 @@
   returns their logits in ``aux["mtp_logits"]``; `zoo.train.step.loss_fn` adds
   ``mtp_loss_weight`` times their mean cross-entropy (`mtp_targets` finds each token's
   successor from positions and segment ids, so any sequence layout works). The `deepseek_v3`
-  preset's parameter count (671,026,404,352) is without MTP (``num_nextn_predict_layers=0``,
-  what transformers builds). `from_hf` reads ``num_nextn_predict_layers`` from config.json and
-  loads the checkpoint's MTP layer in DeepSeek's layout (``model.layers.61.*``: ``enorm``,
-  ``hnorm``, ``eh_proj``, ``shared_head.norm``, a decoder layer, and copies of the embedding
-  and head, ``embed_tokens`` and ``shared_head.head``, which zoo shares with the trunk: their
-  shapes are checked, their values not read); `to_hf` writes all of it. A checkpoint that
+  preset has one module, as the published config: 682,636,472,320 parameters, the trunk's
+  671,026,404,352 (what transformers builds, ``num_nextn_predict_layers=0``) and the MTP
+  module's 11,610,067,968 (the published "671B + 14B" counts the checkpoint's layer 61, which
+  also holds copies of the embedding and head: 13,463,426,304 elements before the FP8 scales).
+  `from_hf` reads ``num_nextn_predict_layers`` from config.json and loads the checkpoint's
+  MTP layer in DeepSeek's layout (``model.layers.61.*``: ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm``, a decoder layer, and copies of the embedding and head,
+  ``embed_tokens`` and ``shared_head.head``, which zoo shares with the trunk: their shapes are
+  checked, their values not read); `to_hf` writes all of it. A checkpoint that
   declares MTP but holds none (transformers saves none) leaves the modules freshly
   initialised, with a warning.
 * `DeepSeek3Config` (a `zoo.models.DecoderConfig`) uses the Hugging Face field names plus the
@@ -152,9 +155,12 @@ class DeepSeek3Config(DecoderConfig):
     # -- presets -------------------------------------------------------------------------------
     @classmethod
     def deepseek_v3(cls, **overrides) -> DeepSeek3Config:
-        """deepseek-ai/DeepSeek-V3 (and -R1): 671B parameters without MTP, 37B active.
-        Layers rematerialised (``remat_policy="full"``): at this size activations decide."""
-        return cls(**{"remat_policy": "full", **overrides})
+        """deepseek-ai/DeepSeek-V3 (and -R1) as published: 671B parameters plus one MTP module
+        (``num_nextn_predict_layers=1``, 11.6B more), 37B active in the trunk;
+        ``num_nextn_predict_layers=0`` is the model transformers builds (and the scale
+        rehearsal's goal row). Layers rematerialised (``remat_policy="full"``): at this size
+        activations decide."""
+        return cls(**{"remat_policy": "full", "num_nextn_predict_layers": 1, **overrides})
 
     @classmethod
     def kimi_k2(cls, **overrides) -> DeepSeek3Config:
