@@ -74,7 +74,7 @@ def test_the_profile_adds_up_to_the_step(quick_run):
     assert lines[start] == "| part | share | ms of the step | GFLOP | GFLOP/s | MFU |"
     rows = {}
     for line in lines[start + 2:start + 2 + len(CATEGORIES)]:
-        part, share, ms, gflop, rate, mfu = (c.strip() for c in line.strip("|").split("|"))
+        part, share, ms, gflop, _, _ = (c.strip() for c in line.strip("|").split("|"))
         rows[part] = dict(share=_number(share) / 100, ms=_number(ms), gflop=_number(gflop))
     assert list(rows) == list(CATEGORIES)
     assert sum(r["share"] for r in rows.values()) == pytest.approx(1, abs=0.01)
@@ -128,3 +128,23 @@ def test_moe_overflow_table_counts_rounds_and_drops():
     assert by["drop"]["dropped copies"] == "87.50%" and by["drop"]["moe_rounds"] == "-"
     assert by["exact"]["dropped copies"] == "0.00%" and by["exact"]["moe_rounds"] == "8"
     assert all(_number(r["tokens/s"]) > 0 for r in rows)
+
+
+def test_vs_maxtext_names_the_venv_it_needs_and_zoo_has_its_fields():
+    """benchmarks/vs_maxtext.py: without MaxText's Python it says how to make one; every zoo
+    field of its shape is a DeepSeek-V3 config field (the MaxText run itself needs the venv,
+    which is not a dependency)."""
+    import dataclasses
+
+    import vs_maxtext
+    from zoo.models.deepseek3 import DeepSeek3Config
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vs_maxtext.py"),
+                           "--maxtext-python", "/nonexistent/python"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "pip install 'maxtext[tpu]==0.2.5'" in proc.stderr
+    fields = {f.name for f in dataclasses.fields(DeepSeek3Config)}
+    assert set(vs_maxtext.SHAPE) | set(vs_maxtext.ZOO_ONLY) <= fields
+    config = DeepSeek3Config.mini(**{k: v for k, (_, v) in vs_maxtext.SHAPE.items()},
+                                  **vs_maxtext.ZOO_ONLY)
+    assert config.hidden_size == 256 and config.n_routed_experts == 16

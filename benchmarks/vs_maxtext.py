@@ -1,0 +1,187 @@
+"""zoo against MaxText, side by side: the same DeepSeek-V3 reduction trained by both, one after
+the other, on 8 virtual CPU devices, with both medians and their ratio.
+
+The shape (issue 27's): embedding 256; MLA with 8 heads, q_lora 64, kv_lora 64, nope 32,
+rope 16, v 32; 4 layers with the first dense (mlp 512); 16 experts top-2 (mlp 128) plus one
+shared; vocab 512; global batch 8 x 512 (CP: 8 x 2048); fp32 parameters and compute. Each
+side's step time is the median of steps ``--skip + 1`` to ``--steps``.
+
+* MaxText 0.2.5 runs from its own Python (``--maxtext-python``: a Python 3.12 venv with
+  ``pip install 'maxtext[tpu]==0.2.5'``; MaxText is not a zoo dependency), as
+  ``python -m maxtext.trainers.pre_train.train <its base.yml> hardware=cpu
+  dataset_type=synthetic ...`` with ``JAX_PLATFORMS=cpu`` and ``DECOUPLE_GCLOUD=TRUE``; its
+  step times are read from its ``completed step: N, seconds: S`` lines.
+* zoo runs `benchmarks/train_step.py` (the recipe's settings through `zoo.train.build`) on the
+  same shape and mesh, in a fresh process too.
+
+Strategies and meshes: fsdp (fsdp=8), ep_as_cp (fsdp=2, expert=4; MaxText
+``custom_mesh_and_rule=ep-as-cp``, ``sparse_matmul=false``), cp (fsdp=2, context=4, sequence
+2048).
+
+    python benchmarks/vs_maxtext.py --maxtext-python /path/to/venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# zoo's field -> MaxText's key, for the shape above
+SHAPE = {
+    "hidden_size": ("base_emb_dim", 256), "num_attention_heads": ("base_num_query_heads", 8),
+    "num_key_value_heads": ("base_num_kv_heads", 8), "q_lora_rank": ("q_lora_rank", 64),
+    "kv_lora_rank": ("kv_lora_rank", 64), "qk_nope_head_dim": ("qk_nope_head_dim", 32),
+    "qk_rope_head_dim": ("qk_rope_head_dim", 16), "v_head_dim": ("v_head_dim", 32),
+    "num_hidden_layers": ("base_num_decoder_layers", 4),
+    "intermediate_size": ("base_mlp_dim", 512), "moe_intermediate_size": ("base_moe_mlp_dim", 128),
+    "n_routed_experts": ("num_experts", 16), "num_experts_per_tok": ("num_experts_per_tok", 2),
+    "n_shared_experts": ("shared_experts", 1),
+    "first_k_dense_replace": ("first_num_dense_layers", 1),
+    "vocab_size": ("vocab_size", 512),
+}
+ZOO_ONLY = {"n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}
+STRATEGIES = {  # name -> (zoo mesh, MaxText mesh settings, sequence length)
+    "fsdp": ("fsdp=8", {"ici_fsdp_parallelism": 8}, 512),
+    "ep_as_cp": ("fsdp=2,expert=4", {"ici_fsdp_parallelism": 2, "ici_expert_parallelism": 4,
+                                     "custom_mesh_and_rule": "ep-as-cp",
+                                     "sparse_matmul": "false"}, 512),
+    "cp": ("fsdp=2,context=4", {"ici_fsdp_parallelism": 2, "ici_context_parallelism": 4}, 2048),
+}
+STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--maxtext-python", required=True, help="the Python of a venv with "
+                    "maxtext[tpu]==0.2.5 installed")
+    ap.add_argument("--strategies", default="fsdp,ep_as_cp,cp",
+                    help=f"comma list of {', '.join(STRATEGIES)}")
+    ap.add_argument("--steps", type=int, default=25, help="steps each side runs")
+    ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    args = ap.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in args.strategies:
+        if s not in STRATEGIES:
+            ap.error(f"--strategies: unknown strategy {s!r}; valid: {', '.join(STRATEGIES)}")
+    if args.steps <= args.skip:
+        ap.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    if not os.path.exists(args.maxtext_python):
+        ap.error(f"--maxtext-python {args.maxtext_python}: no such file; make a Python 3.12 "
+                 f"venv and `pip install 'maxtext[tpu]==0.2.5'` into it, then pass its "
+                 f"bin/python")
+    return args
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", TPU_SKIP_MDS_QUERY="1",
+               XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=8"]))
+    return env
+
+
+def maxtext_command(python: str, strategy: str, steps: int, out_dir: str) -> list[str]:
+    """The MaxText training command for `strategy` on the shape above."""
+    found = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname("
+                            "maxtext.__file__))"], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"{python} cannot import maxtext: {found.stderr.strip()[-500:]}")
+    base = os.path.join(found.stdout.strip(), "configs", "base.yml")
+    _, mesh, seq = STRATEGIES[strategy]
+    settings = {
+        "run_name": f"vs_zoo_{strategy}", "base_output_directory": out_dir,
+        "hardware": "cpu", "skip_jax_distributed_system": "true", "dataset_type": "synthetic",
+        "enable_checkpointing": "false",
+        "steps": steps, "log_period": steps, "per_device_batch_size": 1,
+        "max_target_length": seq, "dtype": "float32", "weight_dtype": "float32",
+        "decoder_block": "deepseek", "attention_type": "mla", "mlp_activations": "[silu,linear]",
+        "routed_score_func": "sigmoid", "routed_bias": "true", "routed_scaling_factor": 2.5,
+        "megablox": "false", "capacity_factor": -1, "enable_dropout": "false",
+        "logits_via_embedding": "false", "attention": "dot_product",
+        **{key: value for key, value in SHAPE.values()}, **mesh,
+    }
+    return [python, "-m", "maxtext.trainers.pre_train.train", base,
+            *(f"{k}={v}" for k, v in settings.items())]
+
+
+def median_maxtext(output: str, skip: int) -> float:
+    times = {int(n): float(s) for n, s in STEP_LINE.findall(output)}
+    kept = [s for n, s in sorted(times.items()) if n >= skip]
+    if not kept:
+        raise RuntimeError(f"no 'completed step' lines past step {skip} in MaxText's output:\n"
+                           f"{output[-3000:]}")
+    return statistics.median(kept)
+
+
+def run_maxtext(args, strategy: str) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = maxtext_command(args.maxtext_python, strategy, args.steps, out)
+        print(f"  MaxText {strategy}: {' '.join(cmd[1:4])} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+                              timeout=args.timeout, cwd=out)
+        text = done.stdout + done.stderr
+        if done.returncode != 0:
+            raise RuntimeError(f"MaxText {strategy} exited {done.returncode}:\n{text[-4000:]}")
+        return median_maxtext(text, args.skip)
+
+
+def run_zoo(args, strategy: str) -> float:
+    mesh, _, seq = STRATEGIES[strategy]
+    sets = [f"{k}={v}" for k, (_, v) in SHAPE.items()] + [f"{k}={v}" for k, v in ZOO_ONLY.items()]
+    with tempfile.TemporaryDirectory() as out:
+        record = os.path.join(out, "row.json")
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--models",
+               "deepseek3", "--strategies", strategy, "--mesh", f"{strategy}={mesh}",
+               "--seq-len", str(seq), "--batch-size", "8", "--steps",
+               str(args.steps - args.skip), "--warmup", str(args.skip), "--json", record,
+               *(x for s in sets for x in ("--set", s))]
+        print(f"  zoo {strategy}: benchmarks/train_step.py ...", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+                              timeout=args.timeout, cwd=ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"zoo {strategy} exited {done.returncode}:\n"
+                               f"{(done.stdout + done.stderr)[-4000:]}")
+        rec = json.loads(pathlib.Path(record).read_text())
+    row = dict(zip(rec["columns"], rec["rows"][0]))
+    return float(row["step ms (median)"].replace(",", "")) / 1e3
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"# zoo vs MaxText: DeepSeek-V3 reduction, 8 virtual CPU devices ({os.cpu_count()} "
+          f"cores), global batch 8, medians of steps {args.skip + 1}-{args.steps}, load "
+          f"average {os.getloadavg()[0]:.2f} at start", flush=True)
+    rows = []
+    for s in args.strategies:
+        mesh, _, seq = STRATEGIES[s]
+        mt = run_maxtext(args, s)
+        zoo = run_zoo(args, s)
+        tokens = 8 * seq
+        rows.append((s, mesh, seq, tokens / mt, tokens / zoo))
+        print(f"  {s}: MaxText {mt * 1e3:.0f} ms, zoo {zoo * 1e3:.0f} ms", file=sys.stderr,
+              flush=True)
+    print()
+    print("| strategy | mesh | sequence | MaxText tokens/s | zoo tokens/s | zoo / MaxText |")
+    print("|---|---|---|---|---|---|")
+    for s, mesh, seq, mt, zoo in rows:
+        print(f"| {s} | {mesh} | {seq} | {mt:,.0f} | {zoo:,.0f} | {zoo / mt:.2f}x |")
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _record import json_main  # --json PATH: the table as a record
+    raise SystemExit(json_main(main, ["vs_maxtext"]))
