@@ -25,8 +25,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--model", default="deepseek_v3",
-      help="deepseek_v3, mixtral_8x7b, mixtral_8x22b, deepseek3_mini, mixtral_mini")
+    from zoo.train.rehearse import presets  # the registry's; importing starts no backend
+    a("--model", default="deepseek_v3", choices=presets(), metavar="PRESET",
+      help="one of " + ", ".join(presets()))
     a("--devices", type=int, default=256, help="virtual CPU devices (with --target cpu)")
     a("--target", default="cpu", help="cpu, or a TPU slice compiled by the TPU compiler "
       "here, e.g. tpu:v5p:8x8x4 (256 v5p chips; needs libtpu)")

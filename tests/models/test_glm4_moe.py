@@ -40,3 +40,44 @@ def test_partial_rope_rotates_only_the_leading_dims():
 def test_config_errors_name_the_value_and_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         Glm4MoeConfig.mini(**bad)
+
+
+def test_from_hf_skips_the_mtp_layer_with_a_warning(tmp_path):
+    """A checkpoint in the published layout with its MTP layer (``num_nextn_predict_layers=1``:
+    ``model.layers.{L}.*``, written here): `from_hf` loads the decoder and warns that the MTP
+    tensors are skipped, naming them; the weights it loads are the checkpoint's."""
+    import json
+    import warnings
+
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from zoo.models import glm4_moe
+
+    config = Glm4MoeConfig.mini(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                moe_intermediate_size=16, num_hidden_layers=2, head_dim=8,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                n_routed_experts=4, num_experts_per_tok=2)
+    model = glm4_moe.Glm4Moe(config, rngs=nnx.Rngs(0))
+    glm4_moe.to_hf(model, tmp_path)
+    L, D = config.num_hidden_layers, config.hidden_size
+    mtp = {f"model.layers.{L}.{name}": np.ones(shape, np.float32) for name, shape in [
+        ("eh_proj.weight", (D, 2 * D)), ("enorm.weight", (D,)), ("hnorm.weight", (D,)),
+        ("self_attn.q_proj.weight", (32, D)), ("shared_head.norm.weight", (D,))]}
+    save_file(mtp, str(tmp_path / "mtp.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = glm4_moe.from_hf(tmp_path)
+    texts = [str(w.message) for w in caught]
+    assert any("skipping 5 tensor(s)" in t and f"model.layers.{L}.*" in t
+               and "num_nextn_predict_layers" in t and "no MTP module" in t
+               for t in texts), texts
+    np.testing.assert_array_equal(np.asarray(loaded.embed_tokens.embedding[...]),
+                                  np.asarray(model.embed_tokens.embedding[...]))
+    glm4_moe.to_hf(loaded, tmp_path / "plain")  # nothing of the MTP layer comes back out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        glm4_moe.from_hf(tmp_path / "plain")

@@ -51,7 +51,7 @@ def test_every_family_is_registered_with_its_presets():
     from zoo.models import registry
     from zoo.train.rehearse import PRESETS
     assert {"deepseek3", "mixtral", "qwen3_moe"} <= set(registry.names())
-    assert set(PRESETS) <= set(registry.preset_names())
+    assert set(PRESETS) == set(registry.preset_names())
     for name in registry.preset_names():
         family, config = registry.resolve(name)
         assert isinstance(config, family.config_cls)

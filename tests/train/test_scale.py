@@ -254,3 +254,29 @@ def test_rehearsal_reports_the_step(devices):
     # attention backward's delta = sum(dO * O) (zoo/ops, owned by the attention layer)
     assert not r.fp32_dots(allowed=("router", "loss", "blnv,blnv->bnl")), r.dot_names["f32"]
     assert "rehearsal:" in str(r) and r.row()["HLO/model FLOPs"] == r.flops_ratio
+
+
+def test_every_registered_preset_is_a_rehearsal_preset():
+    """The rehearsal's presets are the registry's (so a new family's cannot be missing), and
+    each resolves to its family's config, looked up only (no model is built)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from zoo.models import registry
+    R = importlib.import_module("zoo.train.rehearse")  # zoo.train.rehearse is also the function
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import scale
+
+    names = registry.preset_names()
+    assert set(R.PRESETS) == set(R.presets()) == set(names)
+    assert {"gpt_oss_20b", "gpt_oss_120b", "glm4_5", "glm4_5_air", "kimi_k2"} <= set(names)
+    for name in names:
+        label, config = R.model_config(name)
+        family, expected = registry.resolve(name)
+        assert label == name and registry.family_of(config) is family and config == expected
+        assert scale.parse_args(["--model", name]).model == name
+    with pytest.raises(ValueError, match="valid presets are"):
+        R.model_config("gpt_oss_999b")
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--model", "gpt_oss_999b"])

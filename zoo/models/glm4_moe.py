@@ -17,7 +17,8 @@
   ``partial_rotary_factor`` is read from config.json's top level or its ``rope_parameters``
   and written to both. The published checkpoints' multi-token-prediction layer
   (``num_nextn_predict_layers=1``: ``model.layers.{num_hidden_layers}.*``) is not part of
-  transformers' model, nor of this one: `from_hf` ignores it (with a warning).
+  transformers' model, nor of this one: `from_hf` skips its tensors with a warning naming
+  them (`Glm4Moe.hf_load_map`).
   Presets: `glm4_5`, `glm4_5_air`, `mini` (vocab 264 = the byte tokenizer's ids padded).
 * `from_hf(path)` / `to_hf(model, path)`: the published layout (per-expert
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, router ``mlp.gate``), tensor by tensor.
@@ -29,6 +30,9 @@ F moe_intermediate_size, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from zoo.layers.attention import Attention
@@ -195,6 +199,20 @@ class Glm4Moe(CausalLM):
     config_cls: ClassVar[type] = Glm4MoeConfig
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = Glm4MoeDecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("glm4_moe",)
+
+    def hf_load_map(self, keys: Sequence[str]):
+        """`hf_key_map`; the published MTP layers (``model.layers.{L}.*`` past the last decoder
+        layer) are skipped with a warning that names them: zoo's GLM-4.5 has no MTP module."""
+        L = self.config.num_hidden_layers
+        layer_of = {k: int(m[1]) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+        mtp = [k for k, i in layer_of.items() if i >= L]
+        if mtp:
+            names = ", ".join(f"model.layers.{i}.*" for i in sorted({layer_of[k] for k in mtp}))
+            warnings.warn(f"GLM-4.5 from_hf: skipping {len(mtp)} tensor(s) of the checkpoint's "
+                          f"multi-token-prediction layer(s) {names} (config.json's "
+                          f"num_nextn_predict_layers): zoo's glm4_moe has no MTP module, so the "
+                          f"{L} decoder layers load without them", stacklevel=4)
+        return self.hf_key_map()
 
 
 from_hf, to_hf = family_io(Glm4Moe, "GLM-4.5", "Hub layout; either rope spelling in config.json")

@@ -35,7 +35,7 @@ from typing import Any
 from zoo.ops.hlo import HloStats, hlo_stats  # the HLO counter, re-exported
 
 __all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
-           "set_virtual_devices", "PRESETS"]
+           "set_virtual_devices", "presets"]  # PRESETS: on access
 
 
 # -- virtual devices -------------------------------------------------------------------------------
@@ -263,13 +263,29 @@ def rehearse_built(built: Any, *, label: str = "model") -> Rehearsal:
                          param_dtype=cfg.param_dtype, train_step=built.train_step)
 
 
-def _presets() -> list[str]:
+def presets() -> tuple[str, ...]:
+    """Every preset `rehearse` takes by name: the registered families' presets, read from
+    `zoo.models.registry` so a new family's presets are listed without naming it here."""
     from zoo.models import registry
-    return registry.preset_names()
+    return tuple(registry.preset_names())
 
 
-PRESETS = ("deepseek_v3", "deepseek3_mini", "mixtral_8x7b", "mixtral_8x22b", "mixtral_mini",
-           "qwen3_30b_a3b", "qwen3_moe_mini")  # the families' presets (zoo.models.registry)
+def model_config(model: str | Any) -> tuple[str, Any]:
+    """``(label, config)`` of `rehearse`'s `model`: a preset name (one of `presets()`) or a
+    registered family's config; anything else is refused with the valid names."""
+    from zoo.models import registry
+    if isinstance(model, str):
+        return model, registry.resolve(model)[1]
+    registry.family_of(model)  # a config no family takes is refused here
+    return type(model).__name__, model
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PRESETS":  # computed on access: the families register when zoo.models loads
+        return presets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _KEEP = object()
 
 
@@ -299,15 +315,10 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
     """
     import jax.numpy as jnp
 
-    from zoo.models import registry
     from zoo.train.build import build
     from zoo.train.config import TrainConfig
 
-    if isinstance(model, str):
-        label, (_, config) = model, registry.resolve(model)
-    else:
-        config, label = model, type(model).__name__
-        registry.family_of(config)  # a config no family takes is refused here
+    label, config = model_config(model)
     texts = () if overrides is None or isinstance(overrides, Mapping) else tuple(overrides)
     changes = dict(overrides) if isinstance(overrides, Mapping) else {}
     if remat is not _KEEP:
