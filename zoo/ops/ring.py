@@ -173,13 +173,42 @@ def _expand(cfg, params, payload):
     return tuple(payload) if cfg.expand is None else tuple(cfg.expand(params, payload))
 
 
+def _ring_perm(axes, offset):
+    """(axes in mesh order, ppermute pairs) that send shard r to shard r + offset, r being
+    ``axis_index(axes)`` -- the sequence order, major axis first as ``axes`` names them.
+
+    `lax.ppermute` over several axes numbers its group in the *mesh's* axis order: jax 0.10
+    silently sorted a group given in another order (``("context", "expert")`` on a mesh that
+    declares ``expert`` first sent r -> r + 1 in the wrong order), and jax 0.12 refuses it.
+    So name the axes in mesh order and translate each shard index into that numbering."""
+    n = lax.axis_size(axes)
+    pairs = [(i, (i + offset) % n) for i in range(n)]
+    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    if len(axes) < 2 or not set(axes) <= set(mesh_names):
+        return axes, pairs
+    in_mesh = tuple(sorted(axes, key=mesh_names.index))
+    if in_mesh == tuple(axes):
+        return axes, pairs
+    sizes = {a: lax.axis_size(a) for a in axes}
+
+    def renumber(r):
+        coords = {}
+        for a in reversed(axes):  # unravel r over `axes`, the last one minor
+            r, coords[a] = divmod(r, sizes[a])
+        m = 0
+        for a in in_mesh:  # ravel over the mesh's order
+            m = m * sizes[a] + coords[a]
+        return m
+
+    return in_mesh, [(renumber(i), renumber(j)) for i, j in pairs]
+
+
 def _shift(xs, cfg, offset=1):
     """Send every array in xs `offset` shards on (r -> r + offset): shard r gets shard r - d's."""
     if not cfg.axes:
         return xs
-    n = _cp(cfg)
-    perm = [(i, (i + offset) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, cfg.axes, perm), xs)
+    axes, perm = _ring_perm(tuple(cfg.axes), offset)
+    return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), xs)
 
 
 def _gather(x, cfg):
