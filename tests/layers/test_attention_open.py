@@ -542,6 +542,21 @@ def test_sliding_window_ring_moves_only_visible_hops(name):
                                                                    permutes(full))
 
 
+def test_sliding_window_ring_hops_over_two_mesh_axes():
+    """ep_as_cp shards the sequence over ("context", "expert"), the reverse of the mesh's axis
+    order: the hop plan's sends go to the shards it names in sequence order (`ring._ring_perm`),
+    so forward and dq/dk/dv equal the dense reference (jax 0.10 numbered the ppermute group in
+    mesh order and this was off by whole blocks; jax 0.12 refuses such a ppermute)."""
+    mask = Causal() & SlidingWindow(20) & Document()
+    assert ring.hop_plan(mask.reach(), "contiguous", 4, 64) == (1, 2)
+    p = zoo.Partitioner(zoo.make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
+    fn = functools.partial(attention, mask=mask, partitioner=p, implementation="ring",
+                           kernel=KERNEL, layout="contiguous")
+    data = _window_data()
+    got = jax.jit(lambda *a: _grads(fn, *a, None)[:4])(*data)
+    _close(got, _grads(functools.partial(dot_product_attention, mask=mask), *data, None)[:4])
+
+
 def _sends(jaxpr):
     return any(e.primitive.name == "ppermute" or any(map(_sends, jex.core.jaxprs_in_params(
         e.params))) for e in jaxpr.eqns)
