@@ -455,7 +455,10 @@ class MoE(nnx.Module):
                 y = jax.lax.psum(y, mlp_axes)
             if self.overflow == "drop":  # stat: this device's dropped copies
                 return y, jnp.stack([jax.lax.psum(stat, token_axes), jnp.ones((), jnp.int32)])
-            return y, jnp.stack([jnp.zeros((), jnp.int32), jax.lax.pmax(stat, token_axes)])
+            # stat (the rounds) is already the same over the expert axes; jax 0.12's pmax wants
+            # every axis it reduces to be one its input varies over
+            rounds = jax.lax.pmax(ops._vary(stat, token_axes), token_axes)
+            return y, jnp.stack([jnp.zeros((), jnp.int32), rounds])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
