@@ -425,10 +425,19 @@ def test_user_mask_trains_mini_deepseek3_under_ring():
 COMPUTE = ("scan", "while", "cond")  # the loop over sub-blocks (a fori_loop) holds the kernel
 
 
+def _scan_consts(params) -> int:
+    """How many of a scan body's inputs are constants: jax 0.10 says ``num_consts``; jax 0.12
+    groups the inputs as (consts, carry, xs) in ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"]
+    return len(params["ft_in"].unpack()[0])
+
+
 def _scan_bodies(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            yield eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"]
+            body = eqn.params["jaxpr"]  # ClosedJaxpr on jax 0.10, Jaxpr on jax 0.12
+            yield getattr(body, "jaxpr", body), _scan_consts(eqn.params)
         for sub in jex.core.jaxprs_in_params(eqn.params):
             yield from _scan_bodies(sub)
 
