@@ -377,6 +377,7 @@ class SentenceMLA(MLA):
     mask = MaskFn(same_sentence_or_head) & Causal() & Document()
 
 
+@pytest.mark.slow
 def test_user_mask_trains_mini_deepseek3_under_ring():
     from zoo.models import deepseek3
     B, L = 2, 32

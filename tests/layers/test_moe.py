@@ -685,6 +685,7 @@ def test_exact_overflow_with_every_token_on_the_same_experts(setups):
     assert int(aux["moe_rounds"]) == 4
 
 
+@pytest.mark.slow
 def test_exact_overflow_loads_the_drop_layers_weights(setups):
     """overflow='exact' adds no state: its parameters and variables are the drop layer's."""
     s = setups["deepseek"]

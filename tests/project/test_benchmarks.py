@@ -148,3 +148,18 @@ def test_vs_maxtext_names_the_venv_it_needs_and_zoo_has_its_fields():
     config = DeepSeek3Config.mini(**{k: v for k, (_, v) in vs_maxtext.SHAPE.items()},
                                   **vs_maxtext.ZOO_ONLY)
     assert config.hidden_size == 256 and config.n_routed_experts == 16
+
+
+def test_stacks_names_each_environments_versions_and_refuses_a_missing_python():
+    """benchmarks/stacks.py: a missing --python is refused by name; a stack is named by the
+    jax, flax and tokamax versions its Python imports."""
+    import importlib.metadata
+
+    import stacks
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stacks.py"),
+                           "--python", "/nonexistent/python"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--python /nonexistent/python: no such file" in proc.stderr
+    assert stacks.versions(sys.executable) == " ".join(
+        f"{p} {importlib.metadata.version(p)}" for p in ("jax", "flax", "tokamax"))

@@ -62,6 +62,7 @@ def test_a_damaged_run_json_is_set_aside(tmp_path):
     assert not (tmp_path / "run.json.tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_garbage_metrics_line_does_not_block_the_resume(tmp_path, devices):
     """The issue's repro: 20 steps (checkpoints at 10 and 20), a garbage line appended, then
     the run resumed to 30: it finishes with 30 rows, the garbage kept aside."""
@@ -95,6 +96,7 @@ def nan_bias_rate(config):
     return built
 
 
+@pytest.mark.slow
 def test_a_nan_expert_bias_stops_the_run_before_it_is_saved(tmp_path, devices):
     """DeepSeek-V3's bias updated at a NaN rate (flag validation bypassed): the loss stays
     finite, but the guard sees the bias, stops at the first step, saves nothing from it and
@@ -112,6 +114,7 @@ def test_a_nan_expert_bias_stops_the_run_before_it_is_saved(tmp_path, devices):
     assert Checkpointer(tmp_path / "checkpoints").steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_the_divergence_message_says_when_there_is_no_checkpoint(tmp_path, devices):
     from zoo.train.trainer import TrainingDiverged
     config = TrainConfig(**DEEPSEEK, steps=3, checkpoint_every=1, run_dir=str(tmp_path))
@@ -187,6 +190,7 @@ def test_a_save_that_hangs_is_bounded(tmp_path, monkeypatch):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_a_failed_save_stops_the_run_at_that_save(tmp_path, monkeypatch, devices):
     """The save of step 10 fails (a full disk): the run stops at a step after it, and before
     the next save (step 15) starts, with CheckpointSaveFailed naming checkpoint 5; rerun with
@@ -215,6 +219,7 @@ def test_a_failed_save_stops_the_run_at_that_save(tmp_path, monkeypatch, devices
 
 # -- resuming on changed data ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_changed_corpus_is_refused_unless_restarted(tmp_path, devices):
     """Resuming on other --data: refused naming --data-changed restart; with it, the weights
     and optimizer come back (the step count goes on), the stream restarts on the new files,

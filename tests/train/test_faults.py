@@ -224,6 +224,7 @@ def test_data_that_vanishes_mid_run_stops_cleanly(tmp_path, devices, capsys):
     assert f"the last good checkpoint is step {saved[-1]}" in err
 
 
+@pytest.mark.slow
 def test_a_failed_save_exits_5_and_the_rerun_resumes(base, tmp_path, capsys, monkeypatch):
     """The disk fills at the save of step 4 (a fault injected at Orbax's write): exit 5 with
     one paragraph naming the error, checkpoint 2 and how to resume, no traceback; the rerun

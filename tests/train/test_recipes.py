@@ -223,6 +223,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
     assert "corrupt-12" in os.listdir(run_dir / "checkpoints")
 
 
+@pytest.mark.slow
 def test_nan_guard_keeps_the_last_good_checkpoint(tmp_path, straight, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
@@ -292,6 +293,7 @@ def test_every_strategy_and_attention_trains(tmp_path, devices, strategy, attent
                                                  "auto": None}[balance]
 
 
+@pytest.mark.slow
 def test_from_hf_starts_from_the_checkpoint(tmp_path, learned):
     """A tiny DeepSeek-V3 written in the Hugging Face layout and trained with --from-hf gives
     the same losses as the run that initialised the same weights itself (seed 0)."""

@@ -100,6 +100,7 @@ def _grads_by_hf_key(model, tokens):
     return logits, aux, by_key
 
 
+@pytest.mark.slow
 def test_scanned_equals_unrolled_from_one_checkpoint(ds_ckpt):
     scanned = deepseek3.from_hf(ds_ckpt)
     unrolled = deepseek3.from_hf(ds_ckpt, config_overrides={"scan_layers": False})
@@ -168,6 +169,7 @@ def _compiled_step(devices, layers, remat, batch=4, length=256):
         flops_per_token=cfg.flops_per_token(length))
 
 
+@pytest.mark.slow
 def test_scanned_program_size_does_not_grow_with_depth(devices):
     two, sixteen = (_compiled_step(devices, n, "full") for n in (2, 16))
     assert sixteen.hlo_instructions <= 1.3 * two.hlo_instructions
@@ -179,12 +181,14 @@ def test_scanned_program_size_does_not_grow_with_depth(devices):
     assert abs(sixteen.flops_ratio / two.flops_ratio - 1) < 0.1
 
 
+@pytest.mark.slow
 def test_remat_full_cuts_temporaries(devices):
     none, full = (_compiled_step(devices, 8, policy) for policy in ("none", "full"))
     assert none.temp_bytes >= 2 * full.temp_bytes, (none.temp_bytes, full.temp_bytes)
     assert full.hlo_flops > 1.2 * none.hlo_flops  # the forward really runs twice
 
 
+@pytest.mark.slow
 def test_remat_policies_match_numerically():
     """``save_layer_outputs`` (the tagged policy) against no remat; ``full`` is checked in
     test_models_common."""
@@ -211,6 +215,7 @@ def test_unknown_remat_policy_is_refused():
 
 # -- mixed precision ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bf16_compute_trains(devices):
     """bf16 compute, fp32 parameters: the recipes' train step makes the loss fall."""
     cfg = dataclasses.replace(MX, num_hidden_layers=2, dtype=jnp.bfloat16)
@@ -236,6 +241,7 @@ def test_bf16_compute_trains(devices):
     assert model.layers[0].mlp.wi_gate[...].dtype == jnp.float32  # parameters stay fp32
 
 
+@pytest.mark.slow
 def test_rehearsal_reports_the_step(devices):
     """A bf16 DeepSeek-V3 step on 8 devices: bytes, FLOPs, collectives, dots by dtype."""
     r = rehearse(DS, mesh="fsdp=2,expert=2,context=2", strategy="ep_as_cp", batch_size=8,
