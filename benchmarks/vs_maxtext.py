@@ -137,18 +137,21 @@ def run_maxtext(args, strategy: str) -> float:
         return median_maxtext(text, args.skip)
 
 
-def run_zoo(args, strategy: str) -> float:
+def run_zoo(args, strategy: str, python: str = sys.executable) -> float:
+    """zoo's median step in seconds for `strategy`, run by `python` on this checkout's code."""
     mesh, _, seq = STRATEGIES[strategy]
     sets = [f"{k}={v}" for k, (_, v) in SHAPE.items()] + [f"{k}={v}" for k, v in ZOO_ONLY.items()]
     with tempfile.TemporaryDirectory() as out:
         record = os.path.join(out, "row.json")
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--models",
+        cmd = [python, str(ROOT / "benchmarks" / "train_step.py"), "--models",
                "deepseek3", "--strategies", strategy, "--mesh", f"{strategy}={mesh}",
                "--seq-len", str(seq), "--batch-size", "8", "--steps",
                str(args.steps - args.skip), "--warmup", str(args.skip), "--json", record,
                *(x for s in sets for x in ("--set", s))]
         print(f"  zoo {strategy}: benchmarks/train_step.py ...", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+        env = _env()  # this checkout's zoo, whatever `python` has installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout, cwd=ROOT)
         if done.returncode != 0:
             raise RuntimeError(f"zoo {strategy} exited {done.returncode}:\n"
