@@ -19,18 +19,24 @@ row by its opcode and its named scope (the ``op_name`` metadata XLA keeps from
   the token copies, combining);
 * ``other``: everything else (norms, RoPE, the loss, casts, copies).
 
-Each row's time is its share of all op time times the step's (untraced) wall time, so the
-rows add up to the step. Its FLOPs are those of the dots in the ops that actually ran
-(`zoo.ops.hlo`'s count per op, times the op's executions in the trace, summed over the
-devices: skipped attention blocks and idle expert blocks count nothing), and its MFU is
-those FLOPs over its time against the machine's matmul rate. On virtual CPU devices a
-collective's time includes the wait for the slowest peer.
+Each row's time is its share of the traced step's busy wall time, times the step's (untraced)
+wall time, so the rows add up to the step. On a shared CPU the virtual devices' ops overlap
+and contend for the cores, and a device waiting in a collective uses no core, so op durations
+summed over devices would overstate what waits and understate what computes. The trace is
+therefore swept in time: each instant on which some device runs a compute op goes to the
+categories of the compute ops running then, shared equally among them; an instant on which
+devices only communicate or wait goes to ``collectives``; instants with no op (host work)
+are left out. Its FLOPs are those of the dots in the ops that actually ran (`zoo.ops.hlo`'s
+count per op, times the op's executions in the trace, summed over the devices: skipped
+attention blocks and idle expert blocks count nothing), and its MFU is those FLOPs over its
+time against the machine's matmul rate.
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import heapq
 import os
 import tempfile
 
@@ -96,30 +102,62 @@ def _own_flops(ins, types) -> float:
     return _dot_flops(ins, types) if ins.opcode in ("dot", "convolution") else 0.0
 
 
-def _op_times(trace_dir: str, module_name: str) -> tuple[dict[str, float], dict[str, int]]:
-    """Seconds and executions per HLO op name, summed over devices and runs, for the ops of
-    `module_name`."""
-    from jax.profiler import ProfileData
-    times: collections.Counter = collections.Counter()
-    runs: collections.Counter = collections.Counter()
-    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            for line in plane.lines:
-                for event in line.events:
-                    stats = dict(event.stats)
-                    if stats.get("hlo_module") == module_name and "hlo_op" in stats:
-                        times[stats["hlo_op"]] += event.duration_ns * 1e-9
-                        runs[stats["hlo_op"]] += 1
-    return dict(times), dict(runs)
+def _line_intervals(line, module_name: str, label):
+    """``(start ns, end ns, label(op name))`` of `line`'s ops of `module_name`, in time order
+    (a trace line is one thread), skipping ops whose label is None."""
+    for event in line.events:
+        stats = dict(event.stats)
+        if stats.get("hlo_module") == module_name and "hlo_op" in stats:
+            cat = label(stats["hlo_op"])
+            if cat is not None:
+                yield int(event.start_ns), int(event.end_ns), cat
+
+
+def sweep(lines) -> dict[str, float]:
+    """Wall seconds per category from time-ordered ``(start ns, end ns, category)`` streams
+    (one per trace line), merged in time without holding them: each instant goes to the
+    compute categories active then, shared by how many of their ops are active; an instant
+    with only ``collectives`` active goes to them; idle instants to none."""
+    active: collections.Counter = collections.Counter()
+    wall: collections.Counter = collections.Counter()
+    ends: list[tuple[int, str]] = []
+    now = None
+
+    def advance(to: int) -> None:
+        nonlocal now
+        if now is not None and to > now:
+            dt = (to - now) * 1e-9
+            compute = sum(n for c, n in active.items() if c != "collectives")
+            if compute:
+                for c, n in active.items():
+                    if c != "collectives" and n:
+                        wall[c] += dt * n / compute
+            elif active["collectives"]:
+                wall["collectives"] += dt
+        now = to if now is None else max(now, to)
+
+    for start, end, cat in heapq.merge(*lines):
+        while ends and ends[0][0] <= start:
+            t, c = heapq.heappop(ends)
+            advance(t)
+            active[c] -= 1
+        advance(start)
+        active[cat] += 1
+        heapq.heappush(ends, (end, cat))
+    while ends:
+        t, c = heapq.heappop(ends)
+        advance(t)
+        active[c] -= 1
+    return dict(wall)
 
 
 def profile_step(compiled, run, *, steps: int = 2) -> dict:
     """Profile `steps` calls of ``run()`` (one execution of `compiled` each, blocking).
 
-    Returns ``op_seconds`` ({category: seconds of op time}, all devices, all steps),
+    Returns ``op_seconds`` ({category: wall seconds of one step, from `sweep`}),
     ``flops`` ({category: FLOPs of the dots that ran in one step, all devices}: each executed
     op's dots, so skipped blocks and untaken branches count nothing), ``wall_s`` (the traced
-    step) and ``unmatched_s`` (op time the compiled text does not name)."""
+    step) and ``unmatched_ops`` (executed ops the compiled text does not name)."""
     import time
 
     import jax
@@ -133,24 +171,31 @@ def profile_step(compiled, run, *, steps: int = 2) -> dict:
             for _ in range(steps):
                 run()
             wall = (time.perf_counter() - start) / steps
-        times, runs = _op_times(tmp, module_name)
-    if not times:
+        flops_by: collections.Counter = collections.Counter()
+        unknown = [0]
+
+        def label(name: str) -> str | None:
+            opcode, op_name, op_flops = table.get(name, ("?", None, 0.0))
+            if opcode in _CONTAINERS:
+                return None  # its body's ops carry their own events
+            cat = categorize(opcode, op_name, op_flops)
+            flops_by[cat] += op_flops / steps
+            if opcode == "?":
+                unknown[0] += 1
+            return cat
+
+        from jax.profiler import ProfileData
+        planes = [plane for path in glob.glob(os.path.join(tmp, "**", "*.xplane.pb"),
+                                              recursive=True)
+                  for plane in ProfileData.from_file(path).planes]
+        wall_by = sweep([_line_intervals(line, module_name, label)
+                         for plane in planes for line in plane.lines])
+    if not wall_by:
         raise RuntimeError(f"the profiler recorded no op of module {module_name!r}; this "
                            f"backend's runtime may not trace its ops")
-    seconds_by: collections.Counter = collections.Counter()
-    flops_by: collections.Counter = collections.Counter()
-    unknown = 0.0
-    for name, seconds in times.items():
-        opcode, op_name, op_flops = table.get(name, ("?", None, 0.0))
-        if opcode in _CONTAINERS:
-            continue  # its body's ops carry their own events
-        if opcode == "?":
-            unknown += seconds
-        cat = categorize(opcode, op_name, op_flops)
-        seconds_by[cat] += seconds
-        flops_by[cat] += runs[name] * op_flops / steps
-    return dict(op_seconds=dict(seconds_by), flops=dict(flops_by), wall_s=wall,
-                unmatched_s=unknown)
+    seconds_by = {c: s / steps for c, s in wall_by.items()}
+    return dict(op_seconds=seconds_by, flops=dict(flops_by), wall_s=wall,
+                unmatched_ops=unknown[0])
 
 
 def format_profile(title: str, prof: dict, *, machine_rate: float, step_s: float) -> str:
@@ -160,7 +205,7 @@ def format_profile(title: str, prof: dict, *, machine_rate: float, step_s: float
     total = sum(prof["op_seconds"].values()) or 1.0
     wall = step_s
     lines = [f"{title}: step {wall * 1e3:.0f} ms ({prof['wall_s'] * 1e3:.0f} ms traced; shares "
-             f"of the traced op time)", "",
+             f"of the traced busy wall time)", "",
              "| part | share | ms of the step | GFLOP | GFLOP/s | MFU |",
              "|---|---|---|---|---|---|"]
     for cat in CATEGORIES:

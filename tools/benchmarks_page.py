@@ -43,8 +43,8 @@ INTRO = """\
 The latest table of each benchmark, with the command that produced it, the date, the commit
 and the machine. Each table is the benchmark's own output: rerun a benchmark with
 `--json docs/benchmarks/NAME.json` (a folder for scripts that print several tables), then
-`python tools/benchmarks_page.py`; `tests/project/test_benchmarks_page.py` fails when this page is not
-what the tool renders. Times on a shared CPU box move with its load; byte counts and
+`python tools/benchmarks_page.py`; `tests/project/test_benchmarks_page.py` fails when this
+page is not what the tool renders. Times on a shared CPU box move with its load; byte counts and
 compile-time memory figures do not.
 """
 
