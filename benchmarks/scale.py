@@ -9,6 +9,14 @@ device parameter / optimizer / temporary GiB and arguments + temporaries + outpu
 compile seconds, HLO instructions, HLO FLOPs / model FLOPs (dots counted with loop bodies x
 trip counts against ``flops_per_token``), collective GB per device per step by kind.
 
+``--decode``: one decode step instead (`zoo.train.rehearse.rehearse_decode`): ``--batch-size``
+rows against a donated KV cache of ``--context`` slots, bf16 parameters unless
+``--param-dtype`` says otherwise; columns: per-device parameter / cache / argument / temporary
+GiB and the rest as above (model FLOPs: the forward for one token per row).
+
+    python benchmarks/scale.py --decode --model deepseek_v3 --target tpu:v5p:4x4x4 \
+        --mesh fsdp=64 --batch-size 128 --context 32768
+
 ``--set FIELD=VALUE`` overrides config fields (e.g. ``--set num_hidden_layers=4``,
 ``--set first_k_dense_replace=61`` for DeepSeek-V3's dense part alone). ``--json`` adds one
 JSON line per row (for scripts). Several ``--set`` groups: run the script once per row.
@@ -36,7 +44,9 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=256, help="global rows")
     a("--seq-len", type=int, default=4096)
     a("--dtype", default="bfloat16", help="compute dtype")
-    a("--param-dtype", default="float32")
+    a("--param-dtype", default=None, help="default float32 (training), bfloat16 (--decode)")
+    a("--decode", action="store_true", help="compile one decode step, not a train step")
+    a("--context", type=int, default=32768, help="--decode: the KV cache's slots per row")
     a("--remat", default="full", help="remat policy (none, full, dots_saveable, "
       "save_layer_outputs, ...)")
     a("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides")
@@ -53,43 +63,55 @@ COLUMNS = ("model", "target", "devices", "mesh", "strategy", "batch x seq", "dty
            "collective-permute GB", "fits")
 
 
-def markdown(rows: list[dict]) -> str:
+DECODE_COLUMNS = ("model", "target", "devices", "mesh", "strategy", "batch x context", "dtype",
+                  "params GiB", "cache GiB", "arguments GiB", "temp GiB", "peak GiB",
+                  "compile s", "HLO ops", "HLO/model FLOPs", "all-gather GB",
+                  "reduce-scatter GB", "all-reduce GB", "all-to-all GB",
+                  "collective-permute GB", "fits")
+
+
+def markdown(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
     def cell(v):
         if isinstance(v, float):
             return f"{v:,.2f}" if abs(v) >= 0.01 or v == 0 else f"{v:.3g}"
         return f"{v:,}" if isinstance(v, int) else str(v)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, 0.0)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from zoo.train.rehearse import rehearse, set_virtual_devices
+    from zoo.train.rehearse import rehearse, rehearse_decode, set_virtual_devices
     if args.target == "cpu":
         set_virtual_devices(args.devices)  # before anything starts jax's backend
 
     overrides = args.overrides  # parsed from the config's field types, as the recipes do
     remat = None if args.remat in ("none", "None") else args.remat
+    common = dict(mesh=args.mesh, strategy=args.strategy, batch_size=args.batch_size,
+                  dtype=args.dtype, overrides=overrides, target=args.target)
     try:
-        r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy,
-                     batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                     param_dtype=args.param_dtype, remat=remat, overrides=overrides,
-                     target=args.target)
+        if args.decode:
+            r = rehearse_decode(args.model, context=args.context,
+                                param_dtype=args.param_dtype or "bfloat16", **common)
+        else:
+            r = rehearse(args.model, seq_len=args.seq_len,
+                         param_dtype=args.param_dtype or "float32", remat=remat, **common)
     except ValueError as e:  # a bad --set names the field and the fix
         raise SystemExit(str(e)) from None
+    columns = DECODE_COLUMNS if args.decode else COLUMNS
     row = r.row()
     if overrides:
         row["model"] += " (" + ", ".join(o.replace(" ", "") for o in overrides) + ")"
     print(r, file=sys.stderr)
-    print(markdown([row]))
+    print(markdown([row], columns))
     if args.json:
         print(json.dumps({**row, "dots_by_dtype": r.dots_by_dtype,
                           "fp32_dots": r.fp32_dots()}))
     if args.json not in (None, "-"):
         import _record  # benchmarks/, beside this script
-        _record.write_tables(args.json, ["scale"], _record.markdown_tables(markdown([row])),
-                             merge=True)
+        _record.write_tables(args.json, ["scale_decode" if args.decode else "scale"],
+                             _record.markdown_tables(markdown([row], columns)), merge=True)
     return 0
 
 

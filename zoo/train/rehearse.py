@@ -9,6 +9,9 @@ run compiles, lowered and compiled here for as many virtual CPU devices as the m
 * `rehearse(model, ...)` -- a preset name (``"deepseek_v3"``, ``"mixtral_8x7b"``, ...) or a
   config, a mesh, strategy, batch, sequence length, dtypes, remat policy and config overrides
   -> a `Rehearsal`; `rehearse_step` does the same from a recipe's pieces (``--rehearse``).
+* `rehearse_decode(model, ...)` -- one `zoo.generate` decode step (a token per row against a
+  donated KV cache of ``context`` slots, bf16 parameters by default) compiled the same way: a
+  `Rehearsal` with ``step="decode"`` and the cache's bytes per device.
 * `Rehearsal` -- compile seconds, HLO instruction count, per-device bytes (parameters and
   optimizer state from the shardings; temporaries, arguments and outputs from XLA's memory
   analysis), HLO FLOPs per device against the model's own training FLOPs, bytes per
@@ -34,7 +37,7 @@ from typing import Any
 
 from zoo.ops.hlo import HloStats, hlo_stats  # the HLO counter, re-exported
 
-__all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
+__all__ = ["Rehearsal", "rehearse", "rehearse_decode", "rehearse_step", "hlo_stats", "HloStats",
            "set_virtual_devices", "presets"]  # PRESETS: on access
 
 
@@ -87,6 +90,8 @@ class Rehearsal:
     hbm_bytes: int | None = None   # the device's memory, where known (`zoo.targets.hbm_bytes`)
     oom: bool = False              # the compiler refused the program: out of device memory
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled program
+    step: str = "train"            # "train", or "decode": one token per row (`rehearse_decode`)
+    cache_bytes: int = 0           # decode: the KV cache's shards (from its shardings)
 
     @property
     def fits(self) -> bool | None:
@@ -109,7 +114,9 @@ class Rehearsal:
         return [n for n in self.dot_names.get("f32", []) if not any(a in n for a in allowed)]
 
     def row(self) -> dict[str, Any]:
-        """The README table's columns."""
+        """The README table's columns (a decode step's: `DECODE_COLUMNS`)."""
+        if self.step == "decode":
+            return self._decode_row()
         out = {"model": self.label, "target": self.device_kind or self.target,
                "devices": self.devices, "mesh": self.mesh,
                "strategy": self.strategy, "batch x seq": f"{self.batch_size} x {self.seq_len}",
@@ -122,15 +129,38 @@ class Rehearsal:
         out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
         return out
 
+    def _decode_row(self) -> dict[str, Any]:
+        out = {"model": self.label, "target": self.device_kind or self.target,
+               "devices": self.devices, "mesh": self.mesh, "strategy": self.strategy,
+               "batch x context": f"{self.batch_size} x {self.seq_len}",
+               "dtype": f"{self.param_dtype}/{self.dtype}",
+               "params GiB": self.param_bytes / GiB, "cache GiB": self.cache_bytes / GiB,
+               "arguments GiB": self.argument_bytes / GiB, "temp GiB": self.temp_bytes / GiB,
+               "peak GiB": self.peak_bytes / GiB, "compile s": self.compile_s,
+               "HLO ops": self.hlo_instructions, "HLO/model FLOPs": self.flops_ratio,
+               "fits": {True: "yes", False: "no", None: "?"}[self.fits]}
+        out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
+        return out
+
     def __str__(self) -> str:
-        lines = [f"rehearsal: {self.label} on {self.devices} {self.device_kind or self.target} "
-                 f"devices, mesh {self.mesh}, "
-                 f"strategy {self.strategy}, batch {self.batch_size} x {self.seq_len}, "
-                 f"params {self.param_dtype}, compute {self.dtype}, remat {self.remat}"]
+        if self.step == "decode":
+            head = (f"decode rehearsal: {self.label} on {self.devices} "
+                    f"{self.device_kind or self.target} devices, mesh {self.mesh}, strategy "
+                    f"{self.strategy}, batch {self.batch_size}, cache of {self.seq_len} slots, "
+                    f"params {self.param_dtype}, compute {self.dtype}")
+            state = (f"parameters {self.param_bytes / GiB:.2f} GiB, cache "
+                     f"{self.cache_bytes / GiB:.2f} GiB (donated)")
+        else:
+            head = (f"rehearsal: {self.label} on {self.devices} "
+                    f"{self.device_kind or self.target} devices, mesh {self.mesh}, strategy "
+                    f"{self.strategy}, batch {self.batch_size} x {self.seq_len}, params "
+                    f"{self.param_dtype}, compute {self.dtype}, remat {self.remat}")
+            state = (f"parameters {self.param_bytes / GiB:.2f} GiB, optimizer "
+                     f"{self.optimizer_bytes / GiB:.2f} GiB")
+        lines = [head]
         lines.append(f"  compile {self.compile_s:.1f} s, {self.hlo_instructions:,} HLO "
                      f"instructions")
-        lines.append(f"  per device: parameters {self.param_bytes / GiB:.2f} GiB, optimizer "
-                     f"{self.optimizer_bytes / GiB:.2f} GiB, temporaries "
+        lines.append(f"  per device: {state}, temporaries "
                      f"{self.temp_bytes / GiB:.2f} GiB; arguments + temporaries + outputs "
                      f"{self.peak_bytes / GiB:.2f} GiB" + (
                          "" if self.hbm_bytes is None else
@@ -168,7 +198,6 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
     module docstring."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from zoo.train import step as step_lib
@@ -184,38 +213,51 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtypes[k], sharding=sharding)
              for k in step_lib.BATCH_KEYS}
     lr = jax.ShapeDtypeStruct((), jnp.float32)
+    param_b, opt_b = _sharded_bytes(nnx.state(model)), _sharded_bytes(nnx.state(optimizer))
+    return _measure(
+        lambda: train_step.lower(model, optimizer, batch, lr), partitioner,
+        state_bytes=param_b + opt_b, label=label, mesh=mesh_text, strategy=partitioner.strategy,
+        batch_size=batch_size, seq_len=seq_len, dtype=_dtype_name(dtype),
+        param_dtype=_dtype_name(param_dtype), remat=remat, param_bytes=param_b,
+        optimizer_bytes=opt_b,
+        model_flops=(flops_per_token or 0.0) * batch_size * seq_len / mesh.devices.size)
+
+
+def _dtype_name(dtype: Any) -> str:
+    import numpy as np
+    return np.dtype(dtype).name if dtype is not None else "?"
+
+
+def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
+             **fields: Any) -> Rehearsal:
+    """Lower (``lower()``) and compile a program for `partitioner`'s mesh and read what the
+    compiler says into a `Rehearsal` (`fields`: the ones that describe the program; compile
+    seconds include the lowering). ``state_bytes``: the arguments' bytes from their shardings,
+    reported when the compiler refuses the program for lack of memory."""
     start = time.perf_counter()
-    lowered = train_step.lower(model, optimizer, batch, lr)
+    lowered = lower()
     lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True))
     compiled, mem, oom = _compile(lowered)
     compile_s = time.perf_counter() - start
     stats = hlo_stats(compiled.as_text()) if compiled is not None else lowered_stats
     cost = compiled.cost_analysis() if compiled is not None else None
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    n = mesh.devices.size
-    device = mesh.devices.flat[0]
-    kind = str(getattr(device, "device_kind", ""))
+    mesh = partitioner.mesh
+    kind = str(getattr(mesh.devices.flat[0], "device_kind", ""))
     from zoo.targets import hbm_bytes
-    param_b, opt_b = _sharded_bytes(nnx.state(model)), _sharded_bytes(nnx.state(optimizer))
     return Rehearsal(
         target=partitioner.platform, device_kind=kind,
         hbm_bytes=hbm_bytes(kind) if partitioner.platform == "tpu" else None, oom=oom,
         custom_calls=_custom_calls(compiled.as_text()) if compiled is not None else {},
-        label=label, devices=int(n), mesh=mesh_text, strategy=partitioner.strategy,
-        batch_size=batch_size, seq_len=seq_len,
-        dtype=np.dtype(dtype).name if dtype is not None else "?",
-        param_dtype=np.dtype(param_dtype).name if param_dtype is not None else "?",
-        remat=remat, compile_s=compile_s, hlo_instructions=stats.instructions,
-        param_bytes=param_b, optimizer_bytes=opt_b,
+        devices=int(mesh.devices.size), compile_s=compile_s,
+        hlo_instructions=stats.instructions,
         # refused (out of memory): the arguments are at least the state's shards
-        argument_bytes=int(mem.argument_size_in_bytes) or param_b + opt_b,
+        argument_bytes=int(mem.argument_size_in_bytes) or state_bytes,
         output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-        hlo_flops=stats.flops,
-        model_flops=(flops_per_token or 0.0) * batch_size * seq_len / n,
-        xla_flops=float((cost or {}).get("flops", 0.0)),
+        hlo_flops=stats.flops, xla_flops=float((cost or {}).get("flops", 0.0)),
         collective_bytes=stats.collective_bytes, dots_by_dtype=lowered_stats.dots_by_dtype,
-        dot_names=lowered_stats.dot_names)
+        dot_names=lowered_stats.dot_names, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +355,18 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
       target: ``"cpu"`` (this host's devices) or a TPU slice such as ``"tpu:v5p:8x8x4"``
         (`zoo.targets`): compiled by the TPU compiler here, with its memory verdict.
     """
+    label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
+                          seq_len=seq_len, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                          overrides=overrides, aux_loss_weight=aux_loss_weight,
+                          expert_bias_rate=expert_bias_rate, target=target)
+    return rehearse_built(built, label=label)
+
+
+def _build(model: str | Any, *, mesh, strategy: str, batch_size: int, seq_len: int, dtype: Any,
+           param_dtype: Any, remat: Any = _KEEP, overrides=None, aux_loss_weight=None,
+           expert_bias_rate=None, target: str = "cpu"):
+    """``(label, zoo.train.build result)`` of `rehearse`'s arguments (``donate=True``, no
+    data), on `target`'s devices."""
     import jax.numpy as jnp
 
     from zoo.train.build import build
@@ -333,5 +387,105 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
                         seq_len=seq_len, overrides=texts, aux_loss_weight=aux_loss_weight,
                         dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
                         rehearse=True, **bias)
-    built = build(train, model_config=config, with_data=False, donate=True, devices=devices)
-    return rehearse_built(built, label=label)
+    return label, build(train, model_config=config, with_data=False, donate=True,
+                        devices=devices)
+
+
+# -- one decode step ---------------------------------------------------------------------------
+
+class _ShardingOf:
+    """Stands in for a partitioner where code constrains arrays: ``constrain`` gives the
+    `jax.ShapeDtypeStruct` with the sharding the constraint would impose, so the cache's
+    shardings are read from `zoo.generate`'s own constraint rather than restated here."""
+
+    def __init__(self, partitioner):
+        self.partitioner = partitioner
+
+    def constrain(self, x, logical_axes, scope=None):
+        import jax
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=self.partitioner.sharding(logical_axes, scope))
+
+    def __getattr__(self, name):
+        return getattr(self.partitioner, name)
+
+
+def _cache_abstract(model, partitioner, batch_size: int, context: int):
+    """The decode cache of `context` slots as `jax.ShapeDtypeStruct`s on the shardings
+    `zoo.generate` constrains it to (the slot counter, unconstrained there, replicated)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zoo.generate import KVCache, _constrain_cache
+    cache = _constrain_cache(KVCache.shapes(model, batch_size, context), _ShardingOf(partitioner))
+    replicated = NamedSharding(partitioner.mesh, P())
+    return jax.tree.map(lambda x: x if x.sharding is not None else
+                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), cache)
+
+
+def _check_decode(batch_size: Any, context: Any) -> None:
+    for name, v in (("batch_size", batch_size), ("context", context)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"rehearse_decode: {name}={v!r} must be an int >= 1 (the cache "
+                             f"holds batch_size rows of context slots)")
+
+
+def rehearse_decode(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
+                    strategy: str = "fsdp", batch_size: int, context: int,
+                    dtype: Any = "bfloat16", param_dtype: Any = "bfloat16",
+                    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+                    target: str = "cpu") -> Rehearsal:
+    """One decode step (`zoo.generate.decode`: a token per row against a KV cache of `context`
+    slots) compiled ahead of time for a mesh, as `rehearse` compiles a train step.
+
+    The model is `rehearse`'s (`zoo.train.build`, abstract, the partitioner's parameter
+    shardings); the cache is `zoo.generate.KVCache.shapes` in the compute dtype, sharded as
+    `zoo.generate` constrains it (rows over the partitioner's batch axes, layers and slots
+    whole) and donated, as `zoo.generate.Decoder` runs it; the tokens ``[batch_size]`` int32
+    over the batch axes. The program is `zoo.generate`'s compiled decode step: the layers'
+    unsharded code on the sharded parameters, MoE dropless, XLA partitioning from the
+    arguments' shardings.
+
+    Returns a `Rehearsal` with ``step="decode"``: ``seq_len`` is the cache's slots,
+    ``param_bytes``/``cache_bytes`` the per-device shards from the shardings, arguments /
+    temporaries / outputs / aliased (the donated cache) from XLA's memory analysis,
+    ``model_flops`` the model's forward FLOPs for one token per row with every slot a key
+    (``flops_per_token(context, causal=False) / 3``), per device.
+
+    Args:
+      model, mesh, strategy, overrides, target: as for `rehearse`.
+      batch_size: rows decoded together; a multiple of the mesh's batch shards.
+      context: the cache's slots per row (the prompt plus the tokens to generate); the model
+        is built for prompts of this length (``inputs_shape=(batch_size, context)``, as
+        prefill runs), so `build` checks both against the mesh before compiling.
+      dtype: compute dtype, also the cache's.
+      param_dtype: the parameters' dtype; bfloat16 by default, as served (no optimizer, no
+        fp32 master weights).
+    """
+    from flax import nnx
+
+    from zoo.generate import _decode_jit, _split
+
+    _check_decode(batch_size, context)
+    label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
+                          seq_len=context, dtype=dtype, param_dtype=param_dtype,
+                          overrides=overrides, target=target)
+    p = built.partitioner  # `build` refused a batch the batch shards do not divide
+    abstract, _ = built.abstract_state()
+    graphdef, state = _split(abstract, unsharded=True)
+    cache = _cache_abstract(abstract, p, batch_size, context)
+    import jax
+    import jax.numpy as jnp
+    tokens = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=p.sharding(("batch",)))
+    param_b, cache_b = _sharded_bytes(nnx.state(abstract)), _sharded_bytes(cache)
+    cfg = built.model_config
+    return _measure(
+        lambda: _decode_jit.lower(state, cache, tokens, graphdef=graphdef, p=p), p,
+        state_bytes=param_b + cache_b, label=label, mesh=built.config.mesh,
+        strategy=p.strategy, batch_size=batch_size, seq_len=context,
+        dtype=_dtype_name(cfg.dtype), param_dtype=_dtype_name(cfg.param_dtype), remat=None,
+        param_bytes=param_b, optimizer_bytes=0, cache_bytes=cache_b, step="decode",
+        model_flops=cfg.flops_per_token(context, causal=False) / 3 * batch_size
+        / p.mesh.devices.size)
+
