@@ -9,9 +9,15 @@
   analysis); every policy gives the same numbers; unknown names are refused.
 * A bf16-compute run with fp32 parameters trains; the rehearsal of a bf16 step finds its
   matmuls bf16 except where fp32 is intended.
+* A decode step's rehearsal (`rehearse_decode`): XLA's argument bytes per device are the bf16
+  parameters' and the KV cache's shards as computed from the shapes (on CPU exactly; for a TPU
+  slice at least, its layouts pad), the donated cache is aliased; bad batch or context sizes
+  are refused before anything compiles.
 """
 
 import dataclasses
+import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +292,87 @@ def test_every_registered_preset_is_a_rehearsal_preset():
         R.model_config("gpt_oss_999b")
     with pytest.raises(SystemExit):
         scale.parse_args(["--model", "gpt_oss_999b"])
+
+
+
+# -- a decode step, compiled ahead of time -------------------------------------------------------
+
+DECODE = dict(mesh="fsdp=4,expert=2", batch_size=8, context=64)
+DS_DECODE = dataclasses.replace(DS, vocab_size=264)  # the default tokenizer's ids (else raised)
+
+
+def _decode_argument_bytes(config, batch: int, context: int) -> tuple[int, int]:
+    """``(parameter bytes, cache + tokens bytes)`` per device of `DECODE`'s mesh, from the
+    shapes: each parameter (bf16, the serving dtype) divided by the sizes of the mesh axes its
+    spec names; the MLA cache ``[n, B, S, Rkv + Hr]`` in bf16 with its int32 positions, segment
+    ids, slot counter and next positions, and the tokens, rows over fsdp x expert."""
+    sizes = dict(fsdp=4, expert=2)
+    cfg = dataclasses.replace(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    p = Partitioner(make_mesh(**sizes), "fsdp")
+    model = deepseek3.DeepSeek3.abstract(cfg, inputs_shape=(batch, context), partitioner=p)
+    params = 0
+    for _, x in nnx.to_flat_state(nnx.state(model)):
+        spec = x.sharding.spec if getattr(x, "sharding", None) is not None else ()
+        n = math.prod(x.shape)
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                n //= sizes[axis]
+        params += n * x.dtype.itemsize
+    rows = batch // (sizes["fsdp"] * sizes["expert"])
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = cfg.num_hidden_layers * rows * context * width * 2
+    cache += 2 * rows * context * 4 + 4 + rows * 4
+    return params, cache + rows * 4
+
+
+def test_decode_rehearsal_arguments_are_params_and_cache(devices):
+    """One decode step of a small DeepSeek-V3 on 8 CPU devices: XLA's argument bytes per
+    device are exactly the bf16 parameters' and the cache's shards (computed from shapes), the
+    donated cache is aliased to the output, and nothing is optimizer state."""
+    from zoo.train.rehearse import rehearse_decode
+    r = rehearse_decode(DS_DECODE, **DECODE)
+    params, cache = _decode_argument_bytes(DS_DECODE, DECODE["batch_size"], DECODE["context"])
+    assert (r.step, r.devices, r.param_dtype, r.dtype) == ("decode", 8, "bfloat16", "bfloat16")
+    assert r.param_bytes == params and r.optimizer_bytes == 0
+    assert r.argument_bytes == params + cache, (r.argument_bytes, params, cache)
+    assert r.cache_bytes == cache - 4  # the tokens are no part of the cache
+    assert r.alias_bytes == r.cache_bytes  # donated: the new cache reuses the old one's buffers
+    assert r.temp_bytes > 0 and r.hlo_flops > 0 and r.seq_len == DECODE["context"]
+    row = r.row()
+    assert row["batch x context"] == "8 x 64" and row["cache GiB"] == r.cache_bytes / 2 ** 30
+    assert str(r).startswith("decode rehearsal: ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_decode_rehearsal_for_a_tpu_slice(devices):
+    """The same decode step compiled by the TPU compiler for 8 v5p chips: the shards from the
+    shardings are the shapes' (as on CPU); XLA's arguments hold at least them (TPU layouts pad
+    small dimensions to tiles), the donated cache is aliased, the MoE runs the Mosaic ragged dot
+    and the step fits a chip."""
+    from zoo import targets
+    from zoo.train.rehearse import rehearse_decode
+    r = rehearse_decode(DS_DECODE, target="tpu:v5p:2x2x2", **DECODE)
+    params, cache = _decode_argument_bytes(DS_DECODE, DECODE["batch_size"], DECODE["context"])
+    assert (r.target, r.device_kind, r.devices) == ("tpu", "TPU v5", 8)
+    assert r.param_bytes == params and r.cache_bytes == cache - 4
+    assert r.argument_bytes >= params + cache and r.alias_bytes >= r.cache_bytes
+    assert r.custom_calls.get("tpu_custom_call", 0) > 0, r.custom_calls
+    assert r.hbm_bytes == targets.hbm_bytes("TPU v5") and r.fits is True
+    assert r.row()["target"] == "TPU v5" and "of 95.74 GiB: fits" in str(r)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(batch_size=6), r"batch=6 is not divisible by its 8 shards.*multiple of 8"),
+    (dict(context=0), r"context=0 must be an int >= 1"),
+    (dict(batch_size=0), r"batch_size=0 must be an int >= 1"),
+])
+def test_decode_rehearsal_refuses_bad_input_before_compiling(devices, monkeypatch, kw, match):
+    module = importlib.import_module("zoo.train.rehearse")  # the package exports the function
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled despite bad input")
+
+    monkeypatch.setattr(module, "_measure", no_compile)
+    with pytest.raises(ValueError, match=match):
+        module.rehearse_decode(DS_DECODE, **{**DECODE, **kw})
