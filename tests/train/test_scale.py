@@ -362,6 +362,24 @@ def test_decode_rehearsal_for_a_tpu_slice(devices):
     assert r.row()["target"] == "TPU v5" and "of 95.74 GiB: fits" in str(r)
 
 
+def test_scale_script_prints_the_decode_row(devices, capsys):
+    """``benchmarks/scale.py --decode`` prints the decode table (cache column, batch x
+    context), parameters bf16 unless asked."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import scale
+    assert scale.main(["--decode", "--model", "deepseek3_mini", "--devices", "8", "--mesh",
+                       "fsdp=8", "--batch-size", "8", "--context", "32",
+                       "--set", "num_hidden_layers=2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| " + " | ".join(scale.DECODE_COLUMNS) + " |"
+    cells = dict(zip(scale.DECODE_COLUMNS, (c.strip() for c in table[2].strip("|").split("|")),
+                     strict=True))
+    assert cells["batch x context"] == "8 x 32" and cells["dtype"] == "bfloat16/bfloat16"
+    assert cells["model"] == "deepseek3_mini (num_hidden_layers=2)" and cells["fits"] == "?"
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(batch_size=6), r"batch=6 is not divisible by its 8 shards.*multiple of 8"),
     (dict(context=0), r"context=0 must be an int >= 1"),

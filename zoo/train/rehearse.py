@@ -463,6 +463,8 @@ def rehearse_decode(model: str | Any, *, mesh: str | Mapping[str, int] | None = 
       param_dtype: the parameters' dtype; bfloat16 by default, as served (no optimizer, no
         fp32 master weights).
     """
+    import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from zoo.generate import _decode_jit, _split
@@ -475,8 +477,6 @@ def rehearse_decode(model: str | Any, *, mesh: str | Mapping[str, int] | None = 
     abstract, _ = built.abstract_state()
     graphdef, state = _split(abstract, unsharded=True)
     cache = _cache_abstract(abstract, p, batch_size, context)
-    import jax
-    import jax.numpy as jnp
     tokens = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=p.sharding(("batch",)))
     param_b, cache_b = _sharded_bytes(nnx.state(abstract)), _sharded_bytes(cache)
     cfg = built.model_config
