@@ -53,15 +53,28 @@ from zoo.layers.attention import SCOPE, AttentionBlock, check_call
 from zoo.layers.mla import MLA
 from zoo.layers.moe import MoE
 from zoo.ops.attention import dot_product_attention
+from zoo.ops.masks import default_mask
 from zoo.partitioning import UNSHARDED, Partitioner
 
-__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "decode", "generate",
-           "generate_with_logits", "prefill"]
+__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "cache_slots", "decode",
+           "generate", "generate_with_logits", "prefill"]
 
 ACT = ("batch", "length", "act_embed")
 
 
 # -- the cache -------------------------------------------------------------------------------
+
+def cache_slots(attn, max_length: int) -> int:
+    """Slots layer `attn`'s cache keeps for a sequence of `max_length`: all of them, or for a
+    mask whose reach back is bounded (``sliding_window=W``: a query sees keys less than W
+    positions back, itself included, so W keys; ``Chunked(c)``: c) that many, as a ring
+    written at ``slot % slots``. Cache rows hold one sequence at consecutive positions, so
+    a bound in positions is one in slots."""
+    mask = attn.mask if attn.mask is not None else default_mask(
+        None, getattr(attn, "sliding_window", None), None)
+    back = mask.reach().back
+    return max_length if back is None else min(back + 1, max_length)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +82,12 @@ class KVCache:
     """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
 
     Attributes:
-      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S, ...]`` (``n`` the
+      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S_l, ...]`` (``n`` the
         entry's layer count): ``{"k", "v"}`` for `zoo.layers.Attention`, ``{"latent_pe"}``
-        for `zoo.layers.MLA`.
-      positions: [B, S] int32, the position of the token in each slot.
+        for `zoo.layers.MLA`. ``S_l`` is `max_length`, or for a sliding-window layer of
+        window W ``min(W, max_length)``: a ring whose slot ``r`` holds the newest global slot
+        ``g`` with ``g % S_l == r`` (`cache_slots`).
+      positions: [B, S] int32, the position of the token in each (global) slot.
       segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
       length: int32 scalar, slots written (the next one decode writes).
       next_positions: [B] int32, the position of each row's next token.
@@ -93,7 +108,10 @@ class KVCache:
         return self.positions.shape[1]
 
     def bytes_per_token(self) -> int:
-        """Bytes the layers' entries hold per slot of one row (positions excluded)."""
+        """Bytes the layers' entries hold per slot of one row, rounded down: all the layers'
+        bytes over ``batch * max_length`` (positions excluded). A window layer's ring of W <
+        max_length slots is amortised over the whole context, so it adds ``W / max_length``
+        of its per-token bytes."""
         total = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                     for entry in self.layers for a in entry.values())
         return total // (self.batch * self.max_length)
@@ -107,11 +125,12 @@ class KVCache:
         for layer in model.layers:
             n = layer.stack_size or 1
             attn = layer.self_attn
+            S = cache_slots(attn, max_length)
             if isinstance(attn, MLA):
                 width = attn.kv_lora_rank + attn.qk_rope_head_dim
-                entry = {"latent_pe": (n, batch, max_length, width)}
+                entry = {"latent_pe": (n, batch, S, width)}
             else:
-                kv = (n, batch, max_length, attn.num_kv_heads, attn.head_dim)
+                kv = (n, batch, S, attn.num_kv_heads, attn.head_dim)
                 entry = {"k": kv, "v": kv}
             layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
         i32 = jnp.int32
@@ -120,9 +139,14 @@ class KVCache:
                    jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32))
 
 
-def cache_bytes_per_token(model, dtype=None) -> int:
-    """Cache bytes per token of one sequence, all layers (``model`` may be abstract)."""
-    return KVCache.shapes(model, 1, 1, dtype).bytes_per_token()
+def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
+    """Cache bytes per token of one sequence of `context` tokens, all layers (``model`` may
+    be abstract): `KVCache.bytes_per_token` of a cache of `context` slots. The default, 1,
+    counts every layer's bytes for each token (no window full yet); at a context longer than
+    a layer's window W that layer holds W tokens, amortised over the context."""
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"cache_bytes_per_token: context={context!r} must be an int >= 1")
+    return KVCache.shapes(model, 1, context, dtype).bytes_per_token()
 
 
 def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
@@ -239,9 +263,8 @@ def _prefill_positions(segment_ids):
 
 def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int):
     """Run ``layers`` (entries of ``model.layers``, or an MTP module's layer) over ``x [B, L,
-    D]``: (x, one cache entry per layer, ``[n, B, max_length, ...]`` with the first L
-    slots filled)."""
-    L = x.shape[1]
+    D]``: (x, one cache entry per layer, ``[n, B, S_l, ...]`` with the prompt's slots filled:
+    the first L, or in a ring of ``S_l < L`` slots the last ``S_l``)."""
 
     def layer_fn(layer, x, _):
         out = {}
@@ -252,10 +275,19 @@ def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int
     entries = []
     for layer in layers:
         x, entry = _run_layers(layer, x, None, layer_fn)
-        pad = max_length - L  # [n, B, L, ...] -> [n, B, S, ...]
-        entries.append({k: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
-                        for k, a in entry.items()})
+        slots = cache_slots(layer.self_attn, max_length)
+        entries.append({k: _fill(a, slots) for k, a in entry.items()})
     return x, tuple(entries)
+
+
+def _fill(a, slots: int):
+    """A prompt's entry ``[n, B, L, ...]`` -> ``[n, B, slots, ...]``: padded when it fits,
+    else the last ``slots`` of it as a ring (global slot ``g`` at ``g % slots``)."""
+    L = a.shape[2]
+    if L <= slots:
+        return jnp.pad(a, [(0, 0), (0, 0), (0, slots - L)] + [(0, 0)] * (a.ndim - 3))
+    ring = np.arange(slots)
+    return a[:, :, (L - 1) - (L - 1 - ring) % slots]
 
 
 def _prefill_cache(layers, positions, segment_ids, max_length: int) -> KVCache:
@@ -338,16 +370,40 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
     return attn.out(o.astype(q.dtype)), {"latent_pe": cache}
 
 
+def _ring_view(kv_pos, kv_seg, slot, slots: int):
+    """The positions and segment ids ``[B, slots]`` of a ring of `slots` after global slot
+    ``slot`` (scalar or ``[B]``) is written: ring slot ``r`` holds the newest global slot ``g
+    <= slot`` with ``g % slots == r``; none yet (``g < 0``): segment 0."""
+    s = jnp.asarray(slot, jnp.int32)[..., None]  # [1] or [B, 1]
+    g = jnp.broadcast_to(s - (s - jnp.arange(slots)) % slots, (kv_pos.shape[0], slots))
+    at = jnp.maximum(g, 0)
+    return (jnp.take_along_axis(kv_pos, at, axis=1),
+            jnp.where(g >= 0, jnp.take_along_axis(kv_seg, at, axis=1), 0))
+
+
 def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot):
     """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
     ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
-    ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots."""
+    ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
+    ring entry (fewer slots than they have) sees them through `_ring_view`."""
+    S, T = kv_pos.shape[1], x.shape[1]
+    views = {}
+    for entry in entries:
+        slots = next(iter(entry.values())).shape[2]
+        if slots < S and slots not in views:
+            if T > 1:  # the T-th write would evict a key the first query still sees
+                raise ValueError(f"decoding {T} tokens a step (speculative decoding) over a "
+                                 f"sliding-window ring cache of {slots} slots is not "
+                                 f"supported; decode one token a step (speculative=None)")
+            views[slots] = (*_ring_view(kv_pos, kv_seg, slot, slots), slot % slots)
+
     def layer_fn(layer, x, entry):
         out = {}
+        slots = next(iter(entry.values())).shape[1]
+        pos, seg, at = views.get(slots, (kv_pos, kv_seg, slot))
 
         def attention(h):
-            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, kv_pos,
-                                                kv_seg, slot)
+            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, pos, seg, at)
             return y
 
         x, _ = layer.block(x, attention)

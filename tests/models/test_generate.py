@@ -96,22 +96,73 @@ def ref(request, tmp_path_factory):
 _forward = jax.jit(lambda model, tokens: model(tokens)[0])
 
 
+def _check_cached_logits(name, model, prompts, tokens, logits):
+    """Every step's cached logits against the no-cache forward over each prompt + its
+    continuation, right-padded (causal: padding after is unseen); fp32, rel err < 1e-5."""
+    n = len(tokens[0])
+    batch = np.zeros((len(prompts), max(len(p) for p in prompts) + n), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        batch[i, :len(p) + n] = p + t
+    full = np.asarray(_forward(model, jnp.asarray(batch)))
+    for i, p in enumerate(prompts):
+        want = full[i, len(p) - 1:len(p) - 1 + n]
+        err = np.abs(logits[i] - want).max(axis=-1) / np.abs(want).max(axis=-1)
+        assert err.max() < 1e-5, f"{name} prompt {i}: step {err.argmax()} rel err {err.max()}"
+
+
 def test_greedy_equals_transformers_and_cache_logits_equal_full_forward(ref):
     name, r = ref
     model = r.family.from_hf(r.path)
     tokens, logits = G.generate_with_logits(model, PROMPTS, max_new_tokens=NEW)
     assert tokens == r.hf_tokens, name
     assert all(len(t) == NEW for t in tokens)
-    # no cache: each prompt + continuation, right-padded (causal: padding after is unseen)
-    width = max(len(p) for p in PROMPTS) + NEW
-    batch = np.zeros((len(PROMPTS), width), np.int32)
-    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
-        batch[i, :len(p) + NEW] = p + t
-    full = np.asarray(_forward(model, jnp.asarray(batch)))
-    for i, p in enumerate(PROMPTS):
-        want = full[i, len(p) - 1:len(p) - 1 + NEW]
-        err = np.abs(logits[i] - want).max(axis=-1) / np.abs(want).max(axis=-1)
-        assert err.max() < 1e-5, f"{name} prompt {i}: step {err.argmax()} rel err {err.max()}"
+    _check_cached_logits(name, model, PROMPTS, tokens, logits)
+
+
+# -- sliding-window layers: ring caches of W slots ------------------------------------------
+
+W = 6  # the conformance checkpoints' sliding window (gpt-oss: every other layer; Mixtral: all)
+# rows shorter than, as long as and longer than the window, padded to 13 > W
+RING_PROMPTS = [[5, 17, 33, 2, 40, 9, 11, 3, 60, 14, 27, 50, 8], [21, 8], [3, 60, 14, 27, 50, 9]]
+RING_NEW = 20
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_window_layers_keep_a_ring_of_window_slots(name, scan, tmp_path_factory):
+    r = _reference(name, tmp_path_factory)
+    model = r.family.from_hf(r.path, config_overrides={"scan_layers": scan})
+    windows = [layer.self_attn.sliding_window for layer in model.layers]
+    assert set(windows) == ({W, None} if name == "gpt_oss" else {W})
+    assert (name == "gpt_oss") <= all(layer.stack_size in (None, 1) for layer in model.layers)
+    tokens, logits = G.generate_with_logits(model, RING_PROMPTS, max_new_tokens=RING_NEW)
+    _check_cached_logits(name, model, RING_PROMPTS, tokens, logits)
+    # the cache generate decodes from: a window layer's arrays have W slots, the rest S
+    L, S = 13, 13 + RING_NEW - 1
+    ids = np.zeros((3, L), np.int32)
+    for i, p in enumerate(RING_PROMPTS):
+        ids[i, L - len(p):] = p
+    _, cache = G.prefill(model, ids, (ids > 0).astype(np.int32), max_length=S)
+    c = model.config
+    per_slot = 2 * c.num_key_value_heads * c.head_dim * 4  # k and v, fp32, one layer
+    total = 0
+    for layer, entry, w in zip(model.layers, cache.layers, windows):
+        n = layer.stack_size or 1
+        want = (n, 3, S if w is None else W, c.num_key_value_heads, c.head_dim)
+        assert entry["k"].shape == entry["v"].shape == want
+        total += n * want[2] * per_slot
+    assert cache.bytes_per_token() == total // S
+    assert G.KVCache.shapes(model, 3, S).bytes_per_token() == total // S
+    layers = c.num_hidden_layers
+    full = sum(layer.stack_size or 1 for layer, w in zip(model.layers, windows) if w is None)
+    assert full == (layers // 2 if name == "gpt_oss" else 0)
+    assert G.cache_bytes_per_token(model) == layers * per_slot  # one token: every layer
+    assert G.cache_bytes_per_token(model, context=60) == \
+        (full * 60 + (layers - full) * W) * per_slot // 60
+    assert [e["k"].shape[2] for e in G.KVCache.shapes(model, 1, 4).layers] == \
+        [4] * len(model.layers)  # a window longer than the cache: the cache's length
+    with pytest.raises(ValueError, match="context=0 must be an int >= 1"):
+        G.cache_bytes_per_token(model, context=0)
 
 
 # -- DeepSeek-V3 (MLA) ------------------------------------------------------------------------
