@@ -23,8 +23,10 @@
 * MoE layers run dropless here whatever the training capacity (``capacity_factor``,
   ``moe_buffer_factor``), so generation is the model's exact function.
 * Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
-  unsharded code on the sharded parameters (XLA partitions it) with the cache sharded over the
-  batch axes.
+  unsharded code on the sharded parameters (XLA partitions it) with the cache sharded as the
+  attention shards its activations: batch, kv heads over ``tensor``, and under ``cp`` /
+  ``ep_as_cp`` the slots over the context axes, for the whole generation (`_constrain_cache`).
+* A sliding-window layer keeps a ring of ``min(W, max_length)`` slots (`cache_slots`).
 * ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
   verifies it (`zoo.speculative`), with plain greedy decoding's tokens.
 * ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``;
@@ -149,16 +151,39 @@ def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
     return KVCache.shapes(model, 1, context, dtype).bytes_per_token()
 
 
+# logical axes of the cache's arrays: the attention's activation names, so each strategy's
+# rules apply (kv heads over ``tensor``; the length over the context axes under cp/ep_as_cp)
+CACHE_AXES = {"k": ("layers", "batch", "length", "act_kv_heads", "act_head_dim"),
+              "latent_pe": ("layers", "batch", "length", None)}
+CACHE_AXES["v"] = CACHE_AXES["k"]
+
+
+def cache_axes(p: Partitioner, name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The logical axes `_constrain_cache` shards the cache array `name` of `shape` by: those
+    of `CACHE_AXES`, less any whose dimension does not split over its mesh axes -- a ring of
+    W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads than the
+    tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
+    axes = CACHE_AXES[name]
+    return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
+                 for logical, size in zip(axes, shape, strict=True))
+
+
 def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
-    """The cache sharded over the batch axes (layers and slots whole)."""
-    def layer_axes(a):
-        return ("layers", "batch", *([None] * (a.ndim - 2)))
-    layers = tuple({k: p.constrain(a, layer_axes(a)) for k, a in e.items()}
+    """The cache sharded as the attention shards its activations (`cache_axes`): batch over
+    the batch axes, K/V heads over ``tensor``, and under context parallelism (``cp``,
+    ``ep_as_cp``) the slots over the context axes, as prefill computed them.
+
+    Decode keeps that sharding rather than gathering the length once after prefill: each
+    device holds 1/context of every cache array for the whole generation (the memory that
+    makes long contexts fit), and a step's collectives are per-query reductions of the scores
+    and the output ([B, 1, N, ...], not the cache). Positions and segment ids are small and
+    shard over the batch only, which keeps a ring's `_ring_view` gather local."""
+    layers = tuple({k: p.constrain(a, cache_axes(p, k, a.shape), SCOPE) for k, a in e.items()}
                    for e in cache.layers)
     return dataclasses.replace(
-        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None)),
-        segment_ids=p.constrain(cache.segment_ids, ("batch", None)),
-        next_positions=p.constrain(cache.next_positions, ("batch",)))
+        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None), SCOPE),
+        segment_ids=p.constrain(cache.segment_ids, ("batch", None), SCOPE),
+        next_positions=p.constrain(cache.next_positions, ("batch",), SCOPE))
 
 
 # -- model views -----------------------------------------------------------------------------
@@ -603,7 +628,9 @@ def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed
     B, L = tokens.shape
     compile_before = _STATS["compile_s"]
     start = time.perf_counter()
-    logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
+    # a length the context axes divide, so the cache's slots shard as prefill made them
+    max_length = _round_up(L + max_new_tokens - 1, model.partitioner.size("length", SCOPE))
+    logits, cache = prefill(model, tokens, segs, max_length=max_length)
     jax.block_until_ready(logits)
     prefill_compile = _STATS["compile_s"] - compile_before
     prefill_s = time.perf_counter() - start - prefill_compile

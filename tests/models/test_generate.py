@@ -243,6 +243,62 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
     assert G.generate(model, PROMPTS, max_new_tokens=NEW) == greedy
 
 
+def _spec(a):
+    spec = tuple(a.sharding.spec)
+    return spec + (None,) * (a.ndim - len(spec))
+
+
+def _axes(entry):
+    return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_mla_cache_shards_its_length_over_the_context_axes(ds, strategy, devices):
+    """prefill's and decode's latent cache: batch over the batch axes and, under cp and
+    ep_as_cp, slots over the context axes (those that shard the attention's length)."""
+    r, _, _ = ds
+    p = Partitioner(make_mesh(**MESHES[strategy]), strategy)
+    model = deepseek3.from_hf(r.path, partitioner=p)
+    tokens, segs = G._pad_prompts(model, PROMPTS)
+    S = tokens.shape[1] + 8
+    logits, cache = G.prefill(model, tokens, segs, max_length=S)
+    context = p.sequence_axes()
+    assert (strategy != "fsdp") == bool(context)
+    for c in (cache, G.decode(model, cache, np.argmax(np.asarray(logits), -1))[1]):
+        for entry in c.layers:
+            spec = _spec(entry["latent_pe"])
+            assert _axes(spec[1]) == p.batch_axes("attention") and spec[3] is None
+            assert _axes(spec[2]) == context, (strategy, spec)
+        assert _axes(_spec(c.positions)[1]) == ()
+
+
+def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
+                                                                       tmp_path_factory):
+    """Mixtral (every layer a window of 6: rings of 6 slots, split by context=2) and gpt-oss
+    (rings and full layers) under cp with a tensor axis: k/v heads over ``tensor``, slots over
+    ``context``, a ring the context does not divide kept whole; greedy tokens still
+    transformers'."""
+    for name, mesh in (("mixtral", dict(fsdp=2, context=2, tensor=2)),
+                       ("gpt_oss", dict(data=2, context=2, tensor=2))):
+        r = _reference(name, tmp_path_factory)
+        p = Partitioner(make_mesh(**mesh), "cp")
+        model = r.family.from_hf(r.path, partitioner=p)
+        assert G.generate(model, PROMPTS, max_new_tokens=NEW) == r.hf_tokens, name
+        tokens, segs = G._pad_prompts(model, PROMPTS)
+        _, cache = G.prefill(model, tokens, segs, max_length=tokens.shape[1] + 8)
+        slots = {e["k"].shape[2] for e in cache.layers}
+        assert slots == ({W, tokens.shape[1] + 8} if name == "gpt_oss" else {W})
+        for entry in cache.layers:
+            for a in (entry["k"], entry["v"]):
+                spec = _spec(a)
+                assert spec[3] == "tensor" and spec[4] is None, (name, spec)
+                assert spec[2] == "context", (name, a.shape, spec)
+        # a ring of 3 slots does not split over context=2: kept whole on the length
+        assert G.cache_axes(p, "k", (1, 4, 3, 2, 8))[2] is None
+        assert G.cache_axes(p, "k", (1, 4, 4, 2, 8))[2] == "length"
+        assert G.cache_axes(p, "k", (1, 4, 4, 1, 8))[3] is None  # 1 kv head, tensor 2
+
+
 # -- command line -----------------------------------------------------------------------------
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
