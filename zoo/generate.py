@@ -62,6 +62,7 @@ __all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "cache_slots", "decode
            "generate", "generate_with_logits", "prefill"]
 
 ACT = ("batch", "length", "act_embed")
+DECODE_ACT = ("batch", None, "act_embed")  # a step's few tokens are never split
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -363,7 +364,15 @@ def _write(cache_array, new, slot):
     return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
 
 
-def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
+def _batch_sharded(p: Partitioner, x, axes):
+    """``x`` constrained to `axes` through a replicated layout: from a weight-derived sharding
+    (e.g. over the embed or kv_lora axis) the step to the batch sharding is one all-gather of
+    a small activation then a local slice; asked in one step, XLA's SPMD partitioner finds no
+    collective for it and replicates the tensor itself, with a warning."""
+    return p.constrain(p.constrain(x, (None,) * x.ndim), axes)
+
+
+def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot, p=UNSHARDED):
     """One query per row over the cache: (output [B, 1, D], the updated entry)."""
     with jax.named_scope(attn.block_name):
         q, k, v = attn.project(h)
@@ -372,13 +381,13 @@ def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
         kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
                   kv_segment_ids=kv_seg, scale=attn.scale, **_score_kwargs(attn))
         if isinstance(attn, MLA):
-            return _decode_mla(attn, q, k, v, entry, slot, kw)
+            return _decode_mla(attn, q, k, v, entry, slot, kw, p)
         keys, values = _write(entry["k"], k, slot), _write(entry["v"], v, slot)
         o = dot_product_attention(q, keys, values, **kw)
         return attn.out(o.astype(q.dtype)), {"k": keys, "v": values}
 
 
-def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
+def _decode_mla(attn, q, k_pe, latent, entry, slot, kw, p=UNSHARDED):
     """Absorbed MLA: scores ``q_nope W_uk . latent + q_pe . k_pe``, output ``(p . latent)
     W_uv``, as one shared-key head of width Rkv + Hr over the cache."""
     Hn, R = attn.qk_nope_head_dim, attn.kv_lora_rank
@@ -387,7 +396,11 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
     dtype = attn.kv_b_proj.dtype or cache.dtype
     w = attn.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
     w_uk, w_uv = w[..., :Hn], w[..., Hn:]
+    # weight-stationary: the product is split over kv_lora as w_uk is (FSDP), and gathered
+    # here -- [B, 1, N, Rkv] is far smaller than w_uk for a decode batch -- to the batch
+    # sharding of the cache it meets next
     q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
+    q_lat = _batch_sharded(p, q_lat, ("batch", None, "act_heads", None))
     q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, 1, N, Rkv + Hr]
     kv = cache.astype(dtype)[:, :, None]  # [B, S, 1, Rkv + Hr]: one head shared by all
     o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, 1, N, Rkv]
@@ -406,11 +419,19 @@ def _ring_view(kv_pos, kv_seg, slot, slots: int):
             jnp.where(g >= 0, jnp.take_along_axis(kv_seg, at, axis=1), 0))
 
 
-def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot):
+def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
+                   p: Partitioner = UNSHARDED):
     """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
     ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
     ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
-    ring entry (fewer slots than they have) sees them through `_ring_view`."""
+    ring entry (fewer slots than they have) sees them through `_ring_view`.
+
+    The layers run their unsharded code (`Decoder`), so nothing in them says how the
+    activations shard and XLA would propagate the parameters' FSDP shardings into them (the
+    embedding's ``embed`` axis into the residual stream, ``kv_b_proj``'s ``kv_lora`` axis
+    into MLA's absorbed query), then meet the batch-sharded cache and fall back to
+    replicating ("Involuntary full rematerialization"). `p` (the model's partitioner) states
+    the residual stream's sharding between layers, as training's constraints do."""
     S, T = kv_pos.shape[1], x.shape[1]
     views = {}
     for entry in entries:
@@ -428,13 +449,15 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot):
         pos, seg, at = views.get(slots, (kv_pos, kv_seg, slot))
 
         def attention(h):
-            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, pos, seg, at)
+            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, pos, seg, at,
+                                                p)
             return y
 
         x, _ = layer.block(x, attention)
-        return x, out["entry"]
+        return p.constrain(x, DECODE_ACT), out["entry"]
 
     new = []
+    x = _batch_sharded(p, x, DECODE_ACT)  # the embedding's rows come out split over embed
     for layer, entry in zip(layers, entries, strict=True):
         x, entry = _run_layers(layer, x, entry, layer_fn)
         new.append(entry)
@@ -447,7 +470,7 @@ def _decode(model, p: Partitioner, cache: KVCache, tokens):
     kv_pos = _write(cache.positions, q_pos, slot)
     kv_seg = _write(cache.segment_ids, jnp.ones_like(q_pos), slot)
     x, layers = _cached_layers(model.layers, cache.layers, model.embed_tokens(tokens[:, None]),
-                               q_pos, kv_pos, kv_seg, slot)
+                               q_pos, kv_pos, kv_seg, slot, p)
     logits = _logits(model, x[:, 0])
     cache = KVCache(layers, kv_pos, kv_seg, slot + 1, cache.next_positions + 1)
     return logits, _constrain_cache(cache, p)

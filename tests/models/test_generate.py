@@ -9,8 +9,13 @@
 * the MLA cache's bytes (``kv_lora_rank + qk_rope_head_dim`` per token per layer);
 * sampling: a seed is reproducible, another seed differs, temperature 1 differs from greedy,
   top-k=1 equals greedy; stop tokens;
+* sliding-window layers (gpt-oss's alternating ones, Mixtral's): ring caches of W slots,
+  bytes per token, and cached logits equal to the no-cache forward with prompts longer than
+  the window, scanned and unrolled;
 * scanned and unrolled layers agree; fsdp, cp and ep_as_cp on 8 virtual devices equal the
-  unsharded tokens;
+  unsharded tokens; the cache's sharding (length over the context axes under cp/ep_as_cp, kv
+  heads over tensor); a sharded decode compiles without XLA's "Involuntary full
+  rematerialization" warnings;
 * ``python -m zoo.generate --run DIR`` on a run the recipe just trained, and its exit 2 on bad
   input.
 
@@ -44,6 +49,7 @@ from zoo.partitioning import Partitioner, make_mesh
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NEW = 32
 PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
 
@@ -299,10 +305,37 @@ def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
         assert G.cache_axes(p, "k", (1, 4, 4, 1, 8))[3] is None  # 1 kv head, tensor 2
 
 
+# the recipe's closing sample (`zoo.train.cli`): a mini DeepSeek-V3 on its default mesh
+REMAT_SCRIPT = """
+import zoo
+zoo.set_cpu_devices(8)
+from flax import nnx
+from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+p = zoo.Partitioner(zoo.make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
+config = DeepSeek3Config.mini(num_hidden_layers=2, hidden_size=64, n_routed_experts=8)
+model = DeepSeek3(config, inputs_shape=(8, 64), partitioner=p, rngs=nnx.Rngs(0))
+print(zoo.generate.generate(model, [[1, 72, 105, 33]], max_new_tokens=2))
+"""
+
+
+@pytest.mark.e2e  # a fresh process, so XLA compiles (and warns) with no compilation cache
+def test_sharded_decode_compiles_without_involuntary_rematerialization():
+    """Decode runs the layers' unsharded code on FSDP-sharded parameters: without explicit
+    layouts XLA carries the embedding's and ``kv_b_proj``'s shardings into the activations
+    and replicates them to meet the batch-sharded cache, warning "[SPMD] Involuntary full
+    rematerialization" (on MLA's absorbed ``blnh,rnh->blnr`` and the embedding lookup)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}  # compile, and print
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", REMAT_SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith("[["), proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "Involuntary full rematerialization" in ln]
+    assert not lines, "\n".join(ln[:400] for ln in lines[:3])
+
+
 # -- command line -----------------------------------------------------------------------------
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.e2e  # trains a run, then runs the command in a subprocess
 def test_command_line(tmp_path, devices, capsys):
