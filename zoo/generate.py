@@ -62,7 +62,8 @@ __all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "cache_slots", "decode
            "generate", "generate_with_logits", "prefill"]
 
 ACT = ("batch", "length", "act_embed")
-DECODE_ACT = ("batch", None, "act_embed")  # a step's few tokens are never split
+# decode's residual stream [B, T, D]: split over embed as the weights are (weight-stationary)
+DECODE_RESIDUAL = (None, None, "embed")
 
 
 # -- the cache -------------------------------------------------------------------------------
@@ -164,7 +165,11 @@ def cache_axes(p: Partitioner, name: str, shape: Sequence[int]) -> tuple[str | N
     of `CACHE_AXES`, less any whose dimension does not split over its mesh axes -- a ring of
     W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads than the
     tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
-    axes = CACHE_AXES[name]
+    return _splittable(p, CACHE_AXES[name], shape)
+
+
+def _splittable(p: Partitioner, axes, shape) -> tuple[str | None, ...]:
+    """`axes` with None for each dimension of `shape` that its mesh axes do not divide."""
     return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
                  for logical, size in zip(axes, shape, strict=True))
 
@@ -364,12 +369,13 @@ def _write(cache_array, new, slot):
     return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
 
 
-def _batch_sharded(p: Partitioner, x, axes):
-    """``x`` constrained to `axes` through a replicated layout: from a weight-derived sharding
-    (e.g. over the embed or kv_lora axis) the step to the batch sharding is one all-gather of
-    a small activation then a local slice; asked in one step, XLA's SPMD partitioner finds no
-    collective for it and replicates the tensor itself, with a warning."""
-    return p.constrain(p.constrain(x, (None,) * x.ndim), axes)
+def _resharded(p: Partitioner, x, axes):
+    """``x`` constrained to `axes` through a replicated layout: between a weight-derived
+    sharding (over the embed or kv_lora axis) and the cache's batch sharding that is one
+    all-gather of a small activation then a local slice; asked in one step, XLA's SPMD
+    partitioner finds no collective for it and replicates the tensor itself, warning
+    "Involuntary full rematerialization"."""
+    return p.constrain(p.constrain(x, (None,) * x.ndim), _splittable(p, axes, x.shape))
 
 
 def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot, p=UNSHARDED):
@@ -382,6 +388,8 @@ def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot, p=UNSHARDED):
                   kv_segment_ids=kv_seg, scale=attn.scale, **_score_kwargs(attn))
         if isinstance(attn, MLA):
             return _decode_mla(attn, q, k, v, entry, slot, kw, p)
+        kv_axes = ("batch", None, "act_kv_heads", None)
+        k, v = _resharded(p, k, kv_axes), _resharded(p, v, kv_axes)
         keys, values = _write(entry["k"], k, slot), _write(entry["v"], v, slot)
         o = dot_product_attention(q, keys, values, **kw)
         return attn.out(o.astype(q.dtype)), {"k": keys, "v": values}
@@ -392,15 +400,15 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw, p=UNSHARDED):
     W_uv``, as one shared-key head of width Rkv + Hr over the cache."""
     Hn, R = attn.qk_nope_head_dim, attn.kv_lora_rank
     new = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)  # [B, 1, Rkv+Hr]
+    new = _resharded(p, new, ("batch", None, None))
     cache = _write(entry["latent_pe"], new, slot)  # [B, S, Rkv + Hr]
     dtype = attn.kv_b_proj.dtype or cache.dtype
     w = attn.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
     w_uk, w_uv = w[..., :Hn], w[..., Hn:]
-    # weight-stationary: the product is split over kv_lora as w_uk is (FSDP), and gathered
-    # here -- [B, 1, N, Rkv] is far smaller than w_uk for a decode batch -- to the batch
-    # sharding of the cache it meets next
+    # weight-stationary: the product is split over kv_lora as w_uk is (FSDP) and moves to
+    # the cache's batch sharding -- [B, 1, N, Rkv] is far smaller than w_uk
     q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
-    q_lat = _batch_sharded(p, q_lat, ("batch", None, "act_heads", None))
+    q_lat = _resharded(p, q_lat, ("batch", None, "act_heads", None))
     q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, 1, N, Rkv + Hr]
     kv = cache.astype(dtype)[:, :, None]  # [B, S, 1, Rkv + Hr]: one head shared by all
     o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, 1, N, Rkv]
@@ -426,12 +434,15 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
     ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
     ring entry (fewer slots than they have) sees them through `_ring_view`.
 
-    The layers run their unsharded code (`Decoder`), so nothing in them says how the
-    activations shard and XLA would propagate the parameters' FSDP shardings into them (the
-    embedding's ``embed`` axis into the residual stream, ``kv_b_proj``'s ``kv_lora`` axis
-    into MLA's absorbed query), then meet the batch-sharded cache and fall back to
-    replicating ("Involuntary full rematerialization"). `p` (the model's partitioner) states
-    the residual stream's sharding between layers, as training's constraints do."""
+    Layouts under `p` (the model's partitioner; the layers run their unsharded code, see
+    `Decoder`, so nothing else states them): a step's activations are a few tokens, far
+    smaller than the weights, so decode is weight-stationary -- the residual stream is split
+    over ``embed`` as the FSDP-sharded weights are (`DECODE_RESIDUAL`), rather than every
+    weight gathered each step -- while attention meets the cache in the cache's batch
+    sharding: the new K/V (or latent) and MLA's absorbed query (split over ``kv_lora`` as
+    ``kv_b_proj`` is) reach it through `_resharded`. Left implicit, XLA propagates the
+    parameters' shardings into the activations and replicates them where they meet the
+    cache."""
     S, T = kv_pos.shape[1], x.shape[1]
     views = {}
     for entry in entries:
@@ -454,10 +465,10 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
             return y
 
         x, _ = layer.block(x, attention)
-        return p.constrain(x, DECODE_ACT), out["entry"]
+        return _resharded(p, x, DECODE_RESIDUAL), out["entry"]
 
     new = []
-    x = _batch_sharded(p, x, DECODE_ACT)  # the embedding's rows come out split over embed
+    x = _resharded(p, x, DECODE_RESIDUAL)
     for layer, entry in zip(layers, entries, strict=True):
         x, entry = _run_layers(layer, x, entry, layer_fn)
         new.append(entry)
