@@ -25,7 +25,8 @@
 * Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
   unsharded code on the sharded parameters (XLA partitions it) with the cache sharded as the
   attention shards its activations: batch, kv heads over ``tensor``, and under ``cp`` /
-  ``ep_as_cp`` the slots over the context axes, for the whole generation (`_constrain_cache`).
+  ``ep_as_cp`` the slots over the context axes, for the whole generation (`_constrain_cache`);
+  the residual stream stays split as the weights are (weight-stationary, `_cached_layers`).
 * A sliding-window layer keeps a ring of ``min(W, max_length)`` slots (`cache_slots`).
 * ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
   verifies it (`zoo.speculative`), with plain greedy decoding's tokens.
