@@ -23,8 +23,11 @@
 * MoE layers run dropless here whatever the training capacity (``capacity_factor``,
   ``moe_buffer_factor``), so generation is the model's exact function.
 * Under a partitioner, prefill uses the sharded model as trained; decode runs the layers'
-  unsharded code on the sharded parameters (XLA partitions it) with the cache sharded over the
-  batch axes.
+  unsharded code on the sharded parameters (XLA partitions it) with the cache sharded as the
+  attention shards its activations: batch, kv heads over ``tensor``, and under ``cp`` /
+  ``ep_as_cp`` the slots over the context axes, for the whole generation (`_constrain_cache`);
+  the residual stream stays split as the weights are (weight-stationary, `_cached_layers`).
+* A sliding-window layer keeps a ring of ``min(W, max_length)`` slots (`cache_slots`).
 * ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
   verifies it (`zoo.speculative`), with plain greedy decoding's tokens.
 * ``python -m zoo.generate --run DIR --prompt TEXT --max-new-tokens N`` (or ``--hf PATH``;
@@ -53,15 +56,30 @@ from zoo.layers.attention import SCOPE, AttentionBlock, check_call
 from zoo.layers.mla import MLA
 from zoo.layers.moe import MoE
 from zoo.ops.attention import dot_product_attention
+from zoo.ops.masks import default_mask
 from zoo.partitioning import UNSHARDED, Partitioner
 
-__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "decode", "generate",
-           "generate_with_logits", "prefill"]
+__all__ = ["Decoder", "KVCache", "cache_bytes_per_token", "cache_slots", "decode",
+           "generate", "generate_with_logits", "prefill"]
 
 ACT = ("batch", "length", "act_embed")
+# decode's residual stream [B, T, D]: split over embed as the weights are (weight-stationary)
+DECODE_RESIDUAL = (None, None, "embed")
 
 
 # -- the cache -------------------------------------------------------------------------------
+
+def cache_slots(attn, max_length: int) -> int:
+    """Slots layer `attn`'s cache keeps for a sequence of `max_length`: all of them, or for a
+    mask whose reach back is bounded (``sliding_window=W``: a query sees keys less than W
+    positions back, itself included, so W keys; ``Chunked(c)``: c) that many, as a ring
+    written at ``slot % slots``. Cache rows hold one sequence at consecutive positions, so
+    a bound in positions is one in slots."""
+    mask = attn.mask if attn.mask is not None else default_mask(
+        None, getattr(attn, "sliding_window", None), None)
+    back = mask.reach().back
+    return max_length if back is None else min(back + 1, max_length)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +87,12 @@ class KVCache:
     """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
 
     Attributes:
-      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S, ...]`` (``n`` the
+      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S_l, ...]`` (``n`` the
         entry's layer count): ``{"k", "v"}`` for `zoo.layers.Attention`, ``{"latent_pe"}``
-        for `zoo.layers.MLA`.
-      positions: [B, S] int32, the position of the token in each slot.
+        for `zoo.layers.MLA`. ``S_l`` is `max_length`, or for a sliding-window layer of
+        window W ``min(W, max_length)``: a ring whose slot ``r`` holds the newest global slot
+        ``g`` with ``g % S_l == r`` (`cache_slots`).
+      positions: [B, S] int32, the position of the token in each (global) slot.
       segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
       length: int32 scalar, slots written (the next one decode writes).
       next_positions: [B] int32, the position of each row's next token.
@@ -93,7 +113,10 @@ class KVCache:
         return self.positions.shape[1]
 
     def bytes_per_token(self) -> int:
-        """Bytes the layers' entries hold per slot of one row (positions excluded)."""
+        """Bytes the layers' entries hold per slot of one row, rounded down: all the layers'
+        bytes over ``batch * max_length`` (positions excluded). A window layer's ring of W <
+        max_length slots is amortised over the whole context, so it adds ``W / max_length``
+        of its per-token bytes."""
         total = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                     for entry in self.layers for a in entry.values())
         return total // (self.batch * self.max_length)
@@ -107,11 +130,12 @@ class KVCache:
         for layer in model.layers:
             n = layer.stack_size or 1
             attn = layer.self_attn
+            S = cache_slots(attn, max_length)
             if isinstance(attn, MLA):
                 width = attn.kv_lora_rank + attn.qk_rope_head_dim
-                entry = {"latent_pe": (n, batch, max_length, width)}
+                entry = {"latent_pe": (n, batch, S, width)}
             else:
-                kv = (n, batch, max_length, attn.num_kv_heads, attn.head_dim)
+                kv = (n, batch, S, attn.num_kv_heads, attn.head_dim)
                 entry = {"k": kv, "v": kv}
             layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
         i32 = jnp.int32
@@ -120,21 +144,53 @@ class KVCache:
                    jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32))
 
 
-def cache_bytes_per_token(model, dtype=None) -> int:
-    """Cache bytes per token of one sequence, all layers (``model`` may be abstract)."""
-    return KVCache.shapes(model, 1, 1, dtype).bytes_per_token()
+def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
+    """Cache bytes per token of one sequence of `context` tokens, all layers (``model`` may
+    be abstract): `KVCache.bytes_per_token` of a cache of `context` slots. The default, 1,
+    counts every layer's bytes for each token (no window full yet); at a context longer than
+    a layer's window W that layer holds W tokens, amortised over the context."""
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"cache_bytes_per_token: context={context!r} must be an int >= 1")
+    return KVCache.shapes(model, 1, context, dtype).bytes_per_token()
+
+
+# logical axes of the cache's arrays: the attention's activation names, so each strategy's
+# rules apply (kv heads over ``tensor``; the length over the context axes under cp/ep_as_cp)
+CACHE_AXES = {"k": ("layers", "batch", "length", "act_kv_heads", "act_head_dim"),
+              "latent_pe": ("layers", "batch", "length", None)}
+CACHE_AXES["v"] = CACHE_AXES["k"]
+
+
+def cache_axes(p: Partitioner, name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The logical axes `_constrain_cache` shards the cache array `name` of `shape` by: those
+    of `CACHE_AXES`, less any whose dimension does not split over its mesh axes -- a ring of
+    W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads than the
+    tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
+    return _splittable(p, CACHE_AXES[name], shape)
+
+
+def _splittable(p: Partitioner, axes, shape) -> tuple[str | None, ...]:
+    """`axes` with None for each dimension of `shape` that its mesh axes do not divide."""
+    return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
+                 for logical, size in zip(axes, shape, strict=True))
 
 
 def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
-    """The cache sharded over the batch axes (layers and slots whole)."""
-    def layer_axes(a):
-        return ("layers", "batch", *([None] * (a.ndim - 2)))
-    layers = tuple({k: p.constrain(a, layer_axes(a)) for k, a in e.items()}
+    """The cache sharded as the attention shards its activations (`cache_axes`): batch over
+    the batch axes, K/V heads over ``tensor``, and under context parallelism (``cp``,
+    ``ep_as_cp``) the slots over the context axes, as prefill computed them.
+
+    Decode keeps that sharding rather than gathering the length once after prefill: each
+    device holds 1/context of every cache array for the whole generation (the memory that
+    makes long contexts fit), and a step's collectives are per-query reductions of the scores
+    and the output ([B, 1, N, ...], not the cache). Positions and segment ids are small and
+    shard over the batch only, which keeps a ring's `_ring_view` gather local."""
+    layers = tuple({k: p.constrain(a, cache_axes(p, k, a.shape), SCOPE) for k, a in e.items()}
                    for e in cache.layers)
     return dataclasses.replace(
-        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None)),
-        segment_ids=p.constrain(cache.segment_ids, ("batch", None)),
-        next_positions=p.constrain(cache.next_positions, ("batch",)))
+        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None), SCOPE),
+        segment_ids=p.constrain(cache.segment_ids, ("batch", None), SCOPE),
+        next_positions=p.constrain(cache.next_positions, ("batch",), SCOPE))
 
 
 # -- model views -----------------------------------------------------------------------------
@@ -239,9 +295,8 @@ def _prefill_positions(segment_ids):
 
 def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int):
     """Run ``layers`` (entries of ``model.layers``, or an MTP module's layer) over ``x [B, L,
-    D]``: (x, one cache entry per layer, ``[n, B, max_length, ...]`` with the first L
-    slots filled)."""
-    L = x.shape[1]
+    D]``: (x, one cache entry per layer, ``[n, B, S_l, ...]`` with the prompt's slots filled:
+    the first L, or in a ring of ``S_l < L`` slots the last ``S_l``)."""
 
     def layer_fn(layer, x, _):
         out = {}
@@ -252,10 +307,19 @@ def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int
     entries = []
     for layer in layers:
         x, entry = _run_layers(layer, x, None, layer_fn)
-        pad = max_length - L  # [n, B, L, ...] -> [n, B, S, ...]
-        entries.append({k: jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
-                        for k, a in entry.items()})
+        slots = cache_slots(layer.self_attn, max_length)
+        entries.append({k: _fill(a, slots) for k, a in entry.items()})
     return x, tuple(entries)
+
+
+def _fill(a, slots: int):
+    """A prompt's entry ``[n, B, L, ...]`` -> ``[n, B, slots, ...]``: padded when it fits,
+    else the last ``slots`` of it as a ring (global slot ``g`` at ``g % slots``)."""
+    L = a.shape[2]
+    if L <= slots:
+        return jnp.pad(a, [(0, 0), (0, 0), (0, slots - L)] + [(0, 0)] * (a.ndim - 3))
+    ring = np.arange(slots)
+    return a[:, :, (L - 1) - (L - 1 - ring) % slots]
 
 
 def _prefill_cache(layers, positions, segment_ids, max_length: int) -> KVCache:
@@ -306,7 +370,16 @@ def _write(cache_array, new, slot):
     return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
 
 
-def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
+def _resharded(p: Partitioner, x, axes):
+    """``x`` constrained to `axes` through a replicated layout: between a weight-derived
+    sharding (over the embed or kv_lora axis) and the cache's batch sharding that is one
+    all-gather of a small activation then a local slice; asked in one step, XLA's SPMD
+    partitioner finds no collective for it and replicates the tensor itself, warning
+    "Involuntary full rematerialization"."""
+    return p.constrain(p.constrain(x, (None,) * x.ndim), _splittable(p, axes, x.shape))
+
+
+def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot, p=UNSHARDED):
     """One query per row over the cache: (output [B, 1, D], the updated entry)."""
     with jax.named_scope(attn.block_name):
         q, k, v = attn.project(h)
@@ -315,22 +388,28 @@ def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot):
         kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
                   kv_segment_ids=kv_seg, scale=attn.scale, **_score_kwargs(attn))
         if isinstance(attn, MLA):
-            return _decode_mla(attn, q, k, v, entry, slot, kw)
+            return _decode_mla(attn, q, k, v, entry, slot, kw, p)
+        kv_axes = ("batch", None, "act_kv_heads", None)
+        k, v = _resharded(p, k, kv_axes), _resharded(p, v, kv_axes)
         keys, values = _write(entry["k"], k, slot), _write(entry["v"], v, slot)
         o = dot_product_attention(q, keys, values, **kw)
         return attn.out(o.astype(q.dtype)), {"k": keys, "v": values}
 
 
-def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
+def _decode_mla(attn, q, k_pe, latent, entry, slot, kw, p=UNSHARDED):
     """Absorbed MLA: scores ``q_nope W_uk . latent + q_pe . k_pe``, output ``(p . latent)
     W_uv``, as one shared-key head of width Rkv + Hr over the cache."""
     Hn, R = attn.qk_nope_head_dim, attn.kv_lora_rank
     new = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)  # [B, 1, Rkv+Hr]
+    new = _resharded(p, new, ("batch", None, None))
     cache = _write(entry["latent_pe"], new, slot)  # [B, S, Rkv + Hr]
     dtype = attn.kv_b_proj.dtype or cache.dtype
     w = attn.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
     w_uk, w_uv = w[..., :Hn], w[..., Hn:]
+    # weight-stationary: the product is split over kv_lora as w_uk is (FSDP) and moves to
+    # the cache's batch sharding -- [B, 1, N, Rkv] is far smaller than w_uk
     q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
+    q_lat = _resharded(p, q_lat, ("batch", None, "act_heads", None))
     q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, 1, N, Rkv + Hr]
     kv = cache.astype(dtype)[:, :, None]  # [B, S, 1, Rkv + Hr]: one head shared by all
     o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, 1, N, Rkv]
@@ -338,22 +417,59 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw):
     return attn.out(o.astype(q.dtype)), {"latent_pe": cache}
 
 
-def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot):
+def _ring_view(kv_pos, kv_seg, slot, slots: int):
+    """The positions and segment ids ``[B, slots]`` of a ring of `slots` after global slot
+    ``slot`` (scalar or ``[B]``) is written: ring slot ``r`` holds the newest global slot ``g
+    <= slot`` with ``g % slots == r``; none yet (``g < 0``): segment 0."""
+    s = jnp.asarray(slot, jnp.int32)[..., None]  # [1] or [B, 1]
+    g = jnp.broadcast_to(s - (s - jnp.arange(slots)) % slots, (kv_pos.shape[0], slots))
+    at = jnp.maximum(g, 0)
+    return (jnp.take_along_axis(kv_pos, at, axis=1),
+            jnp.where(g >= 0, jnp.take_along_axis(kv_seg, at, axis=1), 0))
+
+
+def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
+                   p: Partitioner = UNSHARDED):
     """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
     ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
-    ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots."""
+    ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
+    ring entry (fewer slots than they have) sees them through `_ring_view`.
+
+    Layouts under `p` (the model's partitioner; the layers run their unsharded code, see
+    `Decoder`, so nothing else states them): a step's activations are a few tokens, far
+    smaller than the weights, so decode is weight-stationary -- the residual stream is split
+    over ``embed`` as the FSDP-sharded weights are (`DECODE_RESIDUAL`), rather than every
+    weight gathered each step -- while attention meets the cache in the cache's batch
+    sharding: the new K/V (or latent) and MLA's absorbed query (split over ``kv_lora`` as
+    ``kv_b_proj`` is) reach it through `_resharded`. Left implicit, XLA propagates the
+    parameters' shardings into the activations and replicates them where they meet the
+    cache."""
+    S, T = kv_pos.shape[1], x.shape[1]
+    views = {}
+    for entry in entries:
+        slots = next(iter(entry.values())).shape[2]
+        if slots < S and slots not in views:
+            if T > 1:  # the T-th write would evict a key the first query still sees
+                raise ValueError(f"decoding {T} tokens a step (speculative decoding) over a "
+                                 f"sliding-window ring cache of {slots} slots is not "
+                                 f"supported; decode one token a step (speculative=None)")
+            views[slots] = (*_ring_view(kv_pos, kv_seg, slot, slots), slot % slots)
+
     def layer_fn(layer, x, entry):
         out = {}
+        slots = next(iter(entry.values())).shape[1]
+        pos, seg, at = views.get(slots, (kv_pos, kv_seg, slot))
 
         def attention(h):
-            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, kv_pos,
-                                                kv_seg, slot)
+            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, pos, seg, at,
+                                                p)
             return y
 
         x, _ = layer.block(x, attention)
-        return x, out["entry"]
+        return _resharded(p, x, DECODE_RESIDUAL), out["entry"]
 
     new = []
+    x = _resharded(p, x, DECODE_RESIDUAL)
     for layer, entry in zip(layers, entries, strict=True):
         x, entry = _run_layers(layer, x, entry, layer_fn)
         new.append(entry)
@@ -366,7 +482,7 @@ def _decode(model, p: Partitioner, cache: KVCache, tokens):
     kv_pos = _write(cache.positions, q_pos, slot)
     kv_seg = _write(cache.segment_ids, jnp.ones_like(q_pos), slot)
     x, layers = _cached_layers(model.layers, cache.layers, model.embed_tokens(tokens[:, None]),
-                               q_pos, kv_pos, kv_seg, slot)
+                               q_pos, kv_pos, kv_seg, slot, p)
     logits = _logits(model, x[:, 0])
     cache = KVCache(layers, kv_pos, kv_seg, slot + 1, cache.next_positions + 1)
     return logits, _constrain_cache(cache, p)
@@ -547,7 +663,9 @@ def _generate(model, prompts, *, max_new_tokens, temperature, top_k, top_p, seed
     B, L = tokens.shape
     compile_before = _STATS["compile_s"]
     start = time.perf_counter()
-    logits, cache = prefill(model, tokens, segs, max_length=L + max_new_tokens - 1)
+    # a length the context axes divide, so the cache's slots shard as prefill made them
+    max_length = _round_up(L + max_new_tokens - 1, model.partitioner.size("length", SCOPE))
+    logits, cache = prefill(model, tokens, segs, max_length=max_length)
     jax.block_until_ready(logits)
     prefill_compile = _STATS["compile_s"] - compile_before
     prefill_s = time.perf_counter() - start - prefill_compile

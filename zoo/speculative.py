@@ -138,13 +138,14 @@ def _verify(model, p: Partitioner, cache: G.KVCache, mtp_cache: G.KVCache, token
     kv_pos = G._write(cache.positions, q_pos, slot)
     kv_seg = G._write(cache.segment_ids, jnp.ones_like(q_pos), slot)
     x = model.embed_tokens(jnp.stack([tokens, drafts], axis=1))
-    h, layers = G._cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot)
+    h, layers = G._cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot,
+                                 p)
     choice = jnp.argmax(G._logits(model, h), -1).astype(jnp.int32)  # [B, 2]
     accept = (choice[:, 0] == drafts) & active
     mtp = model.mtp[0]
     xm = mtp.combine(h, model.embed_tokens(choice))
     hm, mtp_layers = G._cached_layers([mtp.layer], mtp_cache.layers, xm, q_pos, kv_pos,
-                                      kv_seg, slot)
+                                      kv_seg, slot, p)
     guess = jnp.argmax(G._logits(model, hm, mtp.norm), -1).astype(jnp.int32)  # [B, 2]
     advance = jnp.where(active, 1 + accept.astype(jnp.int32), 0)
     seen = (jnp.arange(2)[None] < advance[:, None]).astype(jnp.int32)  # rejected: segment 0

@@ -9,8 +9,13 @@
 * the MLA cache's bytes (``kv_lora_rank + qk_rope_head_dim`` per token per layer);
 * sampling: a seed is reproducible, another seed differs, temperature 1 differs from greedy,
   top-k=1 equals greedy; stop tokens;
+* sliding-window layers (gpt-oss's alternating ones, Mixtral's): ring caches of W slots,
+  bytes per token, and cached logits equal to the no-cache forward with prompts longer than
+  the window, scanned and unrolled;
 * scanned and unrolled layers agree; fsdp, cp and ep_as_cp on 8 virtual devices equal the
-  unsharded tokens;
+  unsharded tokens; the cache's sharding (length over the context axes under cp/ep_as_cp, kv
+  heads over tensor); a sharded decode compiles without XLA's "Involuntary full
+  rematerialization" warnings;
 * ``python -m zoo.generate --run DIR`` on a run the recipe just trained, and its exit 2 on bad
   input.
 
@@ -44,6 +49,7 @@ from zoo.partitioning import Partitioner, make_mesh
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NEW = 32
 PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
 
@@ -96,22 +102,73 @@ def ref(request, tmp_path_factory):
 _forward = jax.jit(lambda model, tokens: model(tokens)[0])
 
 
+def _check_cached_logits(name, model, prompts, tokens, logits):
+    """Every step's cached logits against the no-cache forward over each prompt + its
+    continuation, right-padded (causal: padding after is unseen); fp32, rel err < 1e-5."""
+    n = len(tokens[0])
+    batch = np.zeros((len(prompts), max(len(p) for p in prompts) + n), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        batch[i, :len(p) + n] = p + t
+    full = np.asarray(_forward(model, jnp.asarray(batch)))
+    for i, p in enumerate(prompts):
+        want = full[i, len(p) - 1:len(p) - 1 + n]
+        err = np.abs(logits[i] - want).max(axis=-1) / np.abs(want).max(axis=-1)
+        assert err.max() < 1e-5, f"{name} prompt {i}: step {err.argmax()} rel err {err.max()}"
+
+
 def test_greedy_equals_transformers_and_cache_logits_equal_full_forward(ref):
     name, r = ref
     model = r.family.from_hf(r.path)
     tokens, logits = G.generate_with_logits(model, PROMPTS, max_new_tokens=NEW)
     assert tokens == r.hf_tokens, name
     assert all(len(t) == NEW for t in tokens)
-    # no cache: each prompt + continuation, right-padded (causal: padding after is unseen)
-    width = max(len(p) for p in PROMPTS) + NEW
-    batch = np.zeros((len(PROMPTS), width), np.int32)
-    for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
-        batch[i, :len(p) + NEW] = p + t
-    full = np.asarray(_forward(model, jnp.asarray(batch)))
-    for i, p in enumerate(PROMPTS):
-        want = full[i, len(p) - 1:len(p) - 1 + NEW]
-        err = np.abs(logits[i] - want).max(axis=-1) / np.abs(want).max(axis=-1)
-        assert err.max() < 1e-5, f"{name} prompt {i}: step {err.argmax()} rel err {err.max()}"
+    _check_cached_logits(name, model, PROMPTS, tokens, logits)
+
+
+# -- sliding-window layers: ring caches of W slots ------------------------------------------
+
+W = 6  # the conformance checkpoints' sliding window (gpt-oss: every other layer; Mixtral: all)
+# rows shorter than, as long as and longer than the window, padded to 13 > W
+RING_PROMPTS = [[5, 17, 33, 2, 40, 9, 11, 3, 60, 14, 27, 50, 8], [21, 8], [3, 60, 14, 27, 50, 9]]
+RING_NEW = 20
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mixtral"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_window_layers_keep_a_ring_of_window_slots(name, scan, tmp_path_factory):
+    r = _reference(name, tmp_path_factory)
+    model = r.family.from_hf(r.path, config_overrides={"scan_layers": scan})
+    windows = [layer.self_attn.sliding_window for layer in model.layers]
+    assert set(windows) == ({W, None} if name == "gpt_oss" else {W})
+    assert (name == "gpt_oss") <= all(layer.stack_size in (None, 1) for layer in model.layers)
+    tokens, logits = G.generate_with_logits(model, RING_PROMPTS, max_new_tokens=RING_NEW)
+    _check_cached_logits(name, model, RING_PROMPTS, tokens, logits)
+    # the cache generate decodes from: a window layer's arrays have W slots, the rest S
+    L, S = 13, 13 + RING_NEW - 1
+    ids = np.zeros((3, L), np.int32)
+    for i, p in enumerate(RING_PROMPTS):
+        ids[i, L - len(p):] = p
+    _, cache = G.prefill(model, ids, (ids > 0).astype(np.int32), max_length=S)
+    c = model.config
+    per_slot = 2 * c.num_key_value_heads * c.head_dim * 4  # k and v, fp32, one layer
+    total = 0
+    for layer, entry, w in zip(model.layers, cache.layers, windows):
+        n = layer.stack_size or 1
+        want = (n, 3, S if w is None else W, c.num_key_value_heads, c.head_dim)
+        assert entry["k"].shape == entry["v"].shape == want
+        total += n * want[2] * per_slot
+    assert cache.bytes_per_token() == total // S
+    assert G.KVCache.shapes(model, 3, S).bytes_per_token() == total // S
+    layers = c.num_hidden_layers
+    full = sum(layer.stack_size or 1 for layer, w in zip(model.layers, windows) if w is None)
+    assert full == (layers // 2 if name == "gpt_oss" else 0)
+    assert G.cache_bytes_per_token(model) == layers * per_slot  # one token: every layer
+    assert G.cache_bytes_per_token(model, context=60) == \
+        (full * 60 + (layers - full) * W) * per_slot // 60
+    assert [e["k"].shape[2] for e in G.KVCache.shapes(model, 1, 4).layers] == \
+        [4] * len(model.layers)  # a window longer than the cache: the cache's length
+    with pytest.raises(ValueError, match="context=0 must be an int >= 1"):
+        G.cache_bytes_per_token(model, context=0)
 
 
 # -- DeepSeek-V3 (MLA) ------------------------------------------------------------------------
@@ -192,10 +249,93 @@ def test_partitioned_greedy_equals_unsharded(ds, strategy, devices):
     assert G.generate(model, PROMPTS, max_new_tokens=NEW) == greedy
 
 
+def _spec(a):
+    spec = tuple(a.sharding.spec)
+    return spec + (None,) * (a.ndim - len(spec))
+
+
+def _axes(entry):
+    return entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_mla_cache_shards_its_length_over_the_context_axes(ds, strategy, devices):
+    """prefill's and decode's latent cache: batch over the batch axes and, under cp and
+    ep_as_cp, slots over the context axes (those that shard the attention's length)."""
+    r, _, _ = ds
+    p = Partitioner(make_mesh(**MESHES[strategy]), strategy)
+    model = deepseek3.from_hf(r.path, partitioner=p)
+    tokens, segs = G._pad_prompts(model, PROMPTS)
+    S = tokens.shape[1] + 8
+    logits, cache = G.prefill(model, tokens, segs, max_length=S)
+    context = p.sequence_axes()
+    assert (strategy != "fsdp") == bool(context)
+    for c in (cache, G.decode(model, cache, np.argmax(np.asarray(logits), -1))[1]):
+        for entry in c.layers:
+            spec = _spec(entry["latent_pe"])
+            assert _axes(spec[1]) == p.batch_axes("attention") and spec[3] is None
+            assert _axes(spec[2]) == context, (strategy, spec)
+        assert _axes(_spec(c.positions)[1]) == ()
+
+
+def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
+                                                                       tmp_path_factory):
+    """Mixtral (every layer a window of 6: rings of 6 slots, split by context=2) and gpt-oss
+    (rings and full layers) under cp with a tensor axis: k/v heads over ``tensor``, slots over
+    ``context``, a ring the context does not divide kept whole; greedy tokens still
+    transformers'."""
+    for name, mesh in (("mixtral", dict(fsdp=2, context=2, tensor=2)),
+                       ("gpt_oss", dict(data=2, context=2, tensor=2))):
+        r = _reference(name, tmp_path_factory)
+        p = Partitioner(make_mesh(**mesh), "cp")
+        model = r.family.from_hf(r.path, partitioner=p)
+        assert G.generate(model, PROMPTS, max_new_tokens=NEW) == r.hf_tokens, name
+        tokens, segs = G._pad_prompts(model, PROMPTS)
+        _, cache = G.prefill(model, tokens, segs, max_length=tokens.shape[1] + 8)
+        slots = {e["k"].shape[2] for e in cache.layers}
+        assert slots == ({W, tokens.shape[1] + 8} if name == "gpt_oss" else {W})
+        for entry in cache.layers:
+            for a in (entry["k"], entry["v"]):
+                spec = _spec(a)
+                assert spec[3] == "tensor" and spec[4] is None, (name, spec)
+                assert spec[2] == "context", (name, a.shape, spec)
+        # a ring of 3 slots does not split over context=2: kept whole on the length
+        assert G.cache_axes(p, "k", (1, 4, 3, 2, 8))[2] is None
+        assert G.cache_axes(p, "k", (1, 4, 4, 2, 8))[2] == "length"
+        assert G.cache_axes(p, "k", (1, 4, 4, 1, 8))[3] is None  # 1 kv head, tensor 2
+
+
+# the recipe's closing sample (`zoo.train.cli`): a mini DeepSeek-V3 on its default mesh
+REMAT_SCRIPT = """
+import zoo
+zoo.set_cpu_devices(8)
+from flax import nnx
+from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
+p = zoo.Partitioner(zoo.make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
+config = DeepSeek3Config.mini(num_hidden_layers=2, hidden_size=64, n_routed_experts=8)
+model = DeepSeek3(config, inputs_shape=(8, 64), partitioner=p, rngs=nnx.Rngs(0))
+print(zoo.generate.generate(model, [[1, 72, 105, 33]], max_new_tokens=2))
+"""
+
+
+@pytest.mark.e2e  # a fresh process, so XLA compiles (and warns) with no compilation cache
+def test_sharded_decode_compiles_without_involuntary_rematerialization():
+    """Decode runs the layers' unsharded code on FSDP-sharded parameters: without explicit
+    layouts XLA carries the embedding's and ``kv_b_proj``'s shardings into the activations
+    and replicates them to meet the batch-sharded cache, warning "[SPMD] Involuntary full
+    rematerialization" (on MLA's absorbed ``blnh,rnh->blnr`` and the embedding lookup)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}  # compile, and print
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", REMAT_SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith("[["), proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "Involuntary full rematerialization" in ln]
+    assert not lines, "\n".join(ln[:400] for ln in lines[:3])
+
+
 # -- command line -----------------------------------------------------------------------------
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.e2e  # trains a run, then runs the command in a subprocess
 def test_command_line(tmp_path, devices, capsys):
