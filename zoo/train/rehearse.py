@@ -417,7 +417,7 @@ def _cache_abstract(model, partitioner, batch_size: int, context: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zoo.generate import KVCache, _constrain_cache
+    from zoo.kv_cache import KVCache, _constrain_cache
     cache = _constrain_cache(KVCache.shapes(model, batch_size, context), _ShardingOf(partitioner))
     replicated = NamedSharding(partitioner.mesh, P())
     return jax.tree.map(lambda x: x if x.sharding is not None else

@@ -1,0 +1,185 @@
+"""The KV cache of `zoo.generate`: a pytree the decoder layers read and return.
+
+* `KVCache` -- per-layer K/V (or MLA's latent and rotary key), each slot's position and
+  segment id, the slots written; `KVCache.shapes` for a model (abstract models too).
+* `cache_slots` -- a layer's slots: all of them, or a ring of the window for a mask whose
+  reach back is bounded; `cache_bytes_per_token` at a context.
+* `cache_axes` / `_constrain_cache` -- the cache sharded as the attention shards its
+  activations (batch, kv heads over ``tensor``, slots over the context axes).
+* `_fill`, `_write`, `_ring_view` -- how prefill and decode put tokens in and read them out.
+
+`zoo.generate` re-exports the public names; prefill, decode and sampling live there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.layers.attention import SCOPE
+from zoo.layers.mla import MLA
+from zoo.ops.masks import default_mask
+from zoo.partitioning import Partitioner
+
+__all__ = ["CACHE_AXES", "KVCache", "cache_axes", "cache_bytes_per_token", "cache_slots"]
+
+
+def cache_slots(attn, max_length: int) -> int:
+    """Slots layer `attn`'s cache keeps for a sequence of `max_length`: all of them, or for a
+    mask whose reach back is bounded (``sliding_window=W``: a query sees keys less than W
+    positions back, itself included, so W keys; ``Chunked(c)``: c) that many, as a ring
+    written at ``slot % slots``. Cache rows hold one sequence at consecutive positions, so
+    a bound in positions is one in slots."""
+    mask = attn.mask if attn.mask is not None else default_mask(
+        None, getattr(attn, "sliding_window", None), None)
+    back = mask.reach().back
+    return max_length if back is None else min(back + 1, max_length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
+
+    Attributes:
+      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S_l, ...]`` (``n`` the
+        entry's layer count): ``{"k", "v"}`` for `zoo.layers.Attention`, ``{"latent_pe"}``
+        for `zoo.layers.MLA`. ``S_l`` is `max_length`, or for a sliding-window layer of
+        window W ``min(W, max_length)``: a ring whose slot ``r`` holds the newest global slot
+        ``g`` with ``g % S_l == r`` (`cache_slots`).
+      positions: [B, S] int32, the position of the token in each (global) slot.
+      segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
+      length: int32 scalar, slots written (the next one decode writes).
+      next_positions: [B] int32, the position of each row's next token.
+    """
+
+    layers: tuple[dict[str, jax.Array], ...]
+    positions: jax.Array
+    segment_ids: jax.Array
+    length: jax.Array
+    next_positions: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.positions.shape[1]
+
+    def bytes_per_token(self) -> int:
+        """Bytes the layers' entries hold per slot of one row, rounded down: all the layers'
+        bytes over ``batch * max_length`` (positions excluded). A window layer's ring of W <
+        max_length slots is amortised over the whole context, so it adds ``W / max_length``
+        of its per-token bytes."""
+        total = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                    for entry in self.layers for a in entry.values())
+        return total // (self.batch * self.max_length)
+
+    @classmethod
+    def shapes(cls, model, batch: int, max_length: int, dtype=None) -> KVCache:
+        """The cache's `jax.ShapeDtypeStruct` s for `model` (works on `nnx.eval_shape` models:
+        only the layers' sizes are read). ``dtype``: the model's compute dtype by default."""
+        dtype = jnp.dtype(dtype or model.config.dtype)
+        layers = []
+        for layer in model.layers:
+            n = layer.stack_size or 1
+            attn = layer.self_attn
+            S = cache_slots(attn, max_length)
+            if isinstance(attn, MLA):
+                width = attn.kv_lora_rank + attn.qk_rope_head_dim
+                entry = {"latent_pe": (n, batch, S, width)}
+            else:
+                kv = (n, batch, S, attn.num_kv_heads, attn.head_dim)
+                entry = {"k": kv, "v": kv}
+            layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
+        i32 = jnp.int32
+        return cls(tuple(layers), jax.ShapeDtypeStruct((batch, max_length), i32),
+                   jax.ShapeDtypeStruct((batch, max_length), i32),
+                   jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32))
+
+
+def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
+    """Cache bytes per token of one sequence of `context` tokens, all layers (``model`` may
+    be abstract): `KVCache.bytes_per_token` of a cache of `context` slots. The default, 1,
+    counts every layer's bytes for each token (no window full yet); at a context longer than
+    a layer's window W that layer holds W tokens, amortised over the context."""
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"cache_bytes_per_token: context={context!r} must be an int >= 1")
+    return KVCache.shapes(model, 1, context, dtype).bytes_per_token()
+
+
+# logical axes of the cache's arrays: the attention's activation names, so each strategy's
+# rules apply (kv heads over ``tensor``; the length over the context axes under cp/ep_as_cp)
+CACHE_AXES = {"k": ("layers", "batch", "length", "act_kv_heads", "act_head_dim"),
+              "latent_pe": ("layers", "batch", "length", None)}
+CACHE_AXES["v"] = CACHE_AXES["k"]
+
+
+def cache_axes(p: Partitioner, name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The logical axes `_constrain_cache` shards the cache array `name` of `shape` by: those
+    of `CACHE_AXES`, less any whose dimension does not split over its mesh axes -- a ring of
+    W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads than the
+    tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
+    return _splittable(p, CACHE_AXES[name], shape)
+
+
+def _splittable(p: Partitioner, axes, shape) -> tuple[str | None, ...]:
+    """`axes` with None for each dimension of `shape` that its mesh axes do not divide."""
+    return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
+                 for logical, size in zip(axes, shape, strict=True))
+
+
+def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
+    """The cache sharded as the attention shards its activations (`cache_axes`): batch over
+    the batch axes, K/V heads over ``tensor``, and under context parallelism (``cp``,
+    ``ep_as_cp``) the slots over the context axes, as prefill computed them.
+
+    Decode keeps that sharding rather than gathering the length once after prefill: each
+    device holds 1/context of every cache array for the whole generation (the memory that
+    makes long contexts fit), and a step's collectives are per-query reductions of the scores
+    and the output ([B, 1, N, ...], not the cache). Positions and segment ids are small and
+    shard over the batch only, which keeps a ring's `_ring_view` gather local."""
+    layers = tuple({k: p.constrain(a, cache_axes(p, k, a.shape), SCOPE) for k, a in e.items()}
+                   for e in cache.layers)
+    return dataclasses.replace(
+        cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None), SCOPE),
+        segment_ids=p.constrain(cache.segment_ids, ("batch", None), SCOPE),
+        next_positions=p.constrain(cache.next_positions, ("batch",), SCOPE))
+
+
+def _fill(a, slots: int):
+    """A prompt's entry ``[n, B, L, ...]`` -> ``[n, B, slots, ...]``: padded when it fits,
+    else the last ``slots`` of it as a ring (global slot ``g`` at ``g % slots``)."""
+    L = a.shape[2]
+    if L <= slots:
+        return jnp.pad(a, [(0, 0), (0, 0), (0, slots - L)] + [(0, 0)] * (a.ndim - 3))
+    ring = np.arange(slots)
+    return a[:, :, (L - 1) - (L - 1 - ring) % slots]
+
+
+def _write(cache_array, new, slot):
+    """Write ``new [B, T, ...]`` into slots ``slot ... slot + T - 1`` of ``cache_array [B, S,
+    ...]``; ``slot`` a scalar, or one per row ``[B]`` (speculative decoding's rows advance
+    apart)."""
+    new = new.astype(cache_array.dtype)
+    if jnp.ndim(slot) == 1:
+        return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(
+            c, n, (s,) + (0,) * (n.ndim - 1)))(cache_array, new, slot)
+    return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
+
+
+def _ring_view(kv_pos, kv_seg, slot, slots: int):
+    """The positions and segment ids ``[B, slots]`` of a ring of `slots` after global slot
+    ``slot`` (scalar or ``[B]``) is written: ring slot ``r`` holds the newest global slot ``g
+    <= slot`` with ``g % slots == r``; none yet (``g < 0``): segment 0."""
+    s = jnp.asarray(slot, jnp.int32)[..., None]  # [1] or [B, 1]
+    g = jnp.broadcast_to(s - (s - jnp.arange(slots)) % slots, (kv_pos.shape[0], slots))
+    at = jnp.maximum(g, 0)
+    return (jnp.take_along_axis(kv_pos, at, axis=1),
+            jnp.where(g >= 0, jnp.take_along_axis(kv_seg, at, axis=1), 0))
