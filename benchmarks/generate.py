@@ -4,7 +4,8 @@
   and context length, the cached decode step (`zoo.generate.Decoder.decode` over a cache of
   ``context + steps`` slots, filled by `zoo.generate.prefill`) against the naive loop's step
   (the whole ``[1, context]`` buffer through ``model(...)`` for each new token). Every program
-  is compiled before it is timed; the median of ``--steps`` steps is kept.
+  is compiled before it is timed; the median of ``--steps`` steps is kept, the contexts of a
+  model timed in turn within each round so that their ratio sees one load.
 * Cache table: bytes per token (all layers, bf16) of the full-size presets' caches
   (`zoo.generate.cache_bytes_per_token` on abstract models: no memory), with, for MLA, what
   expanded per-head K/V would take.
@@ -40,24 +41,33 @@ FULL = {"deepseek_v3": (deepseek3.DeepSeek3, deepseek3.DeepSeek3Config.deepseek_
         "qwen3_30b_a3b": (qwen3_moe.Qwen3Moe, qwen3_moe.Qwen3MoeConfig.qwen3_30b_a3b)}
 
 
-def _median_s(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def _interleaved_medians(fns, steps: int, block: int = 10) -> list[float]:
+    """The median seconds of a call of each of `fns`, `steps` calls each, made in turns of
+    `block` back-to-back calls (a decode loop runs its step back to back: warm) so that all of
+    them see the same load on a shared box and their ratios hold."""
+    times = [[] for _ in fns]
+    while len(times[0]) < steps:
+        n = min(block, steps - len(times[0]))
+        for fn, ts in zip(fns, times):
+            fn()  # warm again after the others ran
+            for _ in range(n):
+                start = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - start)
+    return [float(np.median(ts)) for ts in times]
 
 
-def decode_row(name: str, context: int, steps: int) -> tuple[float, float]:
-    """(cached step seconds, naive step seconds) at this context."""
+def decode_fns(name: str, context: int, steps: int):
+    """(cached step, naive step) at this context, both compiled: the cached one decodes from
+    a cache of ``context + steps`` slots filled by `zoo.generate.prefill`, the naive one runs
+    the whole ``[1, context]`` buffer through ``model(...)``."""
     cls, preset = MINI[name]
     model = nnx.jit(lambda: cls(preset(max_position_embeddings=max(4096, 2 * context)),
                                 rngs=nnx.Rngs(0)))()
     rng = np.random.RandomState(0)
     tokens = rng.randint(3, model.config.vocab_size, (1, context)).astype(np.int32)
     logits, cache = G.prefill(model, tokens, np.ones_like(tokens),
-                              max_length=context + steps + 1)
+                              max_length=context + 2 * steps + 1)
     token = np.asarray(jnp.argmax(logits, -1), np.int32)
     decoder = G.Decoder(model)
     logits, cache = decoder.decode(cache, token)  # compiles
@@ -75,7 +85,7 @@ def decode_row(name: str, context: int, steps: int) -> tuple[float, float]:
     def naive():
         jax.block_until_ready(forward(model, buffer))
 
-    return _median_s(cached, steps), _median_s(naive, max(1, min(steps, 5)))
+    return cached, naive
 
 
 def main():
@@ -97,12 +107,12 @@ def main():
           "context |")
     print("|---|---|---|---|---|---|")
     for name in models:
-        first = None
-        for context in contexts:
-            cached, naive = decode_row(name, context, args.steps)
-            first = first or cached
-            print(f"| {name} mini | {context} | {cached * 1e3:.2f} | {naive * 1e3:.2f} | "
-                  f"{naive / cached:.1f}x | {cached / first:.2f}x |", flush=True)
+        fns = [decode_fns(name, context, args.steps) for context in contexts]
+        cached = _interleaved_medians([c for c, _ in fns], args.steps)
+        naive = _interleaved_medians([n for _, n in fns], max(1, min(args.steps, 5)))
+        for context, c, n in zip(contexts, cached, naive, strict=True):
+            print(f"| {name} mini | {context} | {c * 1e3:.2f} | {n * 1e3:.2f} | "
+                  f"{n / c:.1f}x | {c / cached[0]:.2f}x |", flush=True)
     print("\n## KV cache bytes per token, all layers, bf16 (full-size presets)\n")
     print("| preset | layers | cache | bytes/token | expanded K/V bytes/token |")
     print("|---|---|---|---|---|")

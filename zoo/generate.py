@@ -54,7 +54,7 @@ from zoo.layers.attention import SCOPE, AttentionBlock, check_call
 from zoo.layers.mla import MLA
 from zoo.layers.moe import MoE
 from zoo.kv_cache import (CACHE_AXES, KVCache, _constrain_cache, _fill,  # noqa: F401
-                          _ring_view, _splittable, _write, cache_axes,
+                          SLOTS, _put, _ring_view, _splittable, _write, cache_axes,
                           cache_bytes_per_token, cache_slots)
 from zoo.ops.attention import dot_product_attention
 from zoo.partitioning import UNSHARDED, Partitioner
@@ -156,9 +156,10 @@ def _prefill_attention(attn, h, positions, segment_ids, out: dict):
         q, k = attn.apply_rope(q, k, positions)
         o = attn.attend(q, k, v, positions=positions, segment_ids=segment_ids)
         if isinstance(attn, MLA):  # k is the rotated shared key [B, L, 1, Hr], v the latent
-            out["entry"] = {"latent_pe": jnp.concatenate([v, k[:, :, 0].astype(v.dtype)], -1)}
-        else:
-            out["entry"] = {"k": k, "v": v}
+            latent_pe = jnp.concatenate([v, k[:, :, 0].astype(v.dtype)], -1)
+            out["entry"] = {"latent_pe": latent_pe[:, None]}  # [B, 1, L, Rkv + Hr]
+        else:  # heads before slots, as the cache keeps them
+            out["entry"] = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}
         return attn.out(o)
 
 
@@ -170,7 +171,7 @@ def _prefill_positions(segment_ids):
 def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int):
     """Run ``layers`` (entries of ``model.layers``, or an MTP module's layer) over ``x [B, L,
     D]``: (x, one cache entry per layer, ``[n, B, S_l, ...]`` with the prompt's slots filled:
-    the first L, or in a ring of ``S_l < L`` slots the last ``S_l``)."""
+    the first L, or in a ring of ``S_l < L`` slots the last ``S_l``; `KVCache.layers`)."""
 
     def layer_fn(layer, x, _):
         out = {}
@@ -232,30 +233,32 @@ def _resharded(p: Partitioner, x, axes):
     return p.constrain(p.constrain(x, (None,) * x.ndim), _splittable(p, axes, x.shape))
 
 
-def _decode_attention(attn, h, entry, q_pos, kv_pos, kv_seg, slot, p=UNSHARDED):
-    """One query per row over the cache: (output [B, 1, D], the updated entry)."""
+def _decode_attention(attn, h, put, q_pos, kv_pos, kv_seg, p=UNSHARDED):
+    """The step's T queries per row over the cache: ``put(name, new [B, K, T, F])`` writes
+    this layer's new keys into the cache and returns the layer's ``[B, K, S, F]`` with them
+    (`_cached_layers`). -> output [B, T, D]."""
     with jax.named_scope(attn.block_name):
         q, k, v = attn.project(h)
         q, k = attn.apply_rope(q, k, q_pos)
         q_seg = jnp.ones(q_pos.shape, jnp.int32)
         kw = dict(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, scale=attn.scale, **_score_kwargs(attn))
+                  kv_segment_ids=kv_seg, scale=attn.scale, kv_heads_major=True,
+                  **_score_kwargs(attn))
         if isinstance(attn, MLA):
-            return _decode_mla(attn, q, k, v, entry, slot, kw, p)
-        kv_axes = ("batch", None, "act_kv_heads", None)
-        k, v = _resharded(p, k, kv_axes), _resharded(p, v, kv_axes)
-        keys, values = _write(entry["k"], k, slot), _write(entry["v"], v, slot)
-        o = dot_product_attention(q, keys, values, **kw)
-        return attn.out(o.astype(q.dtype)), {"k": keys, "v": values}
+            return _decode_mla(attn, q, k, v, put, kw, p)
+        kv_axes = ("batch", "act_kv_heads", None, None)
+        k, v = (_resharded(p, jnp.swapaxes(a, 1, 2), kv_axes) for a in (k, v))
+        o = dot_product_attention(q, put("k", k), put("v", v), **kw)
+        return attn.out(o.astype(q.dtype))
 
 
-def _decode_mla(attn, q, k_pe, latent, entry, slot, kw, p=UNSHARDED):
+def _decode_mla(attn, q, k_pe, latent, put, kw, p=UNSHARDED):
     """Absorbed MLA: scores ``q_nope W_uk . latent + q_pe . k_pe``, output ``(p . latent)
     W_uv``, as one shared-key head of width Rkv + Hr over the cache."""
     Hn, R = attn.qk_nope_head_dim, attn.kv_lora_rank
-    new = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)  # [B, 1, Rkv+Hr]
-    new = _resharded(p, new, ("batch", None, None))
-    cache = _write(entry["latent_pe"], new, slot)  # [B, S, Rkv + Hr]
+    new = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)  # [B, T, Rkv+Hr]
+    new = _resharded(p, new[:, None], ("batch", None, None, None))
+    cache = put("latent_pe", new)  # [B, 1, S, Rkv + Hr]: one head shared by all
     dtype = attn.kv_b_proj.dtype or cache.dtype
     w = attn.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
     w_uk, w_uv = w[..., :Hn], w[..., Hn:]
@@ -264,10 +267,10 @@ def _decode_mla(attn, q, k_pe, latent, entry, slot, kw, p=UNSHARDED):
     q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
     q_lat = _resharded(p, q_lat, ("batch", None, "act_heads", None))
     q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, 1, N, Rkv + Hr]
-    kv = cache.astype(dtype)[:, :, None]  # [B, S, 1, Rkv + Hr]: one head shared by all
-    o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, 1, N, Rkv]
+    kv = cache.astype(dtype)
+    o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, T, N, Rkv]
     o = jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)
-    return attn.out(o.astype(q.dtype)), {"latent_pe": cache}
+    return attn.out(o.astype(q.dtype))
 
 
 def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
@@ -289,7 +292,7 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
     S, T = kv_pos.shape[1], x.shape[1]
     views = {}
     for entry in entries:
-        slots = next(iter(entry.values())).shape[2]
+        slots = next(iter(entry.values())).shape[SLOTS]
         if slots < S and slots not in views:
             if T > 1:  # the T-th write would evict a key the first query still sees
                 raise ValueError(f"decoding {T} tokens a step (speculative decoding) over a "
@@ -297,25 +300,47 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
                                  f"supported; decode one token a step (speculative=None)")
             views[slots] = (*_ring_view(kv_pos, kv_seg, slot, slots), slot % slots)
 
-    def layer_fn(layer, x, entry):
-        out = {}
-        slots = next(iter(entry.values())).shape[1]
-        pos, seg, at = views.get(slots, (kv_pos, kv_seg, slot))
-
-        def attention(h):
-            y, out["entry"] = _decode_attention(layer.self_attn, h, entry, q_pos, pos, seg, at,
-                                                p)
-            return y
-
-        x, _ = layer.block(x, attention)
-        return _resharded(p, x, DECODE_RESIDUAL), out["entry"]
-
     new = []
     x = _resharded(p, x, DECODE_RESIDUAL)
     for layer, entry in zip(layers, entries, strict=True):
-        x, entry = _run_layers(layer, x, entry, layer_fn)
+        pos, seg, at = views.get(next(iter(entry.values())).shape[SLOTS],
+                                 (kv_pos, kv_seg, slot))
+
+        def layer_fn(one, x, put, pos=pos, seg=seg):
+            x, _ = one.block(x, lambda h: _decode_attention(one.self_attn, h, put, q_pos, pos,
+                                                            seg, p))
+            return _resharded(p, x, DECODE_RESIDUAL)
+
+        x, entry = _run_cached(layer, x, entry, at, layer_fn)
         new.append(entry)
     return x, tuple(new)
+
+
+def _run_cached(layer, x, entry, slot, fn):
+    """``fn(one_layer, x, put) -> x`` over an entry of ``model.layers`` and its cache `entry`
+    (``{name: [n, B, K, S, F]}``), which the loop over a stack carries: ``put(name, new [B, K,
+    T, F])`` writes the layer's new keys at `slot` in place (`_put`) and returns the layer's
+    ``[B, K, S, F]`` to attend over -- no layer's cache is sliced out and written back.
+    Returns (x, the updated entry)."""
+
+    def run(one, x, cache, i):
+        cache = dict(cache)
+
+        def put(name, new):
+            cache[name], layer_keys = _put(cache[name], new, i, slot)
+            return layer_keys
+
+        return fn(one, x, put), cache
+
+    if layer.stack_size is None:
+        return run(layer, x, entry, 0)
+    graphdef, state = nnx.split(layer)
+
+    def body(carry, inputs):
+        state, i = inputs
+        return run(nnx.merge(graphdef, state), *carry, i), None
+
+    return jax.lax.scan(body, (x, entry), (state, jnp.arange(layer.stack_size)))[0]
 
 
 def _decode(model, p: Partitioner, cache: KVCache, tokens):

@@ -47,11 +47,12 @@ class KVCache:
     """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
 
     Attributes:
-      layers: one dict per entry of ``model.layers``, arrays ``[n, B, S_l, ...]`` (``n`` the
-        entry's layer count): ``{"k", "v"}`` for `zoo.layers.Attention`, ``{"latent_pe"}``
-        for `zoo.layers.MLA`. ``S_l`` is `max_length`, or for a sliding-window layer of
-        window W ``min(W, max_length)``: a ring whose slot ``r`` holds the newest global slot
-        ``g`` with ``g % S_l == r`` (`cache_slots`).
+      layers: one dict per entry of ``model.layers``, arrays ``[n, B, K, S_l, F]`` (``n``
+        the entry's layer count, heads before slots as the decode step's products read
+        them): ``{"k", "v"}`` per kv head for `zoo.layers.Attention`, ``{"latent_pe"}``
+        (K = 1, the one key all heads share) for `zoo.layers.MLA`. ``S_l`` is `max_length`,
+        or for a sliding-window layer of window W ``min(W, max_length)``: a ring whose slot
+        ``r`` holds the newest global slot ``g`` with ``g % S_l == r`` (`cache_slots`).
       positions: [B, S] int32, the position of the token in each (global) slot.
       segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
       length: int32 scalar, slots written (the next one decode writes).
@@ -93,9 +94,9 @@ class KVCache:
             S = cache_slots(attn, max_length)
             if isinstance(attn, MLA):
                 width = attn.kv_lora_rank + attn.qk_rope_head_dim
-                entry = {"latent_pe": (n, batch, S, width)}
+                entry = {"latent_pe": (n, batch, 1, S, width)}
             else:
-                kv = (n, batch, S, attn.num_kv_heads, attn.head_dim)
+                kv = (n, batch, attn.num_kv_heads, S, attn.head_dim)
                 entry = {"k": kv, "v": kv}
             layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
         i32 = jnp.int32
@@ -116,8 +117,9 @@ def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
 
 # logical axes of the cache's arrays: the attention's activation names, so each strategy's
 # rules apply (kv heads over ``tensor``; the length over the context axes under cp/ep_as_cp)
-CACHE_AXES = {"k": ("layers", "batch", "length", "act_kv_heads", "act_head_dim"),
-              "latent_pe": ("layers", "batch", "length", None)}
+CACHE_AXES = {"k": ("layers", "batch", "act_kv_heads", "length", "act_head_dim"),
+              "latent_pe": ("layers", "batch", None, "length", None)}
+SLOTS = 3  # the slot axis of an entry's arrays [n, B, K, S, F]
 CACHE_AXES["v"] = CACHE_AXES["k"]
 
 
@@ -154,24 +156,39 @@ def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
 
 
 def _fill(a, slots: int):
-    """A prompt's entry ``[n, B, L, ...]`` -> ``[n, B, slots, ...]``: padded when it fits,
+    """A prompt's entry ``[n, B, K, L, F]`` -> ``[n, B, K, slots, F]``: padded when it fits,
     else the last ``slots`` of it as a ring (global slot ``g`` at ``g % slots``)."""
-    L = a.shape[2]
+    L = a.shape[SLOTS]
     if L <= slots:
-        return jnp.pad(a, [(0, 0), (0, 0), (0, slots - L)] + [(0, 0)] * (a.ndim - 3))
+        return jnp.pad(a, [(0, slots - L) if d == SLOTS else (0, 0) for d in range(a.ndim)])
     ring = np.arange(slots)
-    return a[:, :, (L - 1) - (L - 1 - ring) % slots]
+    return a[:, :, :, (L - 1) - (L - 1 - ring) % slots]
 
 
-def _write(cache_array, new, slot):
-    """Write ``new [B, T, ...]`` into slots ``slot ... slot + T - 1`` of ``cache_array [B, S,
-    ...]``; ``slot`` a scalar, or one per row ``[B]`` (speculative decoding's rows advance
-    apart)."""
+def _write(cache_array, new, slot, axis: int = 1):
+    """Write ``new`` into slots ``slot ... slot + T - 1`` of ``cache_array``, its slots on
+    `axis` (``[B, S]`` positions: 1; ``[B, K, S, F]`` one layer's keys: 2) and rows first;
+    ``slot`` a scalar, or one per row ``[B]`` (speculative decoding's rows advance apart)."""
     new = new.astype(cache_array.dtype)
     if jnp.ndim(slot) == 1:
-        return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(
-            c, n, (s,) + (0,) * (n.ndim - 1)))(cache_array, new, slot)
-    return jax.lax.dynamic_update_slice(cache_array, new, (0, slot) + (0,) * (new.ndim - 2))
+        return jax.vmap(lambda c, n, s: _write(c, n, s, axis - 1))(cache_array, new, slot)
+    at = [0] * new.ndim
+    at[axis] = slot
+    return jax.lax.dynamic_update_slice(cache_array, new, tuple(at))
+
+
+def _put(stack, new, layer, slot):
+    """Layer ``layer``'s ``new [B, K, T, F]`` written at ``slot`` (scalar or ``[B]``) into an
+    entry's stack ``[n, B, K, S, F]`` (in place when the stack is the decode loop's carry):
+    (the stack, that layer's ``[B, K, S, F]`` to attend over)."""
+    new = new.astype(stack.dtype)
+    if jnp.ndim(slot) == 0:
+        stack = jax.lax.dynamic_update_slice(stack, new[None], (layer, 0, 0, slot, 0))
+    else:
+        stack = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n[None],
+                                                                      (layer, 0, s, 0)),
+                         in_axes=(1, 0, 0), out_axes=1)(stack, new, slot)
+    return stack, jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
 
 
 def _ring_view(kv_pos, kv_seg, slot, slots: int):

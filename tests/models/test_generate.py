@@ -154,9 +154,9 @@ def test_window_layers_keep_a_ring_of_window_slots(name, scan, tmp_path_factory)
     total = 0
     for layer, entry, w in zip(model.layers, cache.layers, windows):
         n = layer.stack_size or 1
-        want = (n, 3, S if w is None else W, c.num_key_value_heads, c.head_dim)
+        want = (n, 3, c.num_key_value_heads, S if w is None else W, c.head_dim)
         assert entry["k"].shape == entry["v"].shape == want
-        total += n * want[2] * per_slot
+        total += n * want[3] * per_slot
     assert cache.bytes_per_token() == total // S
     assert G.KVCache.shapes(model, 3, S).bytes_per_token() == total // S
     layers = c.num_hidden_layers
@@ -165,7 +165,7 @@ def test_window_layers_keep_a_ring_of_window_slots(name, scan, tmp_path_factory)
     assert G.cache_bytes_per_token(model) == layers * per_slot  # one token: every layer
     assert G.cache_bytes_per_token(model, context=60) == \
         (full * 60 + (layers - full) * W) * per_slot // 60
-    assert [e["k"].shape[2] for e in G.KVCache.shapes(model, 1, 4).layers] == \
+    assert [e["k"].shape[3] for e in G.KVCache.shapes(model, 1, 4).layers] == \
         [4] * len(model.layers)  # a window longer than the cache: the cache's length
     with pytest.raises(ValueError, match="context=0 must be an int >= 1"):
         G.cache_bytes_per_token(model, context=0)
@@ -194,7 +194,7 @@ def test_mla_cache_holds_latent_and_rotary_key(ds):
     tokens[:, -2:] = 1
     _, cache = G.prefill(model, tokens, (tokens > 0).astype(np.int32), max_length=7 + NEW - 1)
     assert cache.bytes_per_token() == want
-    assert cache.layers[0]["latent_pe"].shape == (1, 3, 7 + NEW - 1, 16 + 8)
+    assert cache.layers[0]["latent_pe"].shape == (1, 3, 1, 7 + NEW - 1, 16 + 8)
     gqa = mixtral.Mixtral.abstract(mixtral.MixtralConfig.mixtral_8x7b())
     assert G.cache_bytes_per_token(gqa, jnp.bfloat16) == 2 * 8 * 128 * 32 * 2
 
@@ -273,8 +273,8 @@ def test_mla_cache_shards_its_length_over_the_context_axes(ds, strategy, devices
     for c in (cache, G.decode(model, cache, np.argmax(np.asarray(logits), -1))[1]):
         for entry in c.layers:
             spec = _spec(entry["latent_pe"])
-            assert _axes(spec[1]) == p.batch_axes("attention") and spec[3] is None
-            assert _axes(spec[2]) == context, (strategy, spec)
+            assert _axes(spec[1]) == p.batch_axes("attention") and spec[2] is None
+            assert spec[4] is None and _axes(spec[3]) == context, (strategy, spec)
         assert _axes(_spec(c.positions)[1]) == ()
 
 
@@ -292,17 +292,17 @@ def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
         assert G.generate(model, PROMPTS, max_new_tokens=NEW) == r.hf_tokens, name
         tokens, segs = G._pad_prompts(model, PROMPTS)
         _, cache = G.prefill(model, tokens, segs, max_length=tokens.shape[1] + 8)
-        slots = {e["k"].shape[2] for e in cache.layers}
+        slots = {e["k"].shape[3] for e in cache.layers}
         assert slots == ({W, tokens.shape[1] + 8} if name == "gpt_oss" else {W})
         for entry in cache.layers:
             for a in (entry["k"], entry["v"]):
                 spec = _spec(a)
-                assert spec[3] == "tensor" and spec[4] is None, (name, spec)
-                assert spec[2] == "context", (name, a.shape, spec)
+                assert spec[2] == "tensor" and spec[4] is None, (name, spec)
+                assert spec[3] == "context", (name, a.shape, spec)
         # a ring of 3 slots does not split over context=2: kept whole on the length
-        assert G.cache_axes(p, "k", (1, 4, 3, 2, 8))[2] is None
-        assert G.cache_axes(p, "k", (1, 4, 4, 2, 8))[2] == "length"
-        assert G.cache_axes(p, "k", (1, 4, 4, 1, 8))[3] is None  # 1 kv head, tensor 2
+        assert G.cache_axes(p, "k", (1, 4, 2, 3, 8))[3] is None
+        assert G.cache_axes(p, "k", (1, 4, 2, 4, 8))[3] == "length"
+        assert G.cache_axes(p, "k", (1, 4, 1, 4, 8))[2] is None  # 1 kv head, tensor 2
 
 
 # the recipe's closing sample (`zoo.train.cli`): a mini DeepSeek-V3 on its default mesh

@@ -54,40 +54,57 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positio
                           sliding_window: int | None = None, mask: Mask | None = None,
                           scale: float | None = None, logits_soft_cap: float | None = None,
                           sinks: jax.Array | None = None,
-                          score_mod: ScoreMod | None = None) -> jax.Array:
+                          score_mod: ScoreMod | None = None,
+                          kv_heads_major: bool = False) -> jax.Array:
     """Unsharded reference attention. q [B,L,N,H], k [B,S,K,H], v [B,S,K,Hv] -> [B,L,N,Hv].
 
     Computes in fp32 with the dense mask; rows that see no key (padding, segment 0) are exactly
-    zero with zero gradient, never NaN. ``scale`` defaults to H**-0.5.
+    zero with zero gradient, never NaN. ``scale`` defaults to H**-0.5. ``kv_heads_major``: k
+    and v are laid out [B,K,S,H] and [B,K,S,Hv] instead (a decode cache: both products are
+    then plain batched matmuls over each kv head's keys, with no transpose of the keys).
     """
     B, L, N, H = q.shape
-    K = k.shape[2]
+    kv = "bksh" if kv_heads_major else "bskh"
+    if kv_heads_major:
+        _check_shapes(q, *(jax.ShapeDtypeStruct(tuple(a.shape[i] for i in (0, 2, 1, 3))
+                                                if a.ndim == 4 else a.shape, a.dtype)
+                           for a in (k, v)), q_positions, kv_positions, q_segment_ids,
+                      kv_segment_ids, sliding_window, logits_soft_cap, sinks, score_mod)
+    else:
+        _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                      sliding_window, logits_soft_cap, sinks, score_mod)
+    K = k.shape[1 if kv_heads_major else 2]
     G = N // K
-    _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                  sliding_window, logits_soft_cap, sinks, score_mod)
     scores = Scores(default_mask(causal, sliding_window, mask),
                     H ** -0.5 if scale is None else float(scale), logits_soft_cap, score_mod)
     qseg = jnp.ones((B, L), jnp.int32) if q_segment_ids is None else q_segment_ids
     kseg = jnp.ones(kv_positions.shape, jnp.int32) if kv_segment_ids is None else kv_segment_ids
     with jax.named_scope("dot_product_attention"):
         visible = attention_mask(q_positions, kv_positions, qseg, kseg, mask=scores.mask)
-        qg = q.astype(jnp.float32).reshape(B, L, K, G, H)
-        s = jnp.einsum("blkgh,bskh->bkgls", qg, k.astype(jnp.float32)) * scores.scale
-        tokens = (q_positions[:, None, None, :, None], kv_positions[:, None, None, None, :],
-                  qseg[:, None, None, :, None], kseg[:, None, None, None, :])
-        s = scores.modify(s, *tokens, jnp.arange(N).reshape(1, K, G, 1, 1))
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
-        # the sink: one more logit per head in the softmax, with no value (-inf: no sink)
-        sink = (jnp.full((N,), -jnp.inf) if sinks is None else sinks.astype(jnp.float32))
-        sink = jnp.broadcast_to(sink.reshape(1, K, G, 1, 1), (B, K, G, L, 1))
-        s = jnp.concatenate([s, sink], axis=-1)
+        # q [B, K, L, G, H] and logits [B, K, L, G, S]: the matmul's own order (batch, lhs
+        # free, rhs free), so only q (small) is transposed, never the keys or the logits,
+        # which matters in a decode step (L = 1, S large)
+        qg = jnp.swapaxes(q.astype(jnp.float32).reshape(B, L, K, G, H), 1, 2)
+        s = jnp.einsum(f"bkmh,{kv}->bkms", qg.reshape(B, K, L * G, H), k.astype(jnp.float32))
+        s = s.reshape(B, K, L, G, -1) * scores.scale
+        tokens = (q_positions[:, None, :, None, None], kv_positions[:, None, None, None, :],
+                  qseg[:, None, :, None, None], kseg[:, None, None, None, :])
+        s = scores.modify(s, *tokens, jnp.arange(N).reshape(1, K, 1, G, 1))
+        s = jnp.where(visible[:, None, :, None], s, -jnp.inf)
+        if sinks is not None:  # the sink: one more logit per head in the softmax, no value
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, 1, G, 1),
+                                    (B, K, L, G, 1))
+            s = jnp.concatenate([s, sink], axis=-1)
         # max over visible keys; a fully masked row has max -inf, replaced by 0 so exp gives 0
         mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         p = jnp.exp(s - mx)  # exp(-inf) = 0 on masked entries, and its gradient is 0 too
         denom = jnp.sum(p, axis=-1, keepdims=True)
-        p = (p / jnp.where(denom > 0, denom, 1.0))[..., :-1]
-        out = jnp.einsum("bkgls,bskh->blkgh", p, v.astype(jnp.float32))
+        p = p / jnp.where(denom > 0, denom, 1.0)
+        if sinks is not None:
+            p = p[..., :-1]
+        out = jnp.einsum(f"bkms,{kv}->bkmh", p.reshape(B, K, L * G, -1), v.astype(jnp.float32))
+        out = jnp.swapaxes(out.reshape(B, K, L, G, -1), 1, 2)
         return out.reshape(B, L, N, v.shape[-1]).astype(q.dtype)
 
 
