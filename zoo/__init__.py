@@ -8,6 +8,9 @@ the mesh helpers `make_mesh`, `Partitioner`.
 import importlib
 
 from zoo.partitioning import MESH_AXES, STRATEGIES, Partitioner, make_mesh
+from zoo.targets import cpu_unless_accelerator
+
+cpu_unless_accelerator()  # the TPU compiler installed on a CPU host: no libtpu probe
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,9 @@ slice builds.
 * `configure_process()` -- the environment libtpu needs on a host without TPUs (called by
   `target_devices`): no metadata-server query, several processes may load it (test workers,
   subprocesses), and jax's own platform stays the CPU.
+* `cpu_unless_accelerator()` -- with the TPU compiler installed on a host that has no TPU
+  (the ``test`` extra on a CPU box), jax starts on its CPU quietly rather than probing libtpu
+  first; `import zoo` calls it.
 * `hbm_bytes(device_kind)` -- a chip's memory as the TPU compiler counts it (what its
   out-of-memory message states), None when not known.
 
@@ -27,7 +30,8 @@ import os
 import re
 from typing import Any
 
-__all__ = ["target_devices", "configure_process", "hbm_bytes", "parse_target", "TPU_CHIPS"]
+__all__ = ["target_devices", "configure_process", "cpu_unless_accelerator", "hbm_bytes",
+           "parse_target", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -44,6 +48,38 @@ def configure_process() -> None:
     import jax
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
+
+
+def cpu_unless_accelerator() -> None:
+    """Start jax on its CPU when the TPU compiler is installed on a host with no TPU chip and
+    no other accelerator plugin, unless platforms were named (``JAX_PLATFORMS`` or
+    ``jax_platforms``). jax would otherwise try libtpu's TPU backend first, which prints
+    warnings (no accelerator type, no worker hostnames) before falling back to the CPU.
+    `import zoo` calls it; it changes nothing once a backend has started, and nothing on a
+    TPU or GPU host."""
+    import importlib.util
+
+    import jax
+    if jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"):
+        return
+    if importlib.util.find_spec("libtpu") is None or _tpu_chips() or any(
+            importlib.util.find_spec(m) is not None
+            for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                      "jax_rocm7_plugin")):
+        return
+    from jax._src import xla_bridge
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _tpu_chips() -> int:
+    """TPU chips attached to this host (PCI devices of Google's vendor id, as jax counts)."""
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+        return num_available_tpu_chips_and_device_id()[0]
+    except Exception:  # a jax without the helper: look for the TPU device files instead
+        import glob
+        return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
 
 
 def parse_target(target: str) -> tuple[str, str | None, str | None]:

@@ -57,3 +57,25 @@ def test_target_setting_is_checked_when_parsed():
     with pytest.raises(ValueError, match=r"--target 'v5p-8'.*tpu:v5p:8x8x4"):
         TrainConfig(target="v5p-8", rehearse=True)
     assert TrainConfig(target="tpu:v5p:2x2x2", rehearse=True).target == "tpu:v5p:2x2x2"
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_a_cpu_host_with_the_tpu_compiler_starts_on_cpu_quietly():
+    """With libtpu installed and no TPU chip, a script that imports zoo and asks for virtual
+    CPU devices starts jax on its CPU without libtpu's probe warnings (no accelerator type,
+    no worker hostnames); naming a platform is still the user's choice."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    script = ("import zoo; zoo.set_cpu_devices(2); import jax; "
+              "print(jax.default_backend(), jax.device_count())")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "2"]
+    assert "TPU" not in out.stderr and "InitGoogle" not in out.stderr, out.stderr
+    # without zoo, jax itself probes libtpu first (what the call above avoids)
+    bare = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert bare.stdout.split() == ["cpu"] and "TPU" in bare.stderr
