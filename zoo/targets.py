@@ -18,7 +18,8 @@ slice builds.
   (the ``test`` extra on a CPU box), jax starts on its CPU quietly rather than probing libtpu
   first; `import zoo` calls it.
 * `hbm_bytes(device_kind)` -- a chip's memory as the TPU compiler counts it (what its
-  out-of-memory message states), None when not known.
+  out-of-memory message states), None when not known; `chip(device_kind)` its published
+  peaks (bf16 FLOP/s, ICI and HBM bytes/s), which `Rehearsal.roofline` bounds a step with.
 
 GPU targets (``jax[cuda12]`` and a ``gpu_device_info`` description) compile the same way but
 need the CUDA plugin and toolchain (several GB); they are not wired here.
@@ -26,12 +27,13 @@ need the CUDA plugin and toolchain (several GB); they are not wired here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
 
-__all__ = ["target_devices", "configure_process", "cpu_unless_accelerator", "hbm_bytes",
-           "parse_target", "TPU_CHIPS"]
+__all__ = ["CHIPS", "Chip", "target_devices", "configure_process", "chip",
+           "cpu_unless_accelerator", "hbm_bytes", "parse_target", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -48,6 +50,26 @@ def configure_process() -> None:
     import jax
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A chip's published peaks (Cloud TPU docs, per chip): dense bf16 FLOP/s, bidirectional
+    inter-chip interconnect (ICI) bytes/s and HBM bytes/s."""
+    peak_flops: float
+    ici_bytes_per_s: float
+    hbm_bytes_per_s: float
+
+
+# by jax's device_kind; v4's ICI is not stated per chip in the same terms, so it has no entry
+CHIPS = {"TPU v5": Chip(459e12, 1200e9, 2765e9),        # v5p
+         "TPU v5 lite": Chip(197e12, 400e9, 819e9),     # v5e
+         "TPU v6 lite": Chip(918e12, 800e9, 1638e9)}    # v6e (Trillium)
+
+
+def chip(device_kind: str) -> Chip | None:
+    """The published peaks of a device kind (`CHIPS`), None if not known (CPU, v4)."""
+    return CHIPS.get(device_kind)
 
 
 def cpu_unless_accelerator() -> None:

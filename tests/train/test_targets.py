@@ -79,3 +79,36 @@ def test_a_cpu_host_with_the_tpu_compiler_starts_on_cpu_quietly():
     bare = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert bare.stdout.split() == ["cpu"] and "TPU" in bare.stderr
+
+
+def test_roofline_bounds_the_step_from_the_reports_counts():
+    """`Rehearsal.roofline`: the larger of the dot FLOPs (at least the model's) at the chip's
+    bf16 peak and the collective bytes at its ICI bandwidth; MFU and tokens/s at that bound;
+    nothing for a device whose peaks are not known."""
+    import dataclasses
+
+    from zoo.train.rehearse import Rehearsal
+    r = Rehearsal(label="m", devices=256, mesh="fsdp=4,expert=64", strategy="fsdp",
+                  batch_size=256, seq_len=4096, dtype="bfloat16", param_dtype="float32",
+                  remat="full", compile_s=1.0, hlo_instructions=1, param_bytes=0,
+                  optimizer_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0,
+                  temp_bytes=0, hlo_flops=459e12, model_flops=306e12, xla_flops=0.0,
+                  collective_bytes={"all-gather": 360e9, "all-to-all": 240e9},
+                  dots_by_dtype={}, dot_names={}, target="tpu", device_kind="TPU v5")
+    b = r.roofline()
+    assert b["compute_s"] == pytest.approx(1.0) and b["bound_by"] == "compute"
+    assert b["collective_s"] == {"all-gather": pytest.approx(0.3), "all-to-all": pytest.approx(0.2)}
+    assert b["bound_s"] == pytest.approx(1.0) and b["mfu"] == pytest.approx(2 / 3)
+    assert b["tokens_per_s"] == pytest.approx(4096)  # 256 x 4096 tokens over 256 chips, 1 s
+    assert "roofline BOUND (not a measurement): step >= 1,000.0 ms" in str(r)
+    wire = dataclasses.replace(r, collective_bytes={"all-to-all": 2400e9}).roofline()
+    assert wire["bound_s"] == pytest.approx(2.0) and wire["bound_by"] == "collectives"
+    assert wire["mfu"] == pytest.approx(1 / 3)
+    # kernels' FLOPs (custom calls) are not in the HLO count: the model's are the floor
+    kernel = dataclasses.replace(r, hlo_flops=100e12).roofline()
+    assert kernel["compute_s"] == pytest.approx(306 / 459) and kernel["mfu"] == pytest.approx(1)
+    decode = dataclasses.replace(r, step="decode", batch_size=128, seq_len=32768)
+    assert decode.tokens_per_device == 0.5  # one token per row a step
+    cpu = dataclasses.replace(r, target="cpu", device_kind="cpu")
+    assert cpu.roofline() is None and "BOUND" not in str(cpu)
+    assert targets.chip("TPU v5").peak_flops == 459e12 and targets.chip("TPU v4") is None

@@ -109,6 +109,34 @@ class Rehearsal:
     def flops_ratio(self) -> float:
         return self.hlo_flops / self.model_flops if self.model_flops else float("nan")
 
+    @property
+    def tokens_per_device(self) -> float:
+        """Tokens one device processes a step: a train step's batch x sequence, a decode
+        step's one token per row, over the devices."""
+        rows = self.batch_size * (1 if self.step == "decode" else self.seq_len)
+        return rows / self.devices
+
+    def roofline(self) -> dict[str, Any] | None:
+        """A lower bound on the step's time from this report's own counts and the target
+        chip's published peaks (`zoo.targets.chip`; None where none is known, e.g. CPU): the
+        larger of compute -- the program's dot FLOPs (custom-call kernels' are not counted,
+        so at least the model's) at the bf16 peak -- and collectives -- each kind's bytes per
+        device at the chip's whole ICI bandwidth, as if every link carried data all the
+        step. Perfect overlap, no HBM or launch cost: a real step is slower, so a measured
+        MFU above ``mfu`` here, or tokens/s above ``tokens_per_s``, would be a bug in it."""
+        from zoo.targets import chip
+        c = chip(self.device_kind)
+        if c is None:
+            return None
+        compute_s = max(self.hlo_flops, self.model_flops) / c.peak_flops
+        collective_s = {k: v / c.ici_bytes_per_s for k, v in self.collective_bytes.items()}
+        bound_s = max(compute_s, sum(collective_s.values()))
+        return dict(bound_s=bound_s, compute_s=compute_s, collective_s=collective_s,
+                    bound_by="compute" if bound_s == compute_s else "collectives",
+                    mfu=self.model_flops / (bound_s * c.peak_flops) if bound_s else 0.0,
+                    tokens_per_s=self.tokens_per_device / bound_s if bound_s else 0.0,
+                    peak_flops=c.peak_flops, ici_bytes_per_s=c.ici_bytes_per_s)
+
     def fp32_dots(self, allowed: tuple[str, ...] = ("router", "loss")) -> list[str]:
         """Op names of f32 dots outside the scopes where fp32 is intended (router, loss)."""
         return [n for n in self.dot_names.get("f32", []) if not any(a in n for a in allowed)]
@@ -173,6 +201,15 @@ class Rehearsal:
             f"{k} {v / 1e9:.2f} GB" for k, v in self.collective_bytes.items()))
         lines.append("  dots by operand dtype: " + ", ".join(
             f"{k} {v}" for k, v in self.dots_by_dtype.items()))
+        bound = self.roofline()
+        if bound is not None:
+            lines.append(
+                f"  roofline BOUND (not a measurement): step >= {bound['bound_s'] * 1e3:,.1f} "
+                f"ms ({bound['bound_by']}: compute {bound['compute_s'] * 1e3:,.1f} ms at "
+                f"{bound['peak_flops'] / 1e12:,.0f} TFLOP/s, collectives "
+                f"{sum(bound['collective_s'].values()) * 1e3:,.1f} ms at "
+                f"{bound['ici_bytes_per_s'] / 1e9:,.0f} GB/s ICI); at the bound MFU "
+                f"{bound['mfu']:.1%}, {bound['tokens_per_s']:,.0f} tokens/s per device")
         return "\n".join(lines)
 
 
