@@ -270,6 +270,7 @@ def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len
     from zoo.train.rehearse import rehearse_built
     cfg = DeepSeek3Config.deepseek_v3(num_hidden_layers=1, first_k_dense_replace=0 if moe else 1,
                                       remat_policy="full", moe_buffer_factor=buffer_factor,
+                                      moe_overflow="drop",
                                       num_nextn_predict_layers=0)  # the layer alone
     batch = fsdp * expert * tokens // seq_len
     train = TrainConfig(mesh=f"fsdp={fsdp},expert={expert}", strategy="fsdp", batch_size=batch,

@@ -604,6 +604,8 @@ def test_buffer_factor_ignored_by_auto_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert MoE(partitioner=part, dispatch="all_to_all", **args).dispatch == "all_to_all"
+        # exact overflow (the full-size presets' setting): all_gather drops nothing either
+        assert MoE(partitioner=part, overflow="exact", **args).dispatch == "all_gather"
 
 
 @pytest.mark.parametrize("kw, mesh, match", [

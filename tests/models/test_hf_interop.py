@@ -79,8 +79,11 @@ def test_config_round_trip_through_transformers(config):
 
 
 def without_remat(config):
-    """config.json does not carry zoo's remat policy (the full presets default to "full")."""
-    return dataclasses.replace(config, remat_policy=None)
+    """config.json does not carry zoo-only fields (the full presets set some: remat "full",
+    DeepSeek-V3's exact MoE buffers): each back at the class default."""
+    from zoo.models.config import ZOO_ONLY
+    return dataclasses.replace(config, **{
+        f.name: f.default for f in dataclasses.fields(config) if f.metadata.get(ZOO_ONLY)})
 
 
 def test_published_mixtral_8x7b_config_json():
@@ -120,7 +123,9 @@ def test_published_deepseek_v3_config_json():
     cfg = deepseek3.DeepSeek3Config.from_hf_config(raw)
     # the published model trains with one MTP layer, as the preset does
     assert cfg.num_nextn_predict_layers == 1
-    assert cfg == deepseek3.DeepSeek3Config.deepseek_v3(aux_loss_alpha=0.001, remat_policy=None)
+    # the published config.json, read: the preset less its zoo-only choices (remat, MoE buffers)
+    assert cfg == deepseek3.DeepSeek3Config.deepseek_v3(
+        aux_loss_alpha=0.001, remat_policy=None, moe_buffer_factor=None, moe_overflow="drop")
 
 
 # -- rope settings against transformers' YaRN ---------------------------------------------------

@@ -219,8 +219,10 @@ class MoE(nnx.Module):
         self.activation, self.gate_up = activation, gate_up
         self.dispatch_requested = dispatch
         self.dispatch = self._resolve_dispatch(dispatch, batch * length)
-        if buffer_factor is not None and self.dispatch == "all_gather":
+        if buffer_factor is not None and self.dispatch == "all_gather" and overflow == "drop":
             # "auto" chose the scheme without receive buffers: say so rather than ignore it
+            # (with overflow="exact", as the full-size presets set, nothing is lost: all_gather
+            # drops nothing either)
             warnings.warn(
                 f"MoE: buffer_factor={buffer_factor} has no effect, dispatch={dispatch!r} "
                 f"resolved to 'all_gather' (expert shards {p.size('experts', 'moe')}, "

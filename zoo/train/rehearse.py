@@ -205,7 +205,7 @@ class Rehearsal:
         if bound is not None:
             lines.append(
                 f"  roofline BOUND (not a measurement): step >= {bound['bound_s'] * 1e3:,.1f} "
-                f"ms ({bound['bound_by']}: compute {bound['compute_s'] * 1e3:,.1f} ms at "
+                f"ms ({bound['bound_by']}-bound: compute {bound['compute_s'] * 1e3:,.1f} ms at "
                 f"{bound['peak_flops'] / 1e12:,.0f} TFLOP/s, collectives "
                 f"{sum(bound['collective_s'].values()) * 1e3:,.1f} ms at "
                 f"{bound['ici_bytes_per_s'] / 1e9:,.0f} GB/s ICI); at the bound MFU "
