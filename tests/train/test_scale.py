@@ -386,7 +386,7 @@ def test_scale_script_prints_the_decode_row(devices, capsys):
     (dict(batch_size=0), r"batch_size=0 must be an int >= 1"),
 ])
 def test_decode_rehearsal_refuses_bad_input_before_compiling(devices, monkeypatch, kw, match):
-    module = importlib.import_module("zoo.train.rehearse")  # the package exports the function
+    module = importlib.import_module("zoo.train.decode_rehearsal")
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled despite bad input")

@@ -29,7 +29,8 @@ from zoo.train.config import TrainConfig
 from zoo.train.hooks import Hook, plot_loss, read_metrics
 from zoo.train.launch import set_cpu_devices
 from zoo.train.load import Loaded, load
-from zoo.train.rehearse import Rehearsal, rehearse, rehearse_decode
+from zoo.train.decode_rehearsal import rehearse_decode
+from zoo.train.rehearse import Rehearsal, rehearse
 from zoo.train.step import (BATCH_KEYS, abstract_state, create_sharded, loss_fn, lr_schedule,
                             make_global_batch, make_train_step, make_tx)
 from zoo.train.trainer import (CompileInterrupted, IncompatibleCheckpoint, Summary, Trainer,

@@ -11,7 +11,8 @@ run compiles, lowered and compiled here for as many virtual CPU devices as the m
   -> a `Rehearsal`; `rehearse_step` does the same from a recipe's pieces (``--rehearse``).
 * `rehearse_decode(model, ...)` -- one `zoo.generate` decode step (a token per row against a
   donated KV cache of ``context`` slots, bf16 parameters by default) compiled the same way: a
-  `Rehearsal` with ``step="decode"`` and the cache's bytes per device.
+  `Rehearsal` with ``step="decode"`` and the cache's bytes per device
+  (`zoo.train.decode_rehearsal`, also reached here).
 * `Rehearsal` -- compile seconds, HLO instruction count, per-device bytes (parameters and
   optimizer state from the shardings; temporaries, arguments and outputs from XLA's memory
   analysis), HLO FLOPs per device against the model's own training FLOPs, bytes per
@@ -37,8 +38,8 @@ from typing import Any
 
 from zoo.ops.hlo import HloStats, hlo_stats  # the HLO counter, re-exported
 
-__all__ = ["Rehearsal", "rehearse", "rehearse_decode", "rehearse_step", "hlo_stats", "HloStats",
-           "set_virtual_devices", "presets"]  # PRESETS: on access
+__all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
+           "set_virtual_devices", "presets"]  # PRESETS, rehearse_decode: on access
 
 
 # -- virtual devices -------------------------------------------------------------------------------
@@ -362,6 +363,9 @@ def model_config(model: str | Any) -> tuple[str, Any]:
 def __getattr__(name: str) -> Any:
     if name == "PRESETS":  # computed on access: the families register when zoo.models loads
         return presets()
+    if name == "rehearse_decode":  # its own module (zoo.train.decode_rehearsal) imports this one
+        from zoo.train.decode_rehearsal import rehearse_decode
+        return rehearse_decode
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -426,103 +430,3 @@ def _build(model: str | Any, *, mesh, strategy: str, batch_size: int, seq_len: i
                         rehearse=True, **bias)
     return label, build(train, model_config=config, with_data=False, donate=True,
                         devices=devices)
-
-
-# -- one decode step ---------------------------------------------------------------------------
-
-class _ShardingOf:
-    """Stands in for a partitioner where code constrains arrays: ``constrain`` gives the
-    `jax.ShapeDtypeStruct` with the sharding the constraint would impose, so the cache's
-    shardings are read from `zoo.generate`'s own constraint rather than restated here."""
-
-    def __init__(self, partitioner):
-        self.partitioner = partitioner
-
-    def constrain(self, x, logical_axes, scope=None):
-        import jax
-        return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                    sharding=self.partitioner.sharding(logical_axes, scope))
-
-    def __getattr__(self, name):
-        return getattr(self.partitioner, name)
-
-
-def _cache_abstract(model, partitioner, batch_size: int, context: int):
-    """The decode cache of `context` slots as `jax.ShapeDtypeStruct`s on the shardings
-    `zoo.generate` constrains it to (the slot counter, unconstrained there, replicated)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from zoo.kv_cache import KVCache, _constrain_cache
-    cache = _constrain_cache(KVCache.shapes(model, batch_size, context), _ShardingOf(partitioner))
-    replicated = NamedSharding(partitioner.mesh, P())
-    return jax.tree.map(lambda x: x if x.sharding is not None else
-                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), cache)
-
-
-def _check_decode(batch_size: Any, context: Any) -> None:
-    for name, v in (("batch_size", batch_size), ("context", context)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"rehearse_decode: {name}={v!r} must be an int >= 1 (the cache "
-                             f"holds batch_size rows of context slots)")
-
-
-def rehearse_decode(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
-                    strategy: str = "fsdp", batch_size: int, context: int,
-                    dtype: Any = "bfloat16", param_dtype: Any = "bfloat16",
-                    overrides: Mapping[str, Any] | Sequence[str] | None = None,
-                    target: str = "cpu") -> Rehearsal:
-    """One decode step (`zoo.generate.decode`: a token per row against a KV cache of `context`
-    slots) compiled ahead of time for a mesh, as `rehearse` compiles a train step.
-
-    The model is `rehearse`'s (`zoo.train.build`, abstract, the partitioner's parameter
-    shardings); the cache is `zoo.generate.KVCache.shapes` in the compute dtype, sharded as
-    `zoo.generate` constrains it (rows over the partitioner's batch axes, layers and slots
-    whole) and donated, as `zoo.generate.Decoder` runs it; the tokens ``[batch_size]`` int32
-    over the batch axes. The program is `zoo.generate`'s compiled decode step: the layers'
-    unsharded code on the sharded parameters, MoE dropless, XLA partitioning from the
-    arguments' shardings.
-
-    Returns a `Rehearsal` with ``step="decode"``: ``seq_len`` is the cache's slots,
-    ``param_bytes``/``cache_bytes`` the per-device shards from the shardings, arguments /
-    temporaries / outputs / aliased (the donated cache) from XLA's memory analysis,
-    ``model_flops`` the model's forward FLOPs for one token per row with every slot a key
-    (``flops_per_token(context, causal=False) / 3``), per device.
-
-    Args:
-      model, mesh, strategy, overrides, target: as for `rehearse`.
-      batch_size: rows decoded together; a multiple of the mesh's batch shards.
-      context: the cache's slots per row (the prompt plus the tokens to generate); the model
-        is built for prompts of this length (``inputs_shape=(batch_size, context)``, as
-        prefill runs), so `build` checks both against the mesh before compiling.
-      dtype: compute dtype, also the cache's.
-      param_dtype: the parameters' dtype; bfloat16 by default, as served (no optimizer, no
-        fp32 master weights).
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from zoo.generate import _decode_jit, _split
-
-    _check_decode(batch_size, context)
-    label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
-                          seq_len=context, dtype=dtype, param_dtype=param_dtype,
-                          overrides=overrides, target=target)
-    p = built.partitioner  # `build` refused a batch the batch shards do not divide
-    abstract, _ = built.abstract_state()
-    graphdef, state = _split(abstract, unsharded=True)
-    cache = _cache_abstract(abstract, p, batch_size, context)
-    tokens = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=p.sharding(("batch",)))
-    param_b, cache_b = _sharded_bytes(nnx.state(abstract)), _sharded_bytes(cache)
-    cfg = built.model_config
-    return _measure(
-        lambda: _decode_jit.lower(state, cache, tokens, graphdef=graphdef, p=p), p,
-        state_bytes=param_b + cache_b, label=label, mesh=built.config.mesh,
-        strategy=p.strategy, batch_size=batch_size, seq_len=context,
-        dtype=_dtype_name(cfg.dtype), param_dtype=_dtype_name(cfg.param_dtype), remat=None,
-        param_bytes=param_b, optimizer_bytes=0, cache_bytes=cache_b, step="decode",
-        model_flops=cfg.flops_per_token(context, causal=False) / 3 * batch_size
-        / p.mesh.devices.size)
-
