@@ -36,9 +36,9 @@ def parse_args(argv=None):
     from zoo.train.rehearse import presets  # the registry's; importing starts no backend
     a("--model", default="deepseek_v3", choices=presets(), metavar="PRESET",
       help="one of " + ", ".join(presets()))
-    a("--devices", type=int, default=256, help="virtual CPU devices (with --target cpu)")
-    a("--target", default="cpu", help="cpu, or a TPU slice compiled by the TPU compiler "
-      "here, e.g. tpu:v5p:8x8x4 (256 v5p chips; needs libtpu)")
+    a("--devices", type=int, default=256, help="virtual CPU devices (--target cpu)")
+    a("--target", default="cpu", help="cpu, cpu-N, or a TPU slice compiled by the TPU "
+      "compiler here, e.g. tpu-v5p-256 or tpu:v5p:8x8x4 (256 v5p chips; needs libtpu)")
     a("--mesh", default=None, help="e.g. fsdp=4,expert=64 (default fsdp=<devices>)")
     a("--strategy", default="fsdp", choices=("fsdp", "cp", "ep_as_cp"))
     a("--batch-size", type=int, default=256, help="global rows")
@@ -83,8 +83,10 @@ def markdown(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from zoo.train.rehearse import rehearse, rehearse_decode, set_virtual_devices
-    if args.target == "cpu":
-        set_virtual_devices(args.devices)  # before anything starts jax's backend
+    from zoo.targets import parse
+    target = parse(args.target)
+    if target.platform == "cpu":  # before anything starts jax's backend
+        set_virtual_devices(target.count or args.devices)
 
     overrides = args.overrides  # parsed from the config's field types, as the recipes do
     remat = None if args.remat in ("none", "None") else args.remat

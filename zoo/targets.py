@@ -8,9 +8,10 @@ analysis (or its out-of-memory error) is the TPU's. `zoo.train.rehearse.rehearse
 mesh's platform (`zoo.partitioning.mesh_platform`), so this is the program a run on that
 slice builds.
 
-* `target_devices(target)` -- ``"cpu"`` (this host's devices) or a TPU slice,
-  ``"tpu:v5p:2x2x2"`` / ``"v5p:8x8x4"`` (generation, then the topology's chip grid), as a
-  list of device descriptions.
+* `target_devices(target)` -- ``"cpu"`` (this host's devices), ``"cpu-N"`` (N of them) or a
+  TPU slice by chips, ``"tpu-v5p-256"`` (256 chips: what Cloud and MaxText call v5p-512;
+  ``"tpu-v5p-128x2"`` is two slices of 128), or by chip grid, ``"tpu:v5p:8x8x4"``, as a list
+  of device descriptions. ``"h100-N"`` / ``"h200-N"`` parse (`parse`) but are not wired.
 * `configure_process()` -- the environment libtpu needs on a host without TPUs (called by
   `target_devices`): no metadata-server query, several processes may load it (test workers,
   subprocesses), and jax's own platform stays the CPU.
@@ -32,7 +33,7 @@ import os
 import re
 from typing import Any
 
-__all__ = ["CHIPS", "Chip", "target_devices", "configure_process", "chip",
+__all__ = ["CHIPS", "Chip", "Target", "parse", "target_devices", "configure_process", "chip",
            "cpu_unless_accelerator", "hbm_bytes", "parse_target", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
@@ -104,30 +105,92 @@ def _tpu_chips() -> int:
         return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
 
 
-def parse_target(target: str) -> tuple[str, str | None, str | None]:
-    """``(platform, generation, topology)`` of a target text; ValueError naming the forms."""
+# chips -> the chip grid of a slice of that many (3-D tori for v4/v5p, 2-D for v5e/v6e)
+_GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "4x2x2", 32: "4x4x2", 64: "4x4x4", 128: "8x4x4",
+             256: "8x8x4", 512: "8x8x8", 1024: "16x8x8", 2048: "16x16x8", 4096: "16x16x16"}
+_GRIDS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+             256: "16x16"}
+GPUS_PER_HOST = 8
+_FORMS = ("'cpu' or 'cpu-N' (N of this host's devices), a TPU slice by chips 'tpu-v5p-256' "
+          "(multi-slice 'tpu-v5p-128x2'; generations v5p, v5e, v6e, v4) or by grid "
+          "'tpu:v5p:8x8x4', or GPUs 'h100-N' / 'h200-N'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A parsed target: ``platform`` ("cpu", "tpu", "gpu"), the TPU ``generation`` and chip
+    ``grid`` of one slice, ``slices``, and ``count`` (devices named, None for all of "cpu")."""
+    platform: str
+    generation: str | None = None
+    grid: str | None = None
+    slices: int = 1
+    count: int | None = None
+
+
+def _tpu_grid(gen: str, chips: int, target: str) -> str:
+    grids = _GRIDS_2D if gen in ("v5e", "v6e") else _GRIDS_3D
+    if chips not in grids:
+        raise ValueError(f"target={target!r}: a {gen} slice of {chips} chips has no standard "
+                         f"grid; chips per slice must be one of {sorted(grids)} (or name the "
+                         f"grid, e.g. 'tpu:{gen}:{grids[8]}')")
+    return grids[chips]
+
+
+def parse(target: str) -> Target:
+    """The `Target` a target text names (forms: `_FORMS`); ValueError naming the forms."""
     text = target.strip().lower()
     if text == "cpu":
-        return "cpu", None, None
-    if text.startswith("tpu:"):
-        text = text[4:]
-    m = re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+)+)", text)
+        return Target("cpu")
+    if m := re.fullmatch(r"cpu-(\d+)", text):
+        return Target("cpu", count=int(m.group(1)))
+    if m := re.fullmatch(r"(h100|h200)-(\d+)", text):
+        return Target("gpu", generation=m.group(1), count=int(m.group(2)))
+    if m := re.fullmatch(r"tpu-(v\d+[a-z]*)-(\d+)(?:x(\d+))?", text):
+        gen, chips, slices = m.group(1), int(m.group(2)), int(m.group(3) or 1)
+        if gen in TPU_CHIPS:
+            return Target("tpu", gen, _tpu_grid(gen, chips, target), slices, chips * slices)
+    m = re.fullmatch(r"(?:tpu:)?(v\d+[a-z]*):(\d+(?:x\d+)+)", text)
     if m is None or m.group(1) not in TPU_CHIPS:
-        raise ValueError(
-            f"target={target!r}: expected 'cpu' or a TPU slice 'tpu:<generation>:<grid>' "
-            f"with generation one of {sorted(TPU_CHIPS)} and grid like 2x2x2 (v4/v5p) or 4x4 "
-            f"(v5e/v6e), e.g. 'tpu:v5p:8x8x4' for a v5p-256")
-    return "tpu", m.group(1), m.group(2)
+        raise ValueError(f"target={target!r}: expected {_FORMS}; TPU generations are "
+                         f"{sorted(TPU_CHIPS)}, e.g. 'tpu-v5p-256' or 'tpu:v5p:8x8x4'")
+    chips = 1
+    for n in m.group(2).split("x"):
+        chips *= int(n)
+    return Target("tpu", m.group(1), m.group(2), 1, chips)
+
+
+def parse_target(target: str) -> tuple[str, str | None, str | None]:
+    """``(platform, generation, grid)`` of a target text (see `parse`)."""
+    t = parse(target)
+    return t.platform, t.generation, t.grid
+
+
+def _cpu_devices(t: Target, target: str) -> list[Any]:
+    import jax
+    devices = list(jax.devices())
+    if t.count is None:
+        return devices
+    if not 0 < t.count <= len(devices):
+        raise ValueError(f"target={target!r}: this process has {len(devices)} CPU devices; "
+                         f"set XLA_FLAGS=--xla_force_host_platform_device_count={t.count} "
+                         f"before jax starts (the recipes' --devices does)")
+    return devices[:t.count]
 
 
 def target_devices(target: str) -> list[Any]:
-    """The devices `target` names (see `parse_target`): this host's for ``"cpu"``, else the
-    chips of a TPU slice described by libtpu (no TPU needed; raises with the install command
-    when libtpu is missing)."""
-    platform, gen, grid = parse_target(target)
-    if platform == "cpu":
-        import jax
-        return list(jax.devices())
+    """The devices `target` names (see `parse`): this host's for ``"cpu"`` / ``"cpu-N"``, else
+    the chips of a TPU slice described by libtpu (no TPU needed; raises with the install
+    command when libtpu is missing). GPU targets are parsed but not wired: they raise with
+    what they need."""
+    t = parse(target)
+    if t.platform == "cpu":
+        return _cpu_devices(t, target)
+    if t.platform == "gpu":
+        raise ValueError(
+            f"target={target!r}: GPU targets are not wired in this version; compiling for "
+            f"{t.count} {t.generation.upper()}s needs the CUDA compiler (pip install "
+            f"'jax[cuda12]==0.10.2', several GB) and a gpu_device_info description of the "
+            f"chip. Use a TPU target ('tpu-v5p-{t.count}') or 'cpu' meanwhile")
     configure_process()
     try:
         import libtpu  # noqa: F401  (the compiler; jax finds it by itself)
@@ -135,8 +198,9 @@ def target_devices(target: str) -> list[Any]:
         raise ValueError(f"target={target!r} needs the TPU compiler: pip install -e "
                          f"'.[tpu-compile]' (jax[tpu], libtpu)") from None
     from jax.experimental import topologies
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{gen}:{grid}",
-                                        chip_config_name=TPU_CHIPS[gen], num_slices=1)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{t.generation}:{t.grid}",
+                                        chip_config_name=TPU_CHIPS[t.generation],
+                                        num_slices=t.slices)
     return list(topo.devices)
 
 

@@ -14,9 +14,28 @@ def test_parse_target():
     assert targets.parse_target("cpu") == ("cpu", None, None)
     assert targets.parse_target("tpu:v5p:8x8x4") == ("tpu", "v5p", "8x8x4")
     assert targets.parse_target("v6e:4x4") == ("tpu", "v6e", "4x4")
-    for bad in ("tpu", "v9:2x2", "v5p-256", "gpu:h100"):
+    for bad in ("tpu", "v9:2x2", "v5p-256", "gpu:h100", "tpu-v9-8"):
         with pytest.raises(ValueError, match="tpu:v5p:8x8x4"):
             targets.parse_target(bad)
+    # by chips: zoo's tpu-v5p-256 is 256 chips (Cloud's v5p-512), multi-slice as 128x2
+    T = targets.Target
+    assert targets.parse("tpu-v5p-256") == T("tpu", "v5p", "8x8x4", 1, 256)
+    assert targets.parse("tpu-v5p-128x2") == T("tpu", "v5p", "8x4x4", 2, 256)
+    assert targets.parse("tpu-v6e-8") == T("tpu", "v6e", "2x4", 1, 8)
+    assert targets.parse("tpu:v5p:2x2x2") == T("tpu", "v5p", "2x2x2", 1, 8)
+    assert targets.parse("cpu-8") == T("cpu", count=8) and targets.parse("cpu") == T("cpu")
+    assert targets.parse("h100-256") == T("gpu", "h100", count=256)
+    with pytest.raises(ValueError, match=r"'tpu-v5p-12'.*chips per slice must be one of"):
+        targets.parse("tpu-v5p-12")
+
+
+def test_cpu_and_gpu_targets_say_what_they_need(devices):
+    from zoo.train import target_devices
+    assert target_devices("cpu-4") == devices[:4] and target_devices("cpu") == devices
+    with pytest.raises(ValueError, match="device_count=64"):
+        target_devices("cpu-64")
+    with pytest.raises(ValueError, match=r"'h100-8'.*pip install 'jax\[cuda12\]==0.10.2'"):
+        target_devices("h100-8")
 
 
 def test_out_of_memory_is_read_from_the_compilers_message():
@@ -48,6 +67,16 @@ def test_tpu_target_compiles_the_tpu_program(devices):
     cpu = rehearse("deepseek3_mini", **kw)
     assert cpu.target == "cpu" and cpu.fits is None
     assert "tpu_custom_call" not in cpu.custom_calls
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_tpu_targets_by_chips_and_slices():
+    from zoo.train import target_devices
+    d = target_devices("tpu-v5p-8")
+    assert len(d) == 8 and d[0].device_kind == "TPU v5"
+    two = target_devices("tpu-v5p-8x2")
+    assert len(two) == 16 and {x.slice_index for x in two} == {0, 1}
+    assert len(target_devices("tpu-v6e-4")) == 4
 
 
 def test_target_setting_is_checked_when_parsed():

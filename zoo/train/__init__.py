@@ -31,6 +31,7 @@ from zoo.train.launch import set_cpu_devices
 from zoo.train.load import Loaded, load
 from zoo.train.decode_rehearsal import rehearse_decode
 from zoo.train.rehearse import Rehearsal, rehearse
+from zoo.targets import target_devices
 from zoo.train.step import (BATCH_KEYS, abstract_state, create_sharded, loss_fn, lr_schedule,
                             make_global_batch, make_train_step, make_tx)
 from zoo.train.trainer import (CompileInterrupted, IncompatibleCheckpoint, Summary, Trainer,
@@ -40,4 +41,5 @@ __all__ = ["BATCH_KEYS", "Built", "Checkpointer", "CompileInterrupted", "Hook",
            "IncompatibleCheckpoint", "Loaded", "Rehearsal", "Summary", "TrainConfig", "Trainer",
            "TrainingDiverged", "abstract_state", "build", "create_sharded", "load", "loss_fn",
            "lr_schedule", "make_global_batch", "make_train_step", "make_tx", "plot_loss",
-           "read_metrics", "rehearse", "rehearse_decode", "set_cpu_devices"]
+           "read_metrics", "rehearse", "rehearse_decode", "set_cpu_devices",
+           "target_devices"]

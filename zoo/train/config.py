@@ -275,7 +275,7 @@ class RunSection:
                "memory, FLOPs and collectives instead of training")
     target: str = _field(
         "cpu", "with --rehearse: the devices to compile for, 'cpu' or a TPU slice such as "
-               "tpu:v5p:8x8x4 (the TPU compiler runs here; needs libtpu)")
+               "tpu-v5p-8 or tpu:v5p:2x2x2 (the TPU compiler runs here; needs libtpu)")
 
     def __post_init__(self):
         _at_least_one(self, "steps")

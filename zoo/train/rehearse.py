@@ -393,8 +393,9 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
         (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them.
       aux_loss_weight, expert_bias_rate: default `zoo.train.TrainConfig`'s (the config's aux
         weight; DeepSeek-V3's bias rate, ignored by models without a bias).
-      target: ``"cpu"`` (this host's devices) or a TPU slice such as ``"tpu:v5p:8x8x4"``
-        (`zoo.targets`): compiled by the TPU compiler here, with its memory verdict.
+      target: ``"cpu"`` (this host's devices), ``"cpu-N"``, or a TPU slice such as
+        ``"tpu-v5p-256"`` / ``"tpu:v5p:8x8x4"`` (`zoo.targets.target_devices`): compiled by
+        the TPU compiler here, with its memory verdict.
     """
     label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
                           seq_len=seq_len, dtype=dtype, param_dtype=param_dtype, remat=remat,
