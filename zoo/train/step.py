@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zoo.models import registry
+from zoo.ops.loss import cross_entropy
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
@@ -118,7 +119,7 @@ def make_tx(*, weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps
 # -- loss and step -----------------------------------------------------------------------------
 
 def _weighted_ce(logits, targets, w):
-    ce_tok = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    ce_tok = cross_entropy(logits, targets)  # fp32 values; the gradient in the logits' dtype
     return jnp.sum(ce_tok * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
