@@ -1,6 +1,7 @@
 """Core layers against numpy / independent formulas, and their parameter shardings."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,35 @@ def test_embed_lookup_and_attend():
     np.testing.assert_allclose(_np(emb.attend(x)), _np(x) @ table.T, rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="integer token ids"):
         emb(jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize("strategy,mesh,local", [
+    ("fsdp", dict(fsdp=8), ("fsdp",)), ("ep_as_cp", dict(fsdp=2, expert=4), None),
+    ("fsdp", dict(fsdp=4, tensor=2), None)])
+def test_sharded_embed_lookup_is_exact(strategy, mesh, local, devices):
+    """Under FSDP each device looks up its own feature slice for every token and the rows move
+    by all-to-all (`Embed._lookup_slices`): no table-sized gather; elsewhere the table is
+    gathered. Rows and the table's gradient equal the unsharded lookup's either way."""
+    emb = Embed(64, 32, partitioner=Partitioner(make_mesh(**mesh), strategy),
+                dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert (emb._local_lookup() or (None,))[0] == local
+    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+    w = jax.random.normal(jax.random.key(2), (8, 16, 32))
+
+    def loss(e, t):
+        return jnp.sum(e(t).astype(jnp.float32) * w)
+
+    fwd = jax.jit(lambda e, t: e(t))
+    np.testing.assert_array_equal(_np(fwd(emb, tokens)),
+                                  _np(emb.embedding[...].astype(jnp.bfloat16))[np.asarray(tokens)])
+    grad = jax.jit(jax.grad(loss))(emb, tokens).embedding[...]
+    want = np.zeros((64, 32))
+    np.add.at(want, np.asarray(tokens), _np(w))
+    np.testing.assert_allclose(_np(grad), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    hlo = fwd.lower(emb, tokens).compile().as_text()
+    whole_table = re.search(r"= (bf16|f32)\[(64|32),32\]\S* all-gather", hlo)
+    assert (whole_table is None) == bool(local), hlo
+    assert ("all-to-all" in hlo) == bool(local)
 
 
 def _rope_reference(x, positions, inv_freq, interleaved, factor=1.0):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zoo.layers import hf_keys as hfk
 from zoo.partitioning import Partitioner, resolve
@@ -35,15 +37,52 @@ class Embed(nnx.Module):
         table = self.embedding[...]
         if self.dtype is not None:
             table = table.astype(self.dtype)
-        # Each device looks up its own slice of the feature axis for every token (the token
-        # ids, a few bytes each, are what is gathered), then one all-to-all moves the rows to
-        # the batch sharding. Gathering the table instead costs a whole [vocab, embed] copy per
-        # device and, backwards, a whole fp32 scatter-add target: 5 GiB at DeepSeek-V3's
-        # vocabulary, against [tokens, embed / devices] here.
-        tokens = self.partitioner.constrain(tokens, (None, None))
-        x = jnp.take(table, tokens, axis=0)
-        x = self.partitioner.constrain(x, (None, None, "embed"))
+        plan = self._local_lookup()
+        if plan is None:
+            # all-gather the table's embed dimension before the lookup: a gather from a table
+            # sharded along the rows' own feature axis makes XLA replicate everything
+            table = self.partitioner.constrain(table, ("vocab", None))
+            x = jnp.take(table, tokens, axis=0)
+        else:
+            x = self._lookup_slices(table, tokens, *plan)
         return self.partitioner.constrain(x, ("batch", "length", "act_embed"))
+
+    def _local_lookup(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """``(batch mesh axes, length mesh axes)`` when the table's embed dimension is sharded
+        over exactly those axes in that order, only one of the two is sharded, and vocabulary
+        and output features are not: the case `_lookup_slices` serves; None otherwise. (With
+        both batch and length sharded, XLA moves the backward's rows into the table's feature
+        sharding in one step, which it can only do by replicating them.)"""
+        p = self.partitioner
+        if p.mesh is None or isinstance(p.mesh, jax.sharding.AbstractMesh):
+            return None
+        sizes = dict(p.mesh.shape)
+
+        def axes(entry) -> tuple[str, ...]:
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            return tuple(a for a in names if sizes[a] > 1)
+
+        vocab, emb = (*p.spec(("vocab", "embed")), None, None)[:2]
+        rows, cols, feats = (*p.spec(("batch", "length", "act_embed")), None, None, None)[:3]
+        if (axes(vocab) or axes(feats) or not axes(emb) or (axes(rows) and axes(cols))
+                or axes(emb) != axes(rows) + axes(cols)):
+            return None
+        return axes(rows), axes(cols)
+
+    def _lookup_slices(self, table, tokens, rows: tuple[str, ...], cols: tuple[str, ...]):
+        """Each device looks up its own slice of the feature axis for every token (the token
+        ids, a few bytes each, are what is gathered), then an all-to-all moves the rows to
+        the batch (or length) sharding. Gathering the table instead costs a whole [vocab,
+        embed] copy per device and, backwards, a whole fp32 scatter-add target: 5 GiB at
+        DeepSeek-V3's vocabulary, against [tokens, embed / devices] here."""
+        mesh = self.partitioner.mesh
+
+        def put(x, *spec):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+        x = jnp.take(table, put(tokens, None, None), axis=0)
+        x = put(x, None, None, rows + cols)
+        return put(x, rows or None, cols or None, None)
 
     def attend(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
