@@ -110,7 +110,6 @@ _GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "4x2x2", 32: "4x4x2", 64: "4x4x4", 128:
              256: "8x8x4", 512: "8x8x8", 1024: "16x8x8", 2048: "16x16x8", 4096: "16x16x16"}
 _GRIDS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
              256: "16x16"}
-GPUS_PER_HOST = 8
 _FORMS = ("'cpu' or 'cpu-N' (N of this host's devices), a TPU slice by chips 'tpu-v5p-256' "
           "(multi-slice 'tpu-v5p-128x2'; generations v5p, v5e, v6e, v4) or by grid "
           "'tpu:v5p:8x8x4', or GPUs 'h100-N' / 'h200-N'")
