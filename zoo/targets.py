@@ -34,7 +34,7 @@ import re
 from typing import Any
 
 __all__ = ["CHIPS", "Chip", "Target", "parse", "target_devices", "configure_process", "chip",
-           "cpu_unless_accelerator", "hbm_bytes", "parse_target", "TPU_CHIPS"]
+           "cpu_unless_accelerator", "hbm_bytes", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -156,12 +156,6 @@ def parse(target: str) -> Target:
     for n in m.group(2).split("x"):
         chips *= int(n)
     return Target("tpu", m.group(1), m.group(2), 1, chips)
-
-
-def parse_target(target: str) -> tuple[str, str | None, str | None]:
-    """``(platform, generation, grid)`` of a target text (see `parse`)."""
-    t = parse(target)
-    return t.platform, t.generation, t.grid
 
 
 def _cpu_devices(t: Target, target: str) -> list[Any]:

@@ -11,14 +11,14 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def test_parse_target():
-    assert targets.parse_target("cpu") == ("cpu", None, None)
-    assert targets.parse_target("tpu:v5p:8x8x4") == ("tpu", "v5p", "8x8x4")
-    assert targets.parse_target("v6e:4x4") == ("tpu", "v6e", "4x4")
+    T = targets.Target
+    assert targets.parse("cpu") == T("cpu")
+    assert targets.parse("tpu:v5p:8x8x4") == T("tpu", "v5p", "8x8x4", 1, 256)
+    assert targets.parse("v6e:4x4") == T("tpu", "v6e", "4x4", 1, 16)
     for bad in ("tpu", "v9:2x2", "v5p-256", "gpu:h100", "tpu-v9-8"):
         with pytest.raises(ValueError, match="tpu:v5p:8x8x4"):
-            targets.parse_target(bad)
+            targets.parse(bad)
     # by chips: zoo's tpu-v5p-256 is 256 chips (Cloud's v5p-512), multi-slice as 128x2
-    T = targets.Target
     assert targets.parse("tpu-v5p-256") == T("tpu", "v5p", "8x8x4", 1, 256)
     assert targets.parse("tpu-v5p-128x2") == T("tpu", "v5p", "8x4x4", 2, 256)
     assert targets.parse("tpu-v6e-8") == T("tpu", "v6e", "2x4", 1, 8)

@@ -34,7 +34,7 @@ def _picked(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """``-log softmax(logits)[..., target]`` in fp32: logits ``[..., V]`` (any float dtype),
     integer targets ``[...]`` in ``[0, V)``; returns ``[...]``."""
-    return _logsumexp(logits) - _picked(logits, targets)
+    return _fwd(logits, targets)[0]
 
 
 def _fwd(logits, targets):

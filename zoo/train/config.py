@@ -279,9 +279,9 @@ class RunSection:
 
     def __post_init__(self):
         _at_least_one(self, "steps")
-        from zoo.targets import parse_target
+        from zoo.targets import parse
         try:
-            parse_target(self.target)
+            parse(self.target)
         except ValueError as e:
             raise ValueError(str(e).replace("target=", "--target ", 1)) from None
         _check(self.target == "cpu" or self.rehearse, "target", self.target,
