@@ -53,6 +53,7 @@ from flax import nnx
 from zoo.layers.attention import SCOPE, AttentionBlock, check_call
 from zoo.layers.mla import MLA
 from zoo.layers.moe import MoE
+from zoo.models.decoder import layer_groups
 from zoo.kv_cache import (CACHE_AXES, KVCache, _constrain_cache, _fill,  # noqa: F401
                           SLOTS, _put, _ring_view, _splittable, _write, cache_axes,
                           cache_bytes_per_token, cache_slots)
@@ -105,20 +106,28 @@ def _split(model, *, unsharded: bool):
         return nnx.split(model)
 
 
-def _run_layers(layer, x, entries, fn):
-    """``fn(one_layer, x, entry) -> (x, entry)`` over an entry of ``model.layers``: scanned
-    over a stack (its cache entries ``[n, ...]`` are the scan's inputs and outputs)."""
-    if layer.stack_size is None:
-        one = None if entries is None else jax.tree.map(lambda a: a[0], entries)
-        x, entry = fn(layer, x, one)
-        return x, jax.tree.map(lambda a: a[None], entry)
-    graphdef, state = nnx.split(layer)
+def _run_layers(group, x, entries, fns):
+    """``fns[j](one_layer, x, entry) -> (x, entry)`` over a `layer_groups` entry (a stack, or
+    the stacks of one cycle, each with its own `fns` entry and cache `entries[j]`, None in
+    prefill): scanned over the stacks' layers (their cache entries ``[n, ...]`` are the
+    scan's inputs and outputs), a cycle's layers in turn. Returns (x, [entry of each])."""
+    if group[0].stack_size is None:
+        out = []
+        for layer, entry, fn in zip(group, entries, fns, strict=True):
+            one = None if entry is None else jax.tree.map(lambda a: a[0], entry)
+            x, one = fn(layer, x, one)
+            out.append(jax.tree.map(lambda a: a[None], one))
+        return x, out
+    splits = [nnx.split(layer) for layer in group]
 
     def body(x, inputs):
-        state, entry = inputs
-        return fn(nnx.merge(graphdef, state), x, entry)
+        out = []
+        for (graphdef, _), (state, entry), fn in zip(splits, inputs, fns, strict=True):
+            x, entry = fn(nnx.merge(graphdef, state), x, entry)
+            out.append(entry)
+        return x, out
 
-    return jax.lax.scan(body, x, (state, entries))
+    return jax.lax.scan(body, x, [(state, e) for (_, state), e in zip(splits, entries)])
 
 
 def _logits(model, x: jax.Array, norm=None) -> jax.Array:
@@ -180,10 +189,11 @@ def _prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int
         return x, jax.tree.map(lambda a: a.astype(dtype), out["entry"])
 
     entries = []
-    for layer in layers:
-        x, entry = _run_layers(layer, x, None, layer_fn)
-        slots = cache_slots(layer.self_attn, max_length)
-        entries.append({k: _fill(a, slots) for k, a in entry.items()})
+    for group in layer_groups(layers):
+        x, filled = _run_layers(group, x, [None] * len(group), [layer_fn] * len(group))
+        for layer, entry in zip(group, filled):
+            slots = cache_slots(layer.self_attn, max_length)
+            entries.append({k: _fill(a, slots) for k, a in entry.items()})
     return x, tuple(entries)
 
 
@@ -300,30 +310,38 @@ def _cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
                                  f"supported; decode one token a step (speculative=None)")
             views[slots] = (*_ring_view(kv_pos, kv_seg, slot, slots), slot % slots)
 
-    new = []
-    x = _resharded(p, x, DECODE_RESIDUAL)
-    for layer, entry in zip(layers, entries, strict=True):
+    def layer_fn(entry):
         pos, seg, at = views.get(next(iter(entry.values())).shape[SLOTS],
                                  (kv_pos, kv_seg, slot))
 
-        def layer_fn(one, x, put, pos=pos, seg=seg):
+        def fn(one, x, put):
             x, _ = one.block(x, lambda h: _decode_attention(one.self_attn, h, put, q_pos, pos,
                                                             seg, p))
             return _resharded(p, x, DECODE_RESIDUAL)
+        return fn, at
 
-        x, entry = _run_cached(layer, x, entry, at, layer_fn)
-        new.append(entry)
+    new = []
+    x = _resharded(p, x, DECODE_RESIDUAL)
+    entries, i = list(entries), 0
+    if len(entries) != len(layers):
+        raise ValueError(f"the cache holds {len(entries)} layer entries; the model has "
+                         f"{len(layers)}")
+    for group in layer_groups(layers):
+        mine = entries[i:i + len(group)]
+        x, out = _run_cached(group, x, mine, [layer_fn(e) for e in mine])
+        new += out
+        i += len(group)
     return x, tuple(new)
 
 
-def _run_cached(layer, x, entry, slot, fn):
-    """``fn(one_layer, x, put) -> x`` over an entry of ``model.layers`` and its cache `entry`
-    (``{name: [n, B, K, S, F]}``), which the loop over a stack carries: ``put(name, new [B, K,
-    T, F])`` writes the layer's new keys at `slot` in place (`_put`) and returns the layer's
-    ``[B, K, S, F]`` to attend over -- no layer's cache is sliced out and written back.
-    Returns (x, the updated entry)."""
+def _run_cached(group, x, entries, fns):
+    """``fn(one_layer, x, put) -> x`` over a `layer_groups` entry and its cache `entries`
+    (``{name: [n, B, K, S, F]}`` each; `fns` holds ``(fn, slot)`` per stack), which the loop
+    over the stacks carries: ``put(name, new [B, K, T, F])`` writes the layer's new keys at
+    its slot in place (`_put`) and returns the layer's ``[B, K, S, F]`` to attend over -- no
+    layer's cache is sliced out and written back. Returns (x, [updated entry of each])."""
 
-    def run(one, x, cache, i):
+    def run(one, x, cache, i, fn, slot):
         cache = dict(cache)
 
         def put(name, new):
@@ -332,15 +350,25 @@ def _run_cached(layer, x, entry, slot, fn):
 
         return fn(one, x, put), cache
 
-    if layer.stack_size is None:
-        return run(layer, x, entry, 0)
-    graphdef, state = nnx.split(layer)
+    def cycle(layers, x, caches, i):
+        out = []
+        for one, cache, (fn, slot) in zip(layers, caches, fns, strict=True):
+            x, cache = run(one, x, cache, i, fn, slot)
+            out.append(cache)
+        return x, out
+
+    if group[0].stack_size is None:
+        return cycle(group, x, entries, 0)
+    splits = [nnx.split(layer) for layer in group]
 
     def body(carry, inputs):
-        state, i = inputs
-        return run(nnx.merge(graphdef, state), *carry, i), None
+        states, i = inputs
+        layers = [nnx.merge(graphdef, state) for (graphdef, _), state in zip(splits, states)]
+        return cycle(layers, *carry, i), None
 
-    return jax.lax.scan(body, (x, entry), (state, jnp.arange(layer.stack_size)))[0]
+    states = [state for _, state in splits]
+    return jax.lax.scan(body, (x, list(entries)),
+                        (states, jnp.arange(group[0].stack_size)))[0]
 
 
 def _decode(model, p: Partitioner, cache: KVCache, tokens):

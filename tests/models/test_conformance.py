@@ -101,7 +101,7 @@ FAMILIES = [
         # sliding (window 6 of 16 tokens) and full layers alternating, sinks, biases on q/k/v/o,
         # router and experts, YaRN without truncation, a clamp low enough to bite both ways
         hf_config=lambda: transformers.GptOssConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=5,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=8,
             num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.1,
             max_position_embeddings=32, rope_parameters=dict(

@@ -1,6 +1,7 @@
 """gpt-oss beyond the conformance suite: MXFP4 checkpoints in the published layout, config
 errors, the scanned runs of alternating layers."""
 
+import functools
 import json
 
 import numpy as np
@@ -83,11 +84,27 @@ def test_mxfp4_reader_lists_the_dequantized_tensor(mxfp4_checkpoint):
     assert reader.shape(key) == want[key].shape
 
 
-def test_alternating_layers_scan_as_runs_of_one_kind():
-    from zoo.models.decoder import layer_runs
+def test_alternating_layers_scan_as_one_cycle():
+    from zoo.models.decoder import layer_cycles
+    cycles = functools.partial(layer_cycles, gpt_oss.GptOssDecoderLayer)
     cfg = gpt_oss.GptOssConfig.mini(layer_types=("sliding_attention", "sliding_attention",
                                                  "full_attention", "full_attention"))
-    assert layer_runs(gpt_oss.GptOssDecoderLayer, cfg, scan=True) == [(0, 2), (2, 2)]
+    assert cycles(cfg, scan=True) == [(0, 2, 1), (2, 2, 1)]  # runs of one kind
+    assert cycles(cfg, scan=False) == [(i, 1, 1) for i in range(4)]
+    # alternating: one span of period 2 (two stacks scanned together), a trailing odd layer
+    # alone; gpt-oss-120b's 36 layers are 18 cycles
+    assert cycles(gpt_oss.GptOssConfig.mini(), scan=True) == [(0, 4, 2)]
+    assert cycles(gpt_oss.GptOssConfig.mini(num_hidden_layers=5), scan=True) == \
+        [(0, 4, 2), (4, 1, 1)]
+    assert cycles(gpt_oss.GptOssConfig.gpt_oss_120b(), scan=True) == [(0, 36, 2)]
+    s, f = "sliding_attention", "full_attention"
+    mixed = gpt_oss.GptOssConfig.mini(num_hidden_layers=9, layer_types=(s, f, s, f, s, s, s, s, f))
+    assert cycles(mixed, scan=True) == [(0, 4, 2), (4, 4, 1), (8, 1, 1)]
+    model = gpt_oss.GptOss.abstract(gpt_oss.GptOssConfig.mini(num_hidden_layers=5))
+    assert [(la.layer_idx, la.stack_size, la.stack_stride, la.self_attn.sliding_window)
+            for la in model.layers] == [(0, 2, 2, 32), (1, 2, 2, None), (4, 1, 1, 32)]
+    assert [list(model.layer_indices(la)) for la in model.layers] == [[0, 2], [1, 3], [4]]
+    assert model.moe_rows() == [[0, 2], [1, 3], [4]]
     assert [cfg.window(i) for i in range(4)] == [32, 32, None, None]
     alternating = ("sliding_attention", "full_attention") * 2
     assert gpt_oss.GptOssConfig.mini().kinds == alternating

@@ -178,3 +178,57 @@ def test_scan_returns_only_the_state_the_forward_changes():
     plain = _model(scan=True, layer_cls=MixtralDecoderLayer)
     assert _top_level_scan_outputs(plain, tokens) == 1 + aux_entries
     assert _top_level_scan_outputs(_model(scan=True), tokens) == 1 + aux_entries + 3
+
+
+class CycledLayer(NoisySowingLayer):
+    """Layers of two kinds alternating (identical in structure, so the unrolled model's state
+    copies into the stacks), sigmoid routers with a selection bias: scanned, the model is two
+    stacks of one cycle (`layer_cycles`) and a trailing layer alone."""
+
+    @classmethod
+    def layer_kind(cls, config, layer_idx):
+        return layer_idx % 2
+
+    def make_moe(self, config, *, inputs_shape, partitioner, rngs):
+        return self.moe_cls(
+            num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
+            mlp_dim=config.intermediate_size, inputs_shape=inputs_shape, partitioner=partitioner,
+            scoring="sigmoid", rngs=rngs)
+
+
+@pytest.mark.parametrize("remat", [None, "full"])
+def test_a_cycle_of_stacks_runs_as_the_unrolled_layers(remat):
+    """Scanned a cycle a step, the alternating layers give the unrolled model's logits,
+    gradient norm, counters, sown values and expert counts (rows in layer order), and the
+    selection-bias update reaches each layer with its own row."""
+    from zoo.layers.moe import update_expert_bias
+    n = 5
+    config = dataclasses.replace(CONFIG, num_hidden_layers=n)
+    make = lambda scan: Mixtral(dataclasses.replace(config, scan_layers=scan,
+                                                    remat_policy=remat if scan else None),
+                                inputs_shape=(B, L), decoder_layer_cls=CycledLayer,
+                                rngs=nnx.Rngs(0))
+    reference, scanned = make(False), make(True)
+    assert [(la.layer_idx, la.stack_size, la.stack_stride) for la in scanned.layers] == \
+        [(0, 2, 2), (1, 2, 2), (4, 1, 1)]
+    _copy_unrolled_into_stacked(reference, scanned)
+    tokens = jax.random.randint(jax.random.key(3), (B, L), 0, CONFIG.vocab_size)
+    for step in range(STEPS):
+        reference, want, want_norm = _train_forward(reference, tokens)
+        scanned, got, norm = _train_forward(scanned, tokens)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(norm, want_norm, rtol=1e-5, err_msg=f"step {step}")
+        for i in range(n):
+            assert int(scanned.layer(i).calls[...]) == step + 1
+            np.testing.assert_allclose(_out_rms(scanned, i), _out_rms(reference, i), rtol=1e-5)
+    counts = [np.asarray(nnx.jit(lambda m: m(tokens)[1]["expert_counts"])(m))
+              for m in (reference, scanned)]
+    np.testing.assert_array_equal(counts[1], counts[0])
+    assert len(set(map(bytes, counts[0]))) > 1  # the rows differ, so their order is checked
+    rows = np.arange(n * 4).reshape(n, 4) % 7  # a distinct row per layer
+    for m in (reference, scanned):
+        update_expert_bias(m, rows, rate=0.5)
+    for i in range(n):
+        want = np.sign(rows[i].mean() - rows[i]) * 0.5
+        for m in (reference, scanned):
+            np.testing.assert_allclose(m.layer(i).mlp.e_score_correction_bias[...], want)

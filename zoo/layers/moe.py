@@ -522,6 +522,16 @@ def _stacked_rows(m: MoE) -> int:
     return int(shape[0]) if len(shape) == 4 else 1
 
 
+def _rows_by_module(module: nnx.Module, rows: list[int]) -> list[list[int]]:
+    """The rows of ``[num_moe_layers, E]`` counts each module of `moe_modules` holds: one run
+    after another, except where the model says (``moe_rows``: a model whose stacks hold
+    layers of a cycle, whose rows interleave in layer order)."""
+    ends = np.cumsum(rows)
+    picks = [list(range(e - n, e)) for n, e in zip(rows, ends)]
+    model_rows = getattr(module, "moe_rows", None)
+    return picks if model_rows is None else [*model_rows(), *picks[len(model_rows()):]]
+
+
 def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-3) -> None:
     """DeepSeek-V3's aux-loss-free balancing, in place: ``bias += rate * sign(mean - counts)``.
 
@@ -551,10 +561,9 @@ def update_expert_bias(module: nnx.Module, expert_counts: Any, rate: float = 1e-
         if len(layers) == 1 and counts.shape == layers[0].e_score_correction_bias.shape:
             per_layer = [counts]
         elif counts.ndim == 2 and counts.shape[0] == sum(rows) and len(every) > 1:
-            # stacked (scanned) layers among them: each takes its own run of rows
-            ends = np.cumsum(rows)
-            per_layer = [counts[e - n:e].reshape(m.e_score_correction_bias.shape)
-                         for m, n, e in zip(every, rows, ends)
+            # stacked (scanned) layers among them: each takes its own rows
+            per_layer = [counts[np.asarray(pick)].reshape(m.e_score_correction_bias.shape)
+                         for m, pick in zip(every, _rows_by_module(module, rows))
                          if m.e_score_correction_bias is not None]
         else:
             per_layer = list(counts) if counts.ndim >= 2 else [counts]

@@ -21,9 +21,11 @@
   The residual stream is constrained to ``("batch", "length", "act_embed")`` after every
   layer; each layer runs under ``jax.named_scope("layer_{i}")`` and, when the config names a
   ``remat_policy``, under `jax.checkpoint`. With ``scan_layers`` (the default) each run of
-  identical layers (`layer_runs`: DeepSeek-V3's dense and MoE layers form separate runs) is
-  one stacked module scanned by `run_layers`; state a layer's forward pass changes (RNG
-  counts, counters, sown intermediates) is written back per layer, as the unrolled model
+  identical layers (`layer_cycles`: DeepSeek-V3's dense and MoE layers form separate runs) is
+  one stacked module scanned by `run_layers`; layers whose kinds repeat in a cycle (gpt-oss's
+  sliding, full, sliding, full, ...) are one stack per place in the cycle, scanned together
+  a cycle a step (`run_cycle`); state a layer's forward pass changes (RNG counts, counters,
+  sown intermediates) is written back per layer, as the unrolled model
   (``scan_layers=False``) keeps it in each layer; ``model.layer(i)`` is layer ``i`` either way.
 * Hugging Face interop: `CausalLM.from_hf` / `CausalLM.to_hf` with the key map the modules
   compose (`zoo.layers.hf_keys`: every layer names its own parameters' keys, `DecoderLayer`
@@ -132,7 +134,8 @@ class DecoderLayer(nnx.Module):
 
     In a scanned model (``config.scan_layers``) one instance holds a whole run of identical
     layers: every variable has a leading ``"layers"`` axis of ``stack_size`` and ``layer_idx``
-    is the run's first layer. Unrolled, ``stack_size`` is None.
+    is the run's first layer; in a cycle of ``stack_stride`` > 1 kinds the stack holds every
+    ``stack_stride``-th layer from ``layer_idx``. Unrolled, ``stack_size`` is None.
     """
 
     attention_cls: ClassVar[type] = nnx.Module  # set by each family
@@ -146,6 +149,7 @@ class DecoderLayer(nnx.Module):
         p = resolve(partitioner)
         self.layer_idx = layer_idx
         self.stack_size: int | None = None
+        self.stack_stride = 1
         self.partitioner = p
         shape = tuple(inputs_shape)
         kw = dict(inputs_shape=shape, partitioner=p, rngs=rngs)
@@ -223,18 +227,44 @@ class DecoderLayer(nnx.Module):
             return c(x + h, ACT), aux
 
 
-def layer_runs(layer_cls: type[DecoderLayer], config, scan: bool) -> list[tuple[int, int]]:
-    """``[(first layer, count), ...]``: maximal runs of layers of one kind
-    (`DecoderLayer.layer_kind`: dense or MoE, by default) when scanning, single layers
-    otherwise. Empty runs never appear."""
-    runs: list[tuple[int, int]] = []
+MAX_CYCLE = 4  # the longest cycle of layer kinds `layer_cycles` scans as one step
+
+
+def layer_cycles(layer_cls: type[DecoderLayer], config, scan: bool
+                 ) -> list[tuple[int, int, int]]:
+    """``[(first layer, count, period), ...]`` covering the layers in order. Unrolled: single
+    layers, ``(i, 1, 1)``. Scanned, from each layer on, the span its kinds
+    (`DecoderLayer.layer_kind`: dense or MoE by default) repeat over with the period (1 to
+    `MAX_CYCLE`) that covers the most layers in whole cycles, two at least for a period over
+    1; ties go to the shorter period. Period 1 is a run of one kind (DeepSeek-V3: 3 dense,
+    then 58 MoE); gpt-oss's alternating sliding and full layers are one span of period 2,
+    built as two stacks scanned together (`run_cycle`)."""
     kinds = [layer_cls.layer_kind(config, i) for i in range(config.num_hidden_layers)]
-    for i, kind in enumerate(kinds):
-        if scan and runs and kinds[runs[-1][0]] == kind:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+    out, i = [], 0
+    while i < len(kinds):
+        best = (1, 1)  # (layers covered, period)
+        for period in range(1, MAX_CYCLE + 1) if scan else ():
+            end = i + period
+            while end < len(kinds) and kinds[end] == kinds[end - period]:
+                end += 1
+            covered = min(end, len(kinds)) - i
+            covered -= covered % period
+            if (period == 1 or covered >= 2 * period) and covered > best[0]:
+                best = (covered, period)
+        out.append((i, *best))
+        i += best[0]
+    return out
+
+
+def layer_groups(layers: Sequence[DecoderLayer]) -> list[tuple[DecoderLayer, ...]]:
+    """Entries of ``model.layers`` as they run: a stack alone, or the ``stack_stride`` stacks
+    of one cycle together (`layer_cycles`)."""
+    groups, i = [], 0
+    while i < len(layers):
+        n = layers[i].stack_stride
+        groups.append(tuple(layers[i:i + n]))
+        i += n
+    return groups
 
 
 # metadata a stacked variable gains: an unsharded leading mesh entry, logical axis "layers"
@@ -242,9 +272,11 @@ STACK_METADATA = {nnx.PARTITION_NAME: None, "logical_axes": "layers"}
 
 
 def build_stack(layer_cls: type[DecoderLayer], config, *, first: int, count: int,
-                inputs_shape, partitioner: Partitioner, rngs: nnx.Rngs) -> DecoderLayer:
-    """`count` identical layers as one `layer_cls` instance whose variables have a leading
-    ``"layers"`` axis (built with `nnx.vmap`, each layer from its own split of `rngs`)."""
+                inputs_shape, partitioner: Partitioner, rngs: nnx.Rngs,
+                stride: int = 1) -> DecoderLayer:
+    """`count` identical layers (`first`, `first` + `stride`, ...) as one `layer_cls` instance
+    whose variables have a leading ``"layers"`` axis (built with `nnx.vmap`, each layer from
+    its own split of `rngs`)."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=STACK_METADATA)
@@ -253,7 +285,7 @@ def build_stack(layer_cls: type[DecoderLayer], config, *, first: int, count: int
                          partitioner=partitioner, rngs=rngs)
 
     stack = build(rngs)
-    stack.stack_size = count
+    stack.stack_size, stack.stack_stride = count, stride
     return stack
 
 
@@ -323,7 +355,19 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     inputs only (a forward pass that writes one is refused when scanned); state the forward
     leaves alone is not returned.
     """
-    use_remat, policy = remat_policy(remat, layer.partitioner.platform)
+    x, (aux,) = run_cycle((layer,), x, positions=positions, segment_ids=segment_ids,
+                          remat=remat)
+    return x, aux
+
+
+def run_cycle(layers: Sequence[DecoderLayer], x: jax.Array, *, positions: jax.Array,
+              segment_ids: jax.Array | None = None, remat: str | None = None):
+    """`run_layers` over the stacks of one cycle (`layer_groups`), scanned together: each step
+    of the scan runs one layer of every stack in turn (layer ``first``, ``first + 1``, ...,
+    then the next cycle), each rematerialised on its own. Returns ``(x, [aux of each
+    stack])``."""
+    use_remat, policy = remat_policy(remat, layers[0].partitioner.platform)
+    stacked = layers[0].stack_size is not None
 
     def body(x, layer):
         return layer(x, positions=positions, segment_ids=segment_ids)
@@ -331,31 +375,55 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     def one_layer(aux):  # a single layer's aux entries as [1, ...]
         return None if aux is None else jax.tree.map(lambda a: a[None], aux)
 
-    if layer.stack_size is None and not use_remat:
-        x, aux = body(x, layer)
-        return x, one_layer(aux)
+    if not stacked and not use_remat:
+        outs = []
+        for layer in layers:
+            x, aux = body(x, layer)
+            outs.append(one_layer(aux))
+        return x, outs
 
-    # The layer as a function of its split state (what nnx.scan / nnx.remat do in tree mode),
+    # Each layer as a function of its split state (what nnx.scan / nnx.remat do in tree mode),
     # with the remat policy on that function: the backward pass recomputes one layer at a time.
-    graphdef, params, state = nnx.split(layer, nnx.Param, ...)
-    record: list = []
+    splits = [nnx.split(layer, nnx.Param, ...) for layer in layers]
+    records: list[list] = [[] for _ in layers]
 
-    def call(x, params_and_state):
-        (x, aux), values = _call_split(graphdef, body, x, *params_and_state, record,
-                                       stacked=layer.stack_size is not None)
-        return x, (aux, values)
+    def make_call(graphdef, record):
+        def call(x, params_and_state):
+            (x, aux), values = _call_split(graphdef, body, x, *params_and_state, record,
+                                           stacked=stacked)
+            return x, (aux, values)
+        return jax.checkpoint(call, policy=policy, prevent_cse=not stacked) if use_remat \
+            else call
 
-    if use_remat:
-        call = jax.checkpoint(call, policy=policy, prevent_cse=layer.stack_size is None)
-    if layer.stack_size is None:
-        x, (aux, values) = call(x, (params, state))
-        _write_back(layer, record, values, stacked=False)
-        return x, one_layer(aux)
-    first = layer.layer_idx
-    with jax.named_scope(f"layers_{first}_to_{first + layer.stack_size - 1}"):
-        x, (aux, values) = jax.lax.scan(call, x, (params, state))
-    _write_back(layer, record, values, stacked=True)
-    return x, aux
+    calls = [make_call(graphdef, record) for (graphdef, *_), record in zip(splits, records)]
+
+    def cycle(x, inputs):
+        outs = []
+        for call, params_and_state in zip(calls, inputs, strict=True):
+            x, out = call(x, params_and_state)
+            outs.append(out)
+        return x, tuple(outs)
+
+    inputs = tuple((params, state) for _, params, state in splits)
+    if stacked:
+        first = layers[0].layer_idx
+        last = first + layers[0].stack_stride * layers[0].stack_size - 1
+        with jax.named_scope(f"layers_{first}_to_{last}"):
+            x, outs = jax.lax.scan(cycle, x, inputs)
+    else:
+        x, outs = cycle(x, inputs)
+    for layer, record, (_, values) in zip(layers, records, outs, strict=True):
+        _write_back(layer, record, values, stacked=stacked)
+    return x, [aux if stacked else one_layer(aux) for aux, _ in outs]
+
+
+def interleave_aux(auxes: Sequence[dict[str, jax.Array] | None]) -> dict[str, jax.Array] | None:
+    """The aux dicts of one cycle's stacks (None for dense ones) as one, rows in layer order:
+    stack ``j``'s row ``i`` is the cycle's ``i``-th layer of that kind."""
+    moe = [a for a in auxes if a is not None]
+    if len(moe) < 2:
+        return moe[0] if moe else None
+    return jax.tree.map(lambda *a: jnp.stack(a, 1).reshape(-1, *a[0].shape[1:]), *moe)
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -373,7 +441,8 @@ class CausalLM(nnx.Module):
       decoder_layer_cls: overrides the class attribute ``decoder_layer_cls``.
 
     ``self.layers``: with ``config.scan_layers`` one stacked `DecoderLayer` per run of
-    identical layers (`layer_runs`), else one `DecoderLayer` per layer.
+    identical layers, or per place in a cycle of kinds (`layer_cycles`), else one
+    `DecoderLayer` per layer.
     """
 
     config_cls: ClassVar[type[DecoderConfig]] = DecoderConfig  # set by each family
@@ -410,9 +479,11 @@ class CausalLM(nnx.Module):
         kw = dict(inputs_shape=layer_shape, partitioner=p, rngs=rngs)
         scan = bool(getattr(config, "scan_layers", False))
         self.layers = nnx.List([
-            build_stack(layer_cls, config, first=first, count=count, **kw) if scan else
+            build_stack(layer_cls, config, first=first + j, count=count // period,
+                        stride=period, **kw) if scan else
             layer_cls(config, layer_idx=first, **kw)
-            for first, count in layer_runs(layer_cls, config, scan)])
+            for first, count, period in layer_cycles(layer_cls, config, scan)
+            for j in range(period)])
         self.norm = RMSNorm(D, eps=config.rms_norm_eps, partitioner=p,
                             param_dtype=config.param_dtype, rngs=rngs)
         # tied: no lm_head, the logits come from the embedding table (`Embed.attend`)
@@ -426,7 +497,17 @@ class CausalLM(nnx.Module):
 
     def layer_indices(self, layer: DecoderLayer) -> range:
         """The model-layer indices an entry of ``self.layers`` holds."""
-        return range(layer.layer_idx, layer.layer_idx + (layer.stack_size or 1))
+        return range(layer.layer_idx, layer.layer_idx + layer.stack_stride *
+                     (layer.stack_size or 1), layer.stack_stride)
+
+    def moe_rows(self) -> list[list[int]]:
+        """For each MoE entry of ``self.layers`` (`moe_modules` order), its rows of
+        ``aux["expert_counts"]``, whose rows follow the MoE layers' order."""
+        order = sorted(i for layer in self.layers if layer.is_moe
+                       for i in self.layer_indices(layer))
+        rank = {i: r for r, i in enumerate(order)}
+        return [[rank[i] for i in self.layer_indices(layer)]
+                for layer in self.layers if layer.is_moe]
 
     def layer(self, i: int) -> DecoderLayer:
         """Model layer `i` as a `DecoderLayer` of its own: unrolled, the module itself; scanned,
@@ -438,9 +519,9 @@ class CausalLM(nnx.Module):
             if layer.stack_size is None:
                 return layer
             graphdef, state = nnx.split(layer)
-            state = jax.tree.map(lambda v, start=where.start: v[i - start], state)
+            state = jax.tree.map(lambda v, row=where.index(i): v[row], state)
             one = nnx.merge(graphdef, spmd.remove_axis(state, 0, STACK_METADATA))
-            one.layer_idx, one.stack_size = i, None
+            one.layer_idx, one.stack_size, one.stack_stride = i, None, 1
             return one
         raise IndexError(f"layer {i} out of range: the model has "
                          f"{self.config.num_hidden_layers} layers")
@@ -450,6 +531,16 @@ class CausalLM(nnx.Module):
         """One entry of ``self.layers`` under the config's `remat_policy`: see `run_layers`."""
         return run_layers(layer, x, positions=positions, segment_ids=segment_ids,
                           remat=self.config.remat_policy)
+
+    def run_group(self, group: Sequence[DecoderLayer], x: jax.Array, positions: jax.Array,
+                  segment_ids: jax.Array | None):
+        """One entry of `layer_groups`: a stack alone (`run_layer`), or a cycle's stacks
+        (`run_cycle`, their aux rows interleaved into layer order)."""
+        if len(group) == 1:
+            return self.run_layer(group[0], x, positions, segment_ids)
+        x, auxes = run_cycle(group, x, positions=positions, segment_ids=segment_ids,
+                             remat=self.config.remat_policy)
+        return x, interleave_aux(auxes)
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None
@@ -473,12 +564,12 @@ class CausalLM(nnx.Module):
 
     def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
               ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
-        """Embedding and every layer: ``(hidden [B, L, D] before the final norm, per-run aux
-        dicts)`` (what `__call__` and multi-token prediction build on)."""
+        """Embedding and every layer: ``(hidden [B, L, D] before the final norm, per-group aux
+        dicts, rows in layer order)`` (what `__call__` and multi-token prediction build on)."""
         x = self.embed_tokens(tokens)
         auxes = []
-        for layer in self.layers:
-            x, aux = self.run_layer(layer, x, positions, segment_ids)
+        for group in layer_groups(self.layers):
+            x, aux = self.run_group(group, x, positions, segment_ids)
             if aux is not None:
                 auxes.append(aux)
         return x, auxes
