@@ -11,19 +11,19 @@ slice builds.
 * `target_devices(target)` -- ``"cpu"`` (this host's devices), ``"cpu-N"`` (N of them) or a
   TPU slice by chips, ``"tpu-v5p-256"`` (256 chips: what Cloud and MaxText call v5p-512;
   ``"tpu-v5p-128x2"`` is two slices of 128), or by chip grid, ``"tpu:v5p:8x8x4"``, as a list
-  of device descriptions. ``"h100-N"`` / ``"h200-N"`` parse (`parse`) but are not wired.
+  of device descriptions; or ``"h100-N"`` / ``"h200-N"``, N GPUs of 8 a host (fewer than 8:
+  one host), compiled by XLA's GPU compiler from a description of the chip (`gpu_target_config`;
+  the ``gpu-compile`` extra, ``jax[cuda12]``, brings it: no GPU or driver needed).
 * `configure_process()` -- the environment libtpu needs on a host without TPUs (called by
   `target_devices`): no metadata-server query, several processes may load it (test workers,
   subprocesses), and jax's own platform stays the CPU.
 * `cpu_unless_accelerator()` -- with the TPU compiler installed on a host that has no TPU
   (the ``test`` extra on a CPU box), jax starts on its CPU quietly rather than probing libtpu
   first; `import zoo` calls it.
-* `hbm_bytes(device_kind)` -- a chip's memory as the TPU compiler counts it (what its
-  out-of-memory message states), None when not known; `chip(device_kind)` its published
-  peaks (bf16 FLOP/s, ICI and HBM bytes/s), which `Rehearsal.roofline` bounds a step with.
-
-GPU targets (``jax[cuda12]`` and a ``gpu_device_info`` description) compile the same way but
-need the CUDA plugin and toolchain (several GB); they are not wired here.
+* `hbm_bytes(device_kind)` -- a chip's memory as its compiler counts it (the TPU's
+  out-of-memory message; a GPU's description), None when not known; `chip(device_kind)` its
+  published peaks (bf16 FLOP/s, ICI or NVLink, the network between GPU hosts, HBM bytes/s),
+  which `Rehearsal.roofline` bounds a step with.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import os
 import re
 from typing import Any
 
-__all__ = ["CHIPS", "Chip", "Target", "parse", "target_devices", "configure_process", "chip",
-           "cpu_unless_accelerator", "hbm_bytes", "TPU_CHIPS"]
+__all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
+           "chip", "cpu_unless_accelerator", "gpu_target_config", "hbm_bytes", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -55,17 +55,36 @@ def configure_process() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """A chip's published peaks (Cloud TPU docs, per chip): dense bf16 FLOP/s, bidirectional
-    inter-chip interconnect (ICI) bytes/s and HBM bytes/s."""
+    """A chip's published peaks, per chip: dense bf16 FLOP/s, bidirectional inter-chip bytes/s
+    (a TPU's ICI; a GPU's NVLink, within its host), HBM bytes/s and, for GPUs, the network's
+    bidirectional bytes/s between hosts (one 400 Gb/s NIC a GPU)."""
     peak_flops: float
     ici_bytes_per_s: float
     hbm_bytes_per_s: float
+    network_bytes_per_s: float | None = None
 
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What XLA's GPU compiler needs to know of a GPU (`gpu_target_config`) and its peaks."""
+    device_kind: str
+    memory_bytes: int
+    hbm_bytes_per_s: int
+    chip: Chip
+
+
+# H100 SXM and H200 SXM (NVIDIA's datasheets): 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s
+GPUS = {"h100": Gpu("NVIDIA H100 80GB HBM3", 84_929_347_584, 3_352_320_000_000,
+                    Chip(989e12, 900e9, 3352e9, 100e9)),
+        "h200": Gpu("NVIDIA H200", 150_754_820_096, 4_800_000_000_000,
+                    Chip(989e12, 900e9, 4800e9, 100e9))}
+GPUS_PER_HOST = 8
 
 # by jax's device_kind; v4's ICI is not stated per chip in the same terms, so it has no entry
 CHIPS = {"TPU v5": Chip(459e12, 1200e9, 2765e9),        # v5p
          "TPU v5 lite": Chip(197e12, 400e9, 819e9),     # v5e
-         "TPU v6 lite": Chip(918e12, 800e9, 1638e9)}    # v6e (Trillium)
+         "TPU v6 lite": Chip(918e12, 800e9, 1638e9),    # v6e (Trillium)
+         **{g.device_kind: g.chip for g in GPUS.values()}}
 
 
 def chip(device_kind: str) -> Chip | None:
@@ -74,10 +93,11 @@ def chip(device_kind: str) -> Chip | None:
 
 
 def cpu_unless_accelerator() -> None:
-    """Start jax on its CPU when the TPU compiler is installed on a host with no TPU chip and
-    no other accelerator plugin, unless platforms were named (``JAX_PLATFORMS`` or
-    ``jax_platforms``). jax would otherwise try libtpu's TPU backend first, which prints
-    warnings (no accelerator type, no worker hostnames) before falling back to the CPU.
+    """Start jax on its CPU when the TPU or GPU compiler is installed on a host with no TPU
+    chip and no GPU, unless platforms were named (``JAX_PLATFORMS`` or ``jax_platforms``).
+    jax would otherwise try libtpu's TPU backend and the CUDA plugin first, which print
+    warnings (no accelerator type, no worker hostnames, no CUDA) before falling back to the
+    CPU.
     `import zoo` calls it; it changes nothing once a backend has started, and nothing on a
     TPU or GPU host."""
     import importlib.util
@@ -85,14 +105,23 @@ def cpu_unless_accelerator() -> None:
     import jax
     if jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"):
         return
-    if importlib.util.find_spec("libtpu") is None or _tpu_chips() or any(
-            importlib.util.find_spec(m) is not None
-            for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-                      "jax_rocm7_plugin")):
+    gpu_plugins = [m for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                               "jax_rocm7_plugin") if importlib.util.find_spec(m) is not None]
+    # the GPU compiler alone (`gpu-compile`) on a host without a GPU counts as no accelerator
+    if gpu_plugins and _gpu_present():
+        return
+    if (importlib.util.find_spec("libtpu") is None and not gpu_plugins) or _tpu_chips():
         return
     from jax._src import xla_bridge
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
+
+
+def _gpu_present() -> bool:
+    """A GPU driver's device files on this host (NVIDIA's, or AMD's ``/dev/kfd``)."""
+    import glob
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl")
+                or os.path.exists("/dev/kfd"))
 
 
 def _tpu_chips() -> int:
@@ -170,20 +199,57 @@ def _cpu_devices(t: Target, target: str) -> list[Any]:
     return devices[:t.count]
 
 
+def gpu_target_config(generation: str) -> str:
+    """The ``GpuTargetConfigProto`` text XLA's GPU compiler compiles for (`GPUS`): a Hopper
+    (compute capability 9.0) of 132 cores with the generation's memory and bandwidth, CUDA
+    12.8 and cuDNN 9.7 (the versions of the ``gpu-compile`` extra's wheels)."""
+    g = GPUS[generation]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {g.hbm_bytes_per_s} l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: {g.memory_bytes}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+runtime_version {{ major: 12 minor: 8 }}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+device_description_str: "{g.device_kind}"
+"""
+
+
+def _gpu_devices(t: Target, target: str) -> list[Any]:
+    import importlib.util
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        raise ValueError(f"target={target!r} needs XLA's GPU compiler: pip install -e "
+                         f"'.[gpu-compile]' (jax[cuda12], about 5 GB with its CUDA wheels)")
+    per_host = min(GPUS_PER_HOST, t.count)
+    if t.count % per_host:
+        raise ValueError(f"target={target!r}: {t.count} GPUs do not fill hosts of "
+                         f"{GPUS_PER_HOST}; name a multiple of {GPUS_PER_HOST} (or fewer "
+                         f"than {GPUS_PER_HOST}: one host)")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    import jax
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=gpu_target_config(t.generation),
+        topology=f"1x{t.count // per_host}x{per_host}")
+    return list(topo.devices)
+
+
 def target_devices(target: str) -> list[Any]:
     """The devices `target` names (see `parse`): this host's for ``"cpu"`` / ``"cpu-N"``, else
-    the chips of a TPU slice described by libtpu (no TPU needed; raises with the install
-    command when libtpu is missing). GPU targets are parsed but not wired: they raise with
-    what they need."""
+    the chips of a TPU slice described by libtpu, or GPUs described to XLA's GPU compiler
+    (no TPU or GPU needed; raises with the install command when the compiler is missing)."""
     t = parse(target)
     if t.platform == "cpu":
         return _cpu_devices(t, target)
     if t.platform == "gpu":
-        raise ValueError(
-            f"target={target!r}: GPU targets are not wired in this version; compiling for "
-            f"{t.count} {t.generation.upper()}s needs the CUDA compiler (pip install "
-            f"'jax[cuda12]==0.10.2', several GB) and a gpu_device_info description of the "
-            f"chip. Use a TPU target ('tpu-v5p-{t.count}') or 'cpu' meanwhile")
+        return _gpu_devices(t, target)
     configure_process()
     try:
         import libtpu  # noqa: F401  (the compiler; jax finds it by itself)
@@ -198,8 +264,11 @@ def target_devices(target: str) -> list[Any]:
 
 
 def hbm_bytes(device_kind: str) -> int | None:
-    """Per-device memory of a TPU kind, as its compiler counts it; None if not known."""
+    """Per-device memory of a TPU or GPU kind, as its compiler counts it; None if not
+    known."""
     v = _HBM.get(device_kind)
+    if v is None:
+        v = next((g.memory_bytes for g in GPUS.values() if g.device_kind == device_kind), None)
     return None if v is None else int(v)
 
 

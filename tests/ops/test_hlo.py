@@ -59,3 +59,34 @@ def test_both_views_count_every_trip_of_the_collectives(devices):
     assert loop.trip_count == TRIPS and all(runs[c] == TRIPS for c in loop.callees)
     for kind in ("all-gather", "reduce-scatter", "collective-permute"):
         assert stats.collective_counts[kind] == hlo.count_executed(text, kind) == TRIPS
+
+
+def test_device_groups_and_the_bytes_that_cross_hosts():
+    """Listed groups, XLA's iota form (with a transpose), its mesh form and permute pairs
+    parse to device ids; with a host per device, a collective whose group spans two hosts
+    counts as crossing, one within a host does not, and one that names no group spans every
+    device."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %a = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %b = f32[8]{0} all-reduce(%a), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add
+  %c = f32[8]{0} collective-permute(%b), source_target_pairs={{0,1},{1,2}}
+  %e = f32[8]{0} all-reduce(%c), replica_groups=mesh['x'=2,'y'=2] {'x'}, to_apply=%add
+  %f = f32[8]{0} all-reduce(%e), replica_groups=mesh['x'=2,'y'=2] {'y'}, to_apply=%add
+  ROOT %d = f32[8]{0} all-reduce(%f), to_apply=%add
+}
+"""
+    instrs = {i.name: i for _, i in hlo.parse(text).instructions()}
+    assert instrs["a"].device_groups == [(0, 1), (2, 3)]
+    assert instrs["b"].device_groups == [(0, 2), (1, 3)]
+    assert instrs["c"].device_groups == [(0, 1), (1, 2)]
+    assert instrs["d"].device_groups is None
+    assert instrs["e"].device_groups == [(0, 2), (1, 3)]  # over x: y fixed
+    assert instrs["f"].device_groups == [(0, 1), (2, 3)]
+    stats = hlo_stats(text, hosts=[0, 0, 1, 1])  # two hosts of two devices
+    assert stats.collective_bytes["all-reduce"] == 5 * 32
+    assert stats.cross_host_bytes["all-reduce"] == 3 * 32  # b, e and d; not a or f
+    assert stats.cross_host_bytes["collective-permute"] == 32  # the pair (1, 2)
+    assert hlo_stats(text).cross_host_bytes["all-reduce"] == 0  # no hosts given

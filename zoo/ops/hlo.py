@@ -28,6 +28,9 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Sequence
+
+import numpy as np
 
 from zoo.ops.ring import ONE_OF
 
@@ -49,6 +52,10 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIVIAL = re.compile(r"replica_groups=\{(?:\{\d+\},?)+\}")  # groups of one device: no traffic
+_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 # -- the parse ---------------------------------------------------------------------------------
@@ -78,6 +85,39 @@ class Instr:
     def callees(self) -> list[str]:
         """Computations it calls, branches excluded (fusion, while body and condition, ...)."""
         return _CALLS.findall(self.attrs)
+
+    @property
+    def device_groups(self) -> list[tuple[int, ...]] | None:
+        """The device groups a collective moves data within: its ``replica_groups`` (listed,
+        XLA's iota form ``[G,S]<=[dims]T(perm)``, or its mesh form ``mesh['a'=2,'b'=8]
+        {'b'}``), or a collective-permute's source-target pairs; None where the instruction
+        states none (every device, one group), [] where it states them in a form not read
+        here."""
+        if m := _GROUPS.search(self.attrs):
+            return [tuple(int(d) for d in g.split(",") if d)
+                    for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        if m := _GROUPS_IOTA.search(self.attrs):
+            dims = [int(d) for d in m.group(3).split(",")]
+            ids = np.arange(int(np.prod(dims))).reshape(dims)
+            if m.group(4):
+                ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+            return [tuple(g) for g in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]
+        if m := _GROUPS_MESH.search(self.attrs):  # mesh['a'=2,'b'=8] {'b'}: groups over b
+            axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+            names = [a for a, _ in axes]
+            over = re.findall(r"'([^']+)'", m.group(2))
+            if not set(over) <= set(names) or len(axes) != m.group(1).count("="):
+                return []  # a form not read here (sub-axes): unknown groups
+            ids = np.arange(int(np.prod([int(n) for _, n in axes]))).reshape(
+                [int(n) for _, n in axes])
+            kept = [i for i, a in enumerate(names) if a not in over]
+            ids = ids.transpose(kept + [names.index(a) for a in over])
+            size = int(np.prod([ids.shape[len(kept) + i] for i in range(len(over))]))
+            return [tuple(g) for g in ids.reshape(-1, size).tolist()]
+        if m := _PAIRS.search(self.attrs):
+            return [tuple(map(int, pair)) for pair in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        return [] if "replica_groups=" in self.attrs or "source_target_pairs=" in self.attrs \
+            else None
 
     @property
     def branches(self) -> list[str]:
@@ -299,10 +339,25 @@ class HloStats:
     dots_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # operand dtype
     dot_names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # dtype -> op_name
     unknown_trip_counts: int = 0     # while loops without known_trip_count (counted once)
+    # the part of collective_bytes whose device groups span hosts (`hlo_stats`'s ``hosts``)
+    cross_host_bytes: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
 
 
-def hlo_stats(text: str) -> HloStats:
-    """Count an HLO module's text (``compiled.as_text()`` or a lowered module's HLO)."""
+def _spans_hosts(ins: Instr, hosts: Sequence[int]) -> bool:
+    """Whether a collective's device groups (`Instr.device_groups`: partition ids, the mesh's
+    device order) hold devices of more than one host (``hosts[id]``); groups in a form not
+    read count as within a host, so a bound built on these bytes stays a lower bound."""
+    groups = ins.device_groups
+    if groups is None:
+        return len(set(hosts)) > 1
+    return any(len({hosts[d] for d in g if d < len(hosts)}) > 1 for g in groups)
+
+
+def hlo_stats(text: str, hosts: Sequence[int] | None = None) -> HloStats:
+    """Count an HLO module's text (``compiled.as_text()`` or a lowered module's HLO).
+    ``hosts``: each partition's host (the mesh's devices in order, e.g. their process
+    index), to split off the collective bytes that cross hosts (``cross_host_bytes``)."""
     module = parse(text)
     comps, types = module.computations, module.types
     stats = HloStats(instructions=sum(len(v) for v in comps.values()))
@@ -310,17 +365,20 @@ def hlo_stats(text: str) -> HloStats:
     @functools.cache
     def totals(comp: str) -> tuple:
         flops, coll, counts = 0.0, collections.Counter(), collections.Counter()
+        cross: collections.Counter = collections.Counter()
         dots: collections.Counter = collections.Counter()
         names: dict[str, set] = collections.defaultdict(set)
         unknown, one_of = 0, []
 
         def add(callee, n):
             nonlocal flops, unknown
-            f, c, k, d, nm, u = totals(callee)
+            f, c, k, d, nm, u, x = totals(callee)
             flops += n * f
             unknown += u
             for key, v in c.items():
                 coll[key] += n * v
+            for key, v in x.items():
+                cross[key] += n * v
             for key, v in k.items():
                 counts[key] += n * v
             for key, v in d.items():
@@ -337,8 +395,11 @@ def hlo_stats(text: str) -> HloStats:
                 names[dtype].add(ins.op_name or ins.name)
             kind = _KIND.get(ins.opcode)
             if kind:
-                coll[kind] += _buffer_bytes(ins, kind, types[comp])
+                nbytes = _buffer_bytes(ins, kind, types[comp])
+                coll[kind] += nbytes
                 counts[kind] += 1
+                if hosts is not None and _spans_hosts(ins, hosts):
+                    cross[kind] += nbytes
             callees = [(name, 1) for name in ins.callees]
             if ins.branches:  # a conditional runs one branch: count the costliest (an upper bound)
                 callees.append((max(ins.branches, key=lambda b: totals(b)[0]), 1))
@@ -356,11 +417,12 @@ def hlo_stats(text: str) -> HloStats:
         if one_of:  # one decision's loops share a computation (a sub-block's visit)
             for callee in max(one_of, key=lambda cs: sum(totals(c)[0] for c in cs)):
                 add(callee, 1)
-        return flops, coll, counts, dots, names, unknown
+        return flops, coll, counts, dots, names, unknown, cross
 
-    flops, coll, counts, dots, names, unknown = totals(module.entry)
+    flops, coll, counts, dots, names, unknown, cross = totals(module.entry)
     stats.flops = flops
     stats.collective_bytes.update(coll)
+    stats.cross_host_bytes.update(cross)
     stats.collective_counts.update(counts)
     stats.dots_by_dtype = dict(sorted(dots.items()))
     stats.dot_names = {k: sorted(v) for k, v in sorted(names.items())}

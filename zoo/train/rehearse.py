@@ -93,6 +93,8 @@ class Rehearsal:
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # compiled program
     step: str = "train"            # "train", or "decode": one token per row (`rehearse_decode`)
     cache_bytes: int = 0           # decode: the KV cache's shards (from its shardings)
+    # GPU targets: the part of collective_bytes whose device groups span hosts (the network)
+    cross_host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -122,21 +124,28 @@ class Rehearsal:
         chip's published peaks (`zoo.targets.chip`; None where none is known, e.g. CPU): the
         larger of compute -- the program's dot FLOPs (custom-call kernels' are not counted,
         so at least the model's) at the bf16 peak -- and collectives -- each kind's bytes per
-        device at the chip's whole ICI bandwidth, as if every link carried data all the
-        step. Perfect overlap, no HBM or launch cost: a real step is slower, so a measured
-        MFU above ``mfu`` here, or tokens/s above ``tokens_per_s``, would be a bug in it."""
+        device at the chip's whole ICI bandwidth (GPUs: NVLink within a host, and the bytes of
+        collectives whose groups span hosts at the network's), as if every link carried data
+        all the step. Perfect overlap, no HBM or launch cost: a real step is slower, so a
+        measured MFU above ``mfu`` here, or tokens/s above ``tokens_per_s``, would be a bug in
+        it."""
         from zoo.targets import chip
         c = chip(self.device_kind)
         if c is None:
             return None
         compute_s = max(self.hlo_flops, self.model_flops) / c.peak_flops
-        collective_s = {k: v / c.ici_bytes_per_s for k, v in self.collective_bytes.items()}
+        cross = self.cross_host_bytes if c.network_bytes_per_s else {}
+        collective_s = {k: (v - cross.get(k, 0.0)) / c.ici_bytes_per_s +
+                        cross.get(k, 0.0) / (c.network_bytes_per_s or 1.0)
+                        for k, v in self.collective_bytes.items()}
         bound_s = max(compute_s, sum(collective_s.values()))
         return dict(bound_s=bound_s, compute_s=compute_s, collective_s=collective_s,
                     bound_by="compute" if bound_s == compute_s else "collectives",
                     mfu=self.model_flops / (bound_s * c.peak_flops) if bound_s else 0.0,
                     tokens_per_s=self.tokens_per_device / bound_s if bound_s else 0.0,
-                    peak_flops=c.peak_flops, ici_bytes_per_s=c.ici_bytes_per_s)
+                    peak_flops=c.peak_flops, ici_bytes_per_s=c.ici_bytes_per_s,
+                    links="ICI" if c.network_bytes_per_s is None else
+                    f"NVLink, {c.network_bytes_per_s / 1e9:,.0f} GB/s between hosts")
 
     def fp32_dots(self, allowed: tuple[str, ...] = ("router", "loss")) -> list[str]:
         """Op names of f32 dots outside the scopes where fp32 is intended (router, loss)."""
@@ -189,12 +198,13 @@ class Rehearsal:
         lines = [head]
         lines.append(f"  compile {self.compile_s:.1f} s, {self.hlo_instructions:,} HLO "
                      f"instructions")
+        verdict = "fits" if self.fits else "does NOT fit" + (
+            " (compiler: out of memory)" if self.oom else "")
         lines.append(f"  per device: {state}, temporaries "
                      f"{self.temp_bytes / GiB:.2f} GiB; arguments + temporaries + outputs "
                      f"{self.peak_bytes / GiB:.2f} GiB" + (
                          "" if self.hbm_bytes is None else
-                         f" of {self.hbm_bytes / GiB:.2f} GiB: "
-                         f"{'fits' if self.fits else 'does NOT fit (compiler: out of memory)'}"))
+                         f" of {self.hbm_bytes / GiB:.2f} GiB: {verdict}"))
         lines.append(f"  FLOPs per device per step: HLO {self.hlo_flops:.4g}, model "
                      f"{self.model_flops:.4g} (ratio {self.flops_ratio:.3f}); XLA cost "
                      f"analysis {self.xla_flops:.4g}")
@@ -209,7 +219,7 @@ class Rehearsal:
                 f"ms ({bound['bound_by']}-bound: compute {bound['compute_s'] * 1e3:,.1f} ms at "
                 f"{bound['peak_flops'] / 1e12:,.0f} TFLOP/s, collectives "
                 f"{sum(bound['collective_s'].values()) * 1e3:,.1f} ms at "
-                f"{bound['ici_bytes_per_s'] / 1e9:,.0f} GB/s ICI); at the bound MFU "
+                f"{bound['ici_bytes_per_s'] / 1e9:,.0f} GB/s {bound['links']}); at the bound MFU "
                 f"{bound['mfu']:.1%}, {bound['tokens_per_s']:,.0f} tokens/s per device")
         return "\n".join(lines)
 
@@ -273,19 +283,23 @@ def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
     seconds include the lowering). ``state_bytes``: the arguments' bytes from their shardings,
     reported when the compiler refuses the program for lack of memory."""
     start = time.perf_counter()
+    mesh = partitioner.mesh
+    # GPUs: which host each partition is on, to split off the collectives between hosts
+    hosts = [d.process_index for d in mesh.devices.flat] if partitioner.platform == "gpu" \
+        else None
     lowered = lower()
-    lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True))
+    lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True), hosts)
     compiled, mem, oom = _compile(lowered)
     compile_s = time.perf_counter() - start
-    stats = hlo_stats(compiled.as_text()) if compiled is not None else lowered_stats
+    stats = hlo_stats(compiled.as_text(), hosts) if compiled is not None else lowered_stats
     cost = compiled.cost_analysis() if compiled is not None else None
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    mesh = partitioner.mesh
     kind = str(getattr(mesh.devices.flat[0], "device_kind", ""))
     from zoo.targets import hbm_bytes
     return Rehearsal(
         target=partitioner.platform, device_kind=kind,
-        hbm_bytes=hbm_bytes(kind) if partitioner.platform == "tpu" else None, oom=oom,
+        hbm_bytes=hbm_bytes(kind) if partitioner.platform != "cpu" else None, oom=oom,
+        cross_host_bytes=dict(stats.cross_host_bytes) if hosts else {},
         custom_calls=_custom_calls(compiled.as_text()) if compiled is not None else {},
         devices=int(mesh.devices.size), compile_s=compile_s,
         hlo_instructions=stats.instructions,
