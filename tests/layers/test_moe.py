@@ -764,3 +764,44 @@ def test_glu_clamps_as_gpt_oss():
     np.testing.assert_allclose(np.asarray(act(gate, up)), want, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(ops.GLU()(gate, up)),
                                   np.asarray(jax.nn.silu(gate) * up))
+
+
+def test_grouped_matmul_traced_for_a_target_device_is_exact(devices):
+    """`zoo.ops.moe.target_device`: tokamax's grouped matmul traced with a target device as
+    the default (what a GPU/TPU mesh compiled on a CPU host gets) has its own backward;
+    values and both gradients equal `jax.lax.ragged_dot`'s, plain and inside a shard_map
+    (where the kernel's outputs are marked as varying like its inputs)."""
+    from jax.sharding import PartitionSpec as P
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (48, 8))  # two shards of 24 rows
+    w = jax.random.normal(kw, (3, 8, 5))
+    gs = jnp.array([7, 0, 13], jnp.int32)  # 20 of a shard's 24 rows in groups
+    g = jax.random.normal(kg, (48, 5)) * (jnp.arange(48) % 24 < 20)[:, None]
+
+    def target(x, w, gs):
+        with ops.target_device(devices[0]):
+            return ops._tokamax_dot(x, w, gs)
+
+    def grads(dot, x, w, g):
+        return jax.value_and_grad(lambda x, w: jnp.sum(dot(x, w, gs) * g), (0, 1))(x, w)
+
+    halves = [grads(jax.lax.ragged_dot, x[i:i + 24], w, g[i:i + 24]) for i in (0, 24)]
+    got = [jax.jit(grads, static_argnums=0)(target, x[i:i + 24], w, g[i:i + 24])
+           for i in (0, 24)]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(halves)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    mesh = make_mesh(fsdp=2, devices=devices[:2])
+    runs = {}
+    for w_spec in (P(), P("fsdp")):  # the weights replicated (invariant) or varying per shard
+        ws = w if w_spec == P() else jnp.concatenate([w, w])
+        runs[w_spec] = {dot: jax.jit(jax.shard_map(
+            lambda x, w, g, dot=dot: grads(dot, x, w, g)[1], mesh=mesh,
+            in_specs=(P("fsdp"), w_spec, P("fsdp")), out_specs=(P("fsdp"), w_spec)))(x, ws, g)
+            for dot in (target, jax.lax.ragged_dot)}
+        for a, b in zip(runs[w_spec][target], runs[w_spec][jax.lax.ragged_dot]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    dx, dw = runs[P()][target]
+    np.testing.assert_allclose(dx, jnp.concatenate([h[1][0] for h in halves]), rtol=1e-5,
+                               atol=1e-5)
+    # replicated weights: their gradient is the sum over the shards
+    np.testing.assert_allclose(dw, halves[0][1][1] + halves[1][1][1], rtol=1e-5, atol=1e-5)

@@ -90,3 +90,24 @@ ENTRY %main (p: f32[8]) -> f32[8] {
     assert stats.cross_host_bytes["all-reduce"] == 3 * 32  # b, e and d; not a or f
     assert stats.cross_host_bytes["collective-permute"] == 32  # the pair (1, 2)
     assert hlo_stats(text).cross_host_bytes["all-reduce"] == 0  # no hosts given
+
+
+def test_a_ragged_all_to_all_counts_the_rows_it_sends():
+    """XLA:GPU's async ``ragged-all-to-all-start`` (and the plain op) count as all-to-all, by
+    the rows sent (operand 0), not the receive buffer or the offsets beside them."""
+    ops = "%x, %buf, %o, %o, %o, %o"
+    start = "((bf16[4,8]{1,0}, bf16[16,8]{1,0}), bf16[16,8]{1,0}) ragged-all-to-all-start"
+    text = f"""HloModule m
+
+ENTRY %main (x: bf16[4,8], buf: bf16[16,8], o: s64[4]) -> bf16[16,8] {{
+  %x = bf16[4,8]{{1,0}} parameter(0)
+  %buf = bf16[16,8]{{1,0}} parameter(1)
+  %o = s64[4]{{0}} parameter(2)
+  %s = {start}({ops}), replica_groups={{{{0,1,2,3}}}}
+  %d = bf16[16,8]{{1,0}} ragged-all-to-all-done(%s)
+  ROOT %r = bf16[16,8]{{1,0}} ragged-all-to-all({ops}), replica_groups={{{{0,1,2,3}}}}
+}}
+"""
+    stats = hlo_stats(text)
+    assert stats.collective_bytes["all-to-all"] == 2 * 4 * 8 * 2  # two ops, 64 bytes sent
+    assert stats.collective_counts["all-to-all"] == 2

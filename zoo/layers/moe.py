@@ -465,7 +465,11 @@ class MoE(nnx.Module):
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
                            out_specs=(tok, P()))
-        y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
+        # a GPU mesh compiled on another host: its kernels (`zoo.ops.moe.target_device`). A
+        # TPU mesh needs none: XLA lowers tokamax's fallback (lax.ragged_dot) to its own TPU
+        # ragged-dot kernel, and the Mosaic TPU kernel cannot state its outputs' shard_map axes
+        with ops.target_device(p.target_device if p.platform == "gpu" else None):
+            y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]
 
     # -- forward -------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ __all__ = ["COLLECTIVES", "HloStats", "Instr", "Module", "branches", "collective
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _KIND = {**{k: k for k in COLLECTIVES}, **{f"{k}-start": k for k in COLLECTIVES},
-         "ragged-all-to-all": "all-to-all"}
+         "ragged-all-to-all": "all-to-all", "ragged-all-to-all-start": "all-to-all"}
 _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
           "c128": 16}
@@ -320,10 +320,12 @@ def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
 
 
 def _buffer_bytes(ins: Instr, kind: str, types: dict[str, str]) -> float:
-    """An all-gather's gathered result; the input of the other collectives."""
+    """An all-gather's gathered result; the input of the other collectives (a ragged
+    all-to-all's rows to send: its other operands are the receive buffer and offsets)."""
     if kind == "all-gather":
         return max((_nbytes([a]) for a in _arrays(ins.type)), default=0)
-    return sum(_nbytes(_arrays(types.get(o, ""))) for o in ins.operands)
+    operands = ins.operands[:1] if ins.opcode.startswith("ragged-") else ins.operands
+    return sum(_nbytes(_arrays(types.get(o, ""))) for o in operands)
 
 
 @dataclasses.dataclass

@@ -38,7 +38,10 @@ this device), F mlp, C capacity per expert (or per peer), R receive rows, EP exp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
@@ -179,6 +182,14 @@ def _vary(v: jax.Array, axes) -> jax.Array:
     return jax.lax.pcast(v, missing, to="varying") if missing else v
 
 
+def _as_varying(v: jax.Array, axes) -> jax.Array:
+    """A cotangent given the type of an input that varies over exactly `axes`: summed over the
+    axes it varies over and the input does not (the transpose of the implicit broadcast),
+    marked varying over those it lacks."""
+    extra = tuple(sorted(_varying(v) - set(axes)))
+    return _vary(jax.lax.psum(v, extra) if extra else v, axes)
+
+
 def _block_mm(x: jax.Array, w: jax.Array, experts: jax.Array, active: jax.Array) -> jax.Array:
     """``x [n, b, K]`` block n times ``w[experts[n]] [K, N]`` -> ``[n, b, N]``; inactive
     blocks give zeros and cost nothing (a `lax.cond` inside a loop). The weight of each block
@@ -291,6 +302,26 @@ def _ragged_swiglu(dot, x, wi_gate, wi_up, wo, group_sizes, activation=SWIGLU, b
     return dot(activation(gate, up), wo, group_sizes)  # MF,EFD->MD
 
 
+_TARGET_DEVICE: contextvars.ContextVar = contextvars.ContextVar("zoo_moe_target_device",
+                                                                default=None)
+
+
+@contextlib.contextmanager
+def target_device(device):
+    """Trace tokamax's grouped matmuls (``impl="tokamax"``/``"auto"``) for `device`'s platform:
+    a device of the mesh the program is compiled for, when that is not the process's default
+    platform (a GPU or TPU target compiled on a CPU host). tokamax picks and admits its
+    kernels by the default device (on a CPU default it refuses Mosaic GPU and Triton and falls
+    back to `jax.lax.ragged_dot`, which XLA:GPU expands to a dense matmul over every local
+    expert), so forward and backward are traced with `device` as the default. None: no
+    change. `zoo.layers.MoE` sets it for its mesh."""
+    token = _TARGET_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _TARGET_DEVICE.reset(token)
+
+
 def _tokamax_dot(x, w, group_sizes):
     import tokamax  # imported on use: an accelerator kernel library, not needed on CPU
     from absl import flags
@@ -299,7 +330,44 @@ def _tokamax_dot(x, w, group_sizes):
     # defaults instead
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    return tokamax.ragged_dot(x, w, group_sizes)
+    device = _TARGET_DEVICE.get()
+    if device is None:
+        return tokamax.ragged_dot(x, w, group_sizes)
+    return _ragged_dot_for(device)(x, w, group_sizes, _varying(x), _varying(w))
+
+
+@functools.cache
+def _ragged_dot_for(device):
+    """``tokamax.ragged_dot`` traced with `device` as the default device, its backward too
+    (tokamax's own VJP runs when the backward is traced, after the forward's scope ended)."""
+    import tokamax
+
+    dims = jax.lax.RaggedDotDimensionNumbers
+
+    # vx, vw: the shard_map axes x and w vary over; a kernel's outputs do not say, so its
+    # result and gradients are marked as the inputs vary. The backward calls the kernels
+    # itself (tokamax's own VJP would check its kernels' outputs against those axes and fail)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def dot(x, w, group_sizes, vx, vw):
+        with jax.default_device(device):
+            return _vary(tokamax.ragged_dot(x, w, group_sizes), vx | vw)
+
+    def fwd(x, w, group_sizes, vx, vw):
+        return dot(x, w, group_sizes, vx, vw), (x, w, group_sizes)
+
+    def bwd(vx, vw, res, g):  # g [M, N]: dx = g w_e^T per row, dw_e = x_e^T g_e per group
+        x, w, group_sizes = res
+        with jax.default_device(device):
+            dx = tokamax.ragged_dot_general(
+                g, w, group_sizes, dims((([1], [2]), ([], [])), [0], [0]),
+                preferred_element_type=x.dtype)
+            dw = tokamax.ragged_dot_general(
+                x, g, group_sizes, dims((([0], [0]), ([], [])), [0], []),
+                preferred_element_type=w.dtype)
+        return _as_varying(dx, vx), _as_varying(dw, vw), None
+
+    dot.defvjp(fwd, bwd)
+    return dot
 
 
 def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,

@@ -274,8 +274,9 @@ class RunSection:
         False, "compile the train step for --devices virtual devices and print per-device "
                "memory, FLOPs and collectives instead of training")
     target: str = _field(
-        "cpu", "with --rehearse: the devices to compile for, 'cpu' or a TPU slice such as "
-               "tpu-v5p-8 or tpu:v5p:2x2x2 (the TPU compiler runs here; needs libtpu)")
+        "cpu", "with --rehearse: the devices to compile for, 'cpu', a TPU slice such as "
+               "tpu-v5p-8 or tpu:v5p:2x2x2, or GPUs such as h100-16 (the TPU and GPU "
+               "compilers run here; they need libtpu / jax-cuda12-plugin)")
 
     def __post_init__(self):
         _at_least_one(self, "steps")
