@@ -111,3 +111,24 @@ ENTRY %main (x: bf16[4,8], buf: bf16[16,8], o: s64[4]) -> bf16[16,8] {{
     stats = hlo_stats(text)
     assert stats.collective_bytes["all-to-all"] == 2 * 4 * 8 * 2  # two ops, 64 bytes sent
     assert stats.collective_counts["all-to-all"] == 2
+
+
+def test_convolution_flops_count_only_taps_on_real_input():
+    """The TPU compiler writes dots as convolutions: a 1-long input padded to a 128 window
+    (one real tap of 128), and a ragged dot's weight gradient as a dilated convolution (one
+    real tap of 4 per group). Their FLOPs are the dots', not the windows'."""
+    pad = "window={size=128 pad=127_127 rhs_reversal=1}, dim_labels=bf0_0oi->b0f"
+    dilated = "window={size=4 stride=3 lhs_dilate=4}, dim_labels=0fb_0io->0bf"
+    text = f"""HloModule m
+
+ENTRY %main (a: bf16[64,32,1], k: bf16[128,16,32], x: bf16[4,512,32], g: bf16[4,512,8]) -> f {{
+  %a = bf16[64,32,1]{{2,1,0}} parameter(0)
+  %k = bf16[128,16,32]{{2,1,0}} parameter(1)
+  %c = bf16[64,128,16]{{2,1,0}} convolution(%a, %k), {pad}
+  %x = bf16[4,512,32]{{2,1,0}} parameter(2)
+  %g = bf16[4,512,8]{{2,1,0}} parameter(3)
+  ROOT %w = bf16[4,32,8]{{2,1,0}} convolution(%x, %g), {dilated}
+}}
+"""
+    # c: [64 rows] x [128 x 16 out] x 32 in, one tap each; w: 4 groups x [32 x 8] x 512 rows
+    assert hlo_stats(text).flops == 2 * 64 * 128 * 16 * 32 + 2 * 4 * 32 * 8 * 512

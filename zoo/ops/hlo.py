@@ -311,12 +311,48 @@ def _dot_flops(ins: Instr, types: dict[str, str]) -> float:
         m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
         dims = [int(d) for d in m.group(1).split(",") if d] if m else []
         return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
-    rhs = _arrays(types.get(ins.operands[1], ""))  # convolution: out x (kernel / out features)
-    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    if not rhs or not labels or "o" not in labels.group(1):
+    # convolution: each output element takes the input features times the kernel positions
+    # that land on real input (not padding or dilation holes): TPU writes dots and ragged
+    # dots' transposes as convolutions that pad or dilate their input to the window
+    rhs = _arrays(types.get(ins.operands[1], ""))
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not rhs or not labels or "i" not in labels.group(2):
         return 0.0
-    kernel = rhs[0][1]
-    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / kernel[labels.group(1).index("o")]
+    lhs_l, rhs_l, out_l = labels.groups()
+    kernel, image, result = rhs[0][1], lhs[0][1], out[0][1]
+    window = _window(ins.attrs)
+    taps, positions = 1, 1
+    for n, d in enumerate(sorted(c for c in rhs_l if c.isdigit())):
+        stride, pad, lhs_dil, rhs_dil = (window.get(key, [dflt] * (n + 1))[n]
+                                         for key, dflt in _WINDOW_DEFAULTS)
+        m = result[out_l.index(d)]
+        taps *= _taps(image[lhs_l.index(d)], kernel[rhs_l.index(d)], m, stride, pad, lhs_dil,
+                      rhs_dil)
+        positions *= m
+    return 2.0 * math.prod(result) / max(positions, 1) * taps * kernel[rhs_l.index("i")]
+
+
+_WINDOW_DEFAULTS = (("stride", 1), ("pad", 0), ("lhs_dilate", 1), ("rhs_dilate", 1))
+
+
+def _window(attrs: str) -> dict[str, list[int]]:
+    """A convolution's ``window={size=4x4 stride=3x3 pad=1_1x0_0 lhs_dilate=...}`` per field
+    and spatial dimension (``pad``: the low padding)."""
+    m = re.search(r"window=\{([^}]*)\}", attrs)
+    out: dict[str, list[int]] = {}
+    for field in (m.group(1).split() if m else ()):
+        key, _, value = field.partition("=")
+        out[key] = [int(v.split("_")[0]) for v in value.split("x")]
+    return out
+
+
+def _taps(n: int, k: int, m: int, stride: int, pad: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Over the `m` output positions of one spatial dimension, the kernel taps that land on
+    one of the `n` input positions (the input dilated by `lhs_dil`, low-padded by `pad`)."""
+    if m * k > 2 ** 24:  # too many to list: every output position sees at most n of them
+        return m * min(k, n)
+    at = np.arange(m)[:, None] * stride + np.arange(k)[None, :] * rhs_dil - pad
+    return int(np.sum((at >= 0) & (at % lhs_dil == 0) & (at // lhs_dil < n)))
 
 
 def _buffer_bytes(ins: Instr, kind: str, types: dict[str, str]) -> float:
