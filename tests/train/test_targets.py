@@ -176,3 +176,32 @@ def test_roofline_bounds_the_step_from_the_reports_counts():
     cpu = dataclasses.replace(r, target="cpu", device_kind="cpu")
     assert cpu.roofline() is None and "BOUND" not in str(cpu)
     assert targets.chip("TPU v5").peak_flops == 459e12 and targets.chip("TPU v4") is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
+                    reason="needs libtpu and jax-cuda12-plugin (the test extra)")
+def test_targets_script_compiles_one_step_for_each_target(devices, capsys):
+    """``benchmarks/targets.py`` compiles the same step for CPU, TPU and GPU devices in one
+    process and prints one row each: the TPU and GPU rows carry their device's memory, a
+    verdict, their kernels and a roofline bound; the CPU row has none of those."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import targets as script
+    assert script.main(["--targets", "cpu-8,tpu-v5p-8,h100-8", "--model", "deepseek3_mini",
+                        "--mesh", "fsdp=2,expert=4", "--batch-size", "8", "--seq-len", "256",
+                        "--set", "num_hidden_layers=2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
+    assert lines[0] == "| " + " | ".join(script.COLUMNS) + " |"
+    rows = {r["target"]: r for r in (dict(zip(script.COLUMNS, (c.strip() for c in
+                                                                  x.strip("|").split("|")),
+                                              strict=True)) for x in lines[2:])}
+    assert list(rows) == ["cpu-8", "tpu-v5p-8", "h100-8"]
+    cpu, tpu, gpu = rows.values()
+    assert (cpu["device"], cpu["fits"], cpu["bound ms"]) == ("cpu", "-", "-")
+    assert not any(k in cpu["kernels"] for k in ("mosaic", "tpu_custom_call"))
+    assert tpu["device"] == "TPU v5" and tpu["memory GiB"] == "95.74" and tpu["fits"] == "yes"
+    assert gpu["device"] == "NVIDIA H100 80GB HBM3" and gpu["memory GiB"] == "79.10"
+    assert "mosaic_gpu" in gpu["kernels"] and float(gpu["bound ms"].replace(",", "")) > 0
+    assert gpu["MFU at bound"].endswith("%") and tpu["bound by"] in ("compute", "collectives")
