@@ -132,3 +132,38 @@ ENTRY %main (a: bf16[64,32,1], k: bf16[128,16,32], x: bf16[4,512,32], g: bf16[4,
 """
     # c: [64 rows] x [128 x 16 out] x 32 in, one tap each; w: 4 groups x [32 x 8] x 512 rows
     assert hlo_stats(text).flops == 2 * 64 * 128 * 16 * 32 + 2 * 4 * 32 * 8 * 512
+
+
+def test_a_loop_without_known_trip_count_reads_its_condition():
+    """The TPU compiler's loops carry no ``known_trip_count``: a condition ``counter < 4``
+    gives 4 trips (the body's dot counted 4 times); a data-dependent condition stays
+    unknown and counts once."""
+    def module(bound: str) -> str:
+        return f"""HloModule m
+
+%cond (p: (s32[], f32[8,8])) -> pred[] {{
+  %p = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] {bound}
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
+  %p = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,8]{{1,0}} get-tuple-element(%p), index=1
+  %d = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%i, %d)
+}}
+
+ENTRY %main (x: f32[8,8]) -> (s32[], f32[8,8]) {{
+  %x = f32[8,8]{{1,0}} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[8,8]{{1,0}}) tuple(%z, %x)
+  ROOT %w = (s32[], f32[8,8]{{1,0}}) while(%t), condition=%cond, body=%body
+}}
+"""
+    known = hlo_stats(module("constant(4)"))
+    assert known.flops == 4 * 2 * 8 * 8 * 8 and known.unknown_trip_counts == 0
+    unknown = hlo_stats(module("get-tuple-element(%p), index=0"))
+    assert unknown.flops == 2 * 8 * 8 * 8 and unknown.unknown_trip_counts == 1

@@ -1,7 +1,8 @@
 """HLO module text read once, seen two ways: how often each op *runs*, and what a program costs.
 
 Ops inside a ``while`` body appear once in the text; they run ``known_trip_count`` times (XLA
-records it in the loop's backend config; XLA's own cost analysis counts a loop body once).
+records it in the loop's backend config; the TPU compiler does not, and the count is read off
+the loop's condition, `Module.trip_count`; XLA's own cost analysis counts a loop body once).
 `parse` reads a module's text (``compiled.as_text()`` or a lowered module's HLO) into its
 computations and instructions; both views below read that parse. Figures are per device for
 an SPMD program.
@@ -138,6 +139,23 @@ class Module:
         """``(computation, instruction)`` for every instruction."""
         return ((c, ins) for c, instrs in self.computations.items() for ins in instrs)
 
+    def trip_count(self, ins: Instr) -> int | None:
+        """A ``while``'s trips: its ``known_trip_count``, else read off a condition whose root
+        is ``counter < N`` with N a constant (a scan or fori_loop from 0 by 1; the TPU
+        compiler's loops carry no backend config), else None (a data-dependent loop)."""
+        if ins.trip_count is not None or ONE_OF in (ins.op_name or ""):
+            return ins.trip_count
+        m = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
+        cond = self.computations.get(m.group(1), []) if m else []
+        if not cond or cond[-1].opcode != "compare" or "direction=LT" not in cond[-1].attrs:
+            return None
+        by_name = {i.name: i for i in cond}
+        counter, bound = (by_name.get(o) for o in cond[-1].operands[:2])
+        if counter is None or bound is None or counter.opcode != "get-tuple-element" or \
+                bound.opcode != "constant" or not re.fullmatch(r"\d+", bound.operands[0]):
+            return None
+        return int(bound.operands[0])
+
 
 def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
     """``(dtype, dims)`` of every array in an HLO type (a tuple type gives several)."""
@@ -239,7 +257,7 @@ def executions(text: str, root: str | None = None) -> dict[str, int]:
     module = parse(text)
     calls = collections.defaultdict(list)  # caller -> [(callee, factor)]
     for name, ins in module.instructions():
-        factor = (ins.trip_count or 1) if ins.opcode == "while" else 1
+        factor = (module.trip_count(ins) or 1) if ins.opcode == "while" else 1
         calls[name] += [(callee, factor) for callee in ins.callees + ins.branches]
     root = root or module.entry
     runs = collections.Counter({root: 1})
@@ -273,8 +291,9 @@ def count_executed(text: str, opcode: str) -> int:
 def decisions(text: str) -> int:
     """Executions of data-dependent branch points: ``conditional``s and ``while`` loops with no
     known trip count (such as `zoo.ops.ring`'s run-if loops of 0 or 1 trips)."""
+    module = parse(text)
     return _executed(text, lambda ins: ins.opcode == "conditional" or (
-        ins.opcode == "while" and ins.trip_count is None))
+        ins.opcode == "while" and module.trip_count(ins) is None))
 
 
 def branches(text: str) -> list[list[str]]:
@@ -442,7 +461,7 @@ def hlo_stats(text: str, hosts: Sequence[int] | None = None) -> HloStats:
             if ins.branches:  # a conditional runs one branch: count the costliest (an upper bound)
                 callees.append((max(ins.branches, key=lambda b: totals(b)[0]), 1))
             if ins.opcode == "while":
-                trip = ins.trip_count
+                trip = module.trip_count(ins)
                 if trip is None and ONE_OF in (ins.op_name or ""):
                     # one of a decision's 0-or-1-trip loops (`zoo.ops.ring`), of which one
                     # runs: like a conditional's branches, only the costliest is counted
