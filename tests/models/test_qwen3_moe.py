@@ -224,14 +224,19 @@ def test_layer_kinds_and_runs_follow_transformers(layers, step, mlp_only, expert
                 for layer in hf_model.model.layers]
     config = Qwen3MoeConfig.from_hf_config(cfg.to_dict())
     assert [config.is_moe_layer(i) for i in range(layers)] == hf_kinds
-    runs = [(first, n) for first, n, period in layer_cycles(Qwen3MoeDecoderLayer, config,
-                                                                scan=True) if period == 1]
-    # maximal runs: consecutive runs differ in kind, and together they cover every layer once
-    assert [i for first, n in runs for i in range(first, first + n)] == list(range(layers))
-    assert all(hf_kinds[a] != hf_kinds[b] for (a, _), (b, _) in itertools.pairwise(runs))
+    cycles = layer_cycles(Qwen3MoeDecoderLayer, config, scan=True)
+    # spans covering every layer once, each a run of one kind (period 1) or whole cycles of
+    # kinds repeating with their period (decoder_sparse_step=2: dense, MoE, dense, MoE, ...)
+    assert [i for first, n, _ in cycles for i in range(first, first + n)] == list(range(layers))
+    assert all(hf_kinds[i] == hf_kinds[first + (i - first) % period]
+               for first, n, period in cycles for i in range(first, first + n))
+    # maximal: two runs of one kind side by side differ in kind
+    assert all(hf_kinds[a] != hf_kinds[b] for (a, _, p), (b, _, q) in itertools.pairwise(cycles)
+               if p == q == 1)
     model = Qwen3Moe.abstract(config)
     assert [(layer.layer_idx, layer.stack_size, layer.is_moe) for layer in model.layers] == [
-        (first, n, hf_kinds[first]) for first, n in runs]
+        (first + j, n // period, hf_kinds[first + j]) for first, n, period in cycles
+        for j in range(period)]
     assert config.num_params() == sum(p.numel() for p in hf_model.parameters())
     # what one token multiplies with: every matmul weight but the experts', plus k/E of those
     named = list(hf_model.named_parameters())
