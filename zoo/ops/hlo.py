@@ -393,7 +393,8 @@ class HloStats:
         default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
     collective_counts: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
-    dots_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # operand dtype
+    dots_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # operand dtype,
+    # each dot instruction once (a loop body's once, whatever its trips)
     dot_names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # dtype -> op_name
     unknown_trip_counts: int = 0     # while loops without known_trip_count (counted once)
     # the part of collective_bytes whose device groups span hosts (`hlo_stats`'s ``hosts``)
@@ -438,8 +439,8 @@ def hlo_stats(text: str, hosts: Sequence[int] | None = None) -> HloStats:
                 cross[key] += n * v
             for key, v in k.items():
                 counts[key] += n * v
-            for key, v in d.items():
-                dots[key] += n * v
+            for key, v in d.items():  # dot instructions, each once (not per trip)
+                dots[key] += v
             for key, v in nm.items():
                 names[key] |= v
 
