@@ -150,7 +150,7 @@ def time_layer(name, config, layer_cls, args) -> None:
     import numpy as np
     from flax import nnx
 
-    from zoo.models.decoder import build_stack, run_layers
+    from zoo.models.stacks import build_stack, run_layers
     from zoo.partitioning import Partitioner, make_mesh
 
     devices = jax.devices()

@@ -53,7 +53,7 @@ from flax import nnx
 from zoo.layers.attention import SCOPE, AttentionBlock, check_call
 from zoo.layers.mla import MLA
 from zoo.layers.moe import MoE
-from zoo.models.decoder import layer_groups
+from zoo.models.stacks import layer_groups
 from zoo.kv_cache import (CACHE_AXES, KVCache, _constrain_cache, _fill,  # noqa: F401
                           SLOTS, _put, _ring_view, _splittable, _write, cache_axes,
                           cache_bytes_per_token, cache_slots)

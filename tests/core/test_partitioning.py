@@ -234,7 +234,7 @@ def test_program_choices_follow_the_mesh_not_the_process(devices, monkeypatch):
     """A process whose default backend is an accelerator (as with libtpu loaded) still builds
     the CPU program for a CPU mesh, and an accelerator mesh gets the accelerator program on a
     CPU host: kernels, tiles, ring pieces, donation and host offload."""
-    from zoo.models.decoder import remat_policy
+    from zoo.models.stacks import remat_policy
     from zoo.ops.flash import ACCELERATOR_TILES, CPU_TILES, FlashKernel
     from zoo.ops.kernels import TokamaxKernel, get_kernel
     from zoo.ops.ring import ring_rounds

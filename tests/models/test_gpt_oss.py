@@ -85,7 +85,7 @@ def test_mxfp4_reader_lists_the_dequantized_tensor(mxfp4_checkpoint):
 
 
 def test_alternating_layers_scan_as_one_cycle():
-    from zoo.models.decoder import layer_cycles
+    from zoo.models.stacks import layer_cycles
     cycles = functools.partial(layer_cycles, gpt_oss.GptOssDecoderLayer)
     cfg = gpt_oss.GptOssConfig.mini(layer_types=("sliding_attention", "sliding_attention",
                                                  "full_attention", "full_attention"))

@@ -214,7 +214,7 @@ PATTERNS = [  # (num_hidden_layers, decoder_sparse_step, mlp_only_layers, num_ex
 
 @pytest.mark.parametrize("layers,step,mlp_only,experts", PATTERNS)
 def test_layer_kinds_and_runs_follow_transformers(layers, step, mlp_only, experts):
-    from zoo.models.decoder import layer_cycles
+    from zoo.models.stacks import layer_cycles
     from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig, Qwen3MoeDecoderLayer
     cfg = hf_config(num_hidden_layers=layers, decoder_sparse_step=step,
                     mlp_only_layers=list(mlp_only), num_experts=experts, vocab_size=64)

@@ -485,7 +485,7 @@ def test_values_are_parsed_from_the_field_types():
         with pytest.raises(ValueError, match=expected):
             parse_text(tp, text)
     # TrainConfig's choices are the library's own
-    from zoo.models.decoder import REMAT_POLICIES
+    from zoo.models.config import REMAT_POLICIES
     from zoo.ops.attention import IMPLEMENTATIONS
     from zoo.partitioning import STRATEGIES
     from zoo.train.config import ParallelismSection

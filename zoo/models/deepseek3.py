@@ -62,7 +62,8 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE, YaRN
 from zoo.models.config import DecoderConfig, check_positive, nullable, zoo_field
 from zoo.models import registry
-from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io, run_layers
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
+from zoo.models.stacks import run_layers
 
 __all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "MTP", "from_hf", "to_hf"]
 

@@ -7,7 +7,7 @@
   ``"sliding_attention"`` (a window of ``sliding_window`` = 128 keys; under ring context
   parallelism the hop plan moves only the hops the window can see) and ``"full_attention"``.
   Layers of different kinds never share a stack; scanned, the alternating layers are one
-  cycle of two stacks, a (sliding, full) pair a scan step (`zoo.models.decoder.layer_cycles`).
+  cycle of two stacks, a (sliding, full) pair a scan step (`zoo.models.stacks.layer_cycles`).
 * Feed-forward: every layer an MoE of ``num_local_experts`` experts of width
   ``intermediate_size``: router logits with a bias, softmax over the top
   ``num_experts_per_tok`` logits; experts with biases and the clamped SwiGLU
