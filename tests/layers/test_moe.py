@@ -261,23 +261,29 @@ def setups():
 
 # DeepSeek (groups, bias, shared experts) on every mesh and both dispatches; Mixtral routing
 # (top-2), top-1 and top-8 on the EP ones
-CASES = ([("deepseek", m, "all_gather") for m in (None, *MESHES)]
-         + [("deepseek", m, "all_to_all") for m in MESHES if m != "fsdp8"]
-         + [("mixtral", m, "all_gather") for m in ("epcp_f2e4", "epcp_f2e2c2")]
-         + [("mixtral", "epcp_f2e4", "all_to_all"), ("top1", "ep8", "all_to_all"),
-            ("top8", "epcp_f2e4", "all_to_all"), ("top8", "ep8", "all_gather")])
+# (overflow "auto" runs the rounds where they save: mixtral and top1 below; "drop" keeps those
+# on the one round of worst-case buffers)
+CASES = ([("deepseek", m, "all_gather", "auto") for m in (None, *MESHES)]
+         + [("deepseek", m, "all_to_all", "auto") for m in MESHES if m != "fsdp8"]
+         + [("mixtral", m, "all_gather", "auto") for m in ("epcp_f2e4", "epcp_f2e2c2")]
+         + [("mixtral", "epcp_f2e4", "all_to_all", o) for o in ("auto", "drop")]
+         + [("top1", "ep8", "all_to_all", o) for o in ("auto", "drop")]
+         + [("top8", "epcp_f2e4", "all_to_all", "auto"), ("top8", "ep8", "all_gather", "auto")])
 
 
 def _mesh(mesh):
     return None if mesh is None else Partitioner(make_mesh(**MESHES[mesh][1]), MESHES[mesh][0])
 
 
-@pytest.mark.parametrize("config, mesh, dispatch", CASES)
-def test_forward_and_grads_match_dense_reference(setups, config, mesh, dispatch):
+@pytest.mark.parametrize("config, mesh, dispatch, overflow", CASES)
+def test_forward_and_grads_match_dense_reference(setups, config, mesh, dispatch, overflow):
     s = setups[config]
     part = _mesh(mesh)
-    moe = build(s["cfg"], part, s["values"], s["bias"], dispatch=dispatch)
+    moe = build(s["cfg"], part, s["values"], s["bias"], dispatch=dispatch, overflow=overflow)
     assert moe.dispatch == dispatch
+    rounds = overflow == "auto" and config in ("mixtral", "top1") and dispatch == "all_to_all"
+    assert (moe.overflow, moe.exchange_buffer_factor) == (
+        ("exact", 1.25) if rounds else ("drop" if overflow == "auto" else overflow, None))
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     (_, (y, aux)), (g_params, g_x) = _loss_fn(graphdef, rest, s["ct"])(params, s["x"])
     np.testing.assert_allclose(np.asarray(y), s["y"], rtol=1e-5, atol=1e-5)
@@ -606,6 +612,32 @@ def test_buffer_factor_ignored_by_auto_warns():
         assert MoE(partitioner=part, dispatch="all_to_all", **args).dispatch == "all_to_all"
         # exact overflow (the full-size presets' setting): all_gather drops nothing either
         assert MoE(partitioner=part, overflow="exact", **args).dispatch == "all_gather"
+
+
+def test_auto_overflow_rule():
+    """overflow="auto": drop with a buffer_factor; dropless, rounds of 1.25x the balanced share
+    where those buffers are under half the worst case's (EP 4, k 2, E_local 2: 5 rows per peer
+    against 16) and the experts allow rounds, else the one round of worst-case buffers."""
+    args = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, inputs_shape=(B, L, D),
+                rngs=nnx.Rngs(0))
+    ep4 = Partitioner(make_mesh(fsdp=2, expert=4), "ep_as_cp")
+    m = MoE(partitioner=ep4, **args)
+    assert (m.dispatch, m.overflow, m.exchange_buffer_factor) == ("all_to_all", "exact", 1.25)
+    assert ops.a2a_capacity(8, 2, 2, 4, 1.25) == 5 and ops.a2a_capacity(8, 2, 2, 4, None) == 16
+    # a buffer factor: drop (as before "auto" existed)
+    m = MoE(partitioner=ep4, buffer_factor=2.0, **args)
+    assert (m.overflow, m.exchange_buffer_factor) == ("drop", 2.0)
+    # the experts rounds cannot run: gpt-oss's biases, the clamped activation
+    for kw in (dict(expert_bias=True), dict(activation=ops.GLU(alpha=1.702, limit=7.0))):
+        assert MoE(partitioner=ep4, **args, **kw).overflow == "drop"
+    # top-1 on EP 2: worst case 8 rows per peer, rounds 5 -- not under half, one round
+    m = MoE(partitioner=Partitioner(make_mesh(fsdp=4, expert=2), "ep_as_cp"),
+            **{**args, "num_experts_per_tok": 1}, dispatch="all_to_all")
+    assert (m.overflow, m.exchange_buffer_factor) == ("drop", None)
+    # all_gather and unsharded keep no buffers
+    assert MoE(partitioner=None, **args).overflow == "drop"
+    # explicit choices stay as given
+    assert MoE(partitioner=ep4, overflow="drop", **args).overflow == "drop"
 
 
 @pytest.mark.parametrize("kw, mesh, match", [

@@ -119,8 +119,9 @@ class DecoderConfig:
     moe_dispatch: str = zoo_field("auto")  # MoE(dispatch=): "all_to_all", "all_gather", "auto"
     moe_grouped_matmul: str = zoo_field("auto")  # MoE(grouped_matmul=): blocked on CPU, tokamax
     moe_buffer_factor: float | None = zoo_field(None)  # all_to_all receive buffers; None: dropless
-    # MoE(overflow=): copies beyond the buffers "drop" or travel in further rounds ("exact")
-    moe_overflow: str = zoo_field("drop")
+    # MoE(overflow=): copies beyond the buffers "drop" or travel in further rounds ("exact");
+    # "auto": drop with a buffer factor, dropless in rounds where they save (zoo.layers.moe)
+    moe_overflow: str = zoo_field("auto")
     remat_policy: str | None = zoo_field(None)  # None or one of REMAT_POLICIES
     scan_layers: bool = zoo_field(True)  # runs of identical layers as one lax.scan
     # (a dtype is immutable: RUF009 cannot tell)
@@ -149,10 +150,10 @@ class DecoderConfig:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
                                  f"bfloat16)")
-        if self.moe_overflow not in ("drop", "exact"):
+        if self.moe_overflow not in ("auto", "drop", "exact"):
             raise ValueError(f"{what}: moe_overflow={self.moe_overflow!r} must be 'drop' (copies "
-                             f"beyond the all_to_all buffers are dropped) or 'exact' (they "
-                             f"travel in further rounds)")
+                             f"beyond the all_to_all buffers are dropped), 'exact' (they "
+                             f"travel in further rounds) or 'auto' (see zoo.layers.moe)")
         for name in ("capacity_factor", "moe_buffer_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -311,7 +311,8 @@ def _record(family, model_cls, decoder_layer_cls, model_config, partitioner, abs
     """What run.json and each checkpoint record beside the settings."""
     from zoo.layers.moe import moe_modules  # the MoE kernels as resolved for this mesh
     moe = next((dict(dispatch=m.dispatch, requested=m.dispatch_requested,
-                     grouped_matmul=m.grouped_matmul, buffer_factor=m.buffer_factor)
+                     grouped_matmul=m.grouped_matmul, buffer_factor=m.buffer_factor,
+                     overflow=m.overflow, exchange_buffer_factor=m.exchange_buffer_factor)
                 for m in moe_modules(abstract, with_bias=False)), None)
     return dict(family=family.name, model_cls=model_cls.__qualname__,
                 decoder_layer_cls=getattr(decoder_layer_cls, "__qualname__", None),
