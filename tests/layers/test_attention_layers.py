@@ -22,6 +22,7 @@ import zoo.ops
 from support import assert_close
 from zoo.layers.attention import Attention
 from zoo.layers.mla import MLA
+from zoo.ops.attention import CPU_FLOPS_PER_WIRE_BYTE
 from zoo.layers.rope import RoPE, YaRN
 
 B, L, D = 4, 32, 32
@@ -55,6 +56,8 @@ CASES = [  # (config, mesh or None)
     ("mha_bias", "cp4_data2_allgather_contiguous"),
     ("mqa", "ep_as_cp_allgather"), ("mla", "ep_as_cp_allgather"),
     ("mqa", "fsdp4_tp2"), ("mla_qlora_yarn", "fsdp4_tp2"),
+    # MLA with the expanded K/V on the wire (these small dims resolve "auto" to the latent)
+    ("mla_qlora_yarn", "cp8_ring", "expanded"), ("mla", "ep_as_cp_allgather", "expanded"),
 ]
 
 
@@ -158,9 +161,9 @@ def reference_for(cls):
 
 # -- running a module ------------------------------------------------------------------------
 
-def build(name, partitioner=None, implementation="auto", cls=None):
+def build(name, partitioner=None, implementation="auto", cls=None, **extra):
     base, kw = CONFIGS[name]
-    return (cls or base)(**kw, inputs_shape=(B, L, D), partitioner=partitioner,
+    return (cls or base)(**kw, **extra, inputs_shape=(B, L, D), partitioner=partitioner,
                          implementation=implementation, rngs=nnx.Rngs(0))
 
 
@@ -226,8 +229,9 @@ EXPECTED_SPECS = {
 }
 
 
-@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{c}-{m or 'unsharded'}" for c, m in CASES])
-def test_matches_reference(name, mesh):
+@pytest.mark.parametrize("name,mesh,kv_wire", [(*c, "auto")[:3] for c in CASES],
+                         ids=["-".join(str(e or "unsharded") for e in c) for c in CASES])
+def test_matches_reference(name, mesh, kv_wire):
     x, pos, seg, ct = packed_inputs()
     if mesh is None:
         partitioner, impl = None, "auto"
@@ -240,7 +244,9 @@ def test_matches_reference(name, mesh):
     if name == "mha_bias" and mesh is None:
         seg = None  # the segment_ids=None path: one document per row, no padding
         pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-    module = build(name, partitioner, impl)
+    module = build(name, partitioner, impl, **({} if kv_wire == "auto" else {"kv_wire": kv_wire}))
+    if isinstance(module, MLA):  # the default: the latent
+        assert module.kv_wire == ("latent" if kv_wire == "auto" else kv_wire)
     # "auto" is resolved once, at construction
     assert module.implementation == (impl if impl != "auto" else zoo.ops.choose_implementation(
         partitioner=partitioner, q_length=L, kv_length=L, num_heads=4,
@@ -358,7 +364,43 @@ ERRORS = [  # (what, thunk, message pattern)
     ("bad q_lora_rank", lambda: _mla(q_lora_rank=0), r"q_lora_rank=0 must be a positive int"),
     ("bad layout", lambda: _attn(layout="striped"), r"Attention: layout='striped'; valid values"),
     ("bad mla layout", lambda: _mla(layout="rows"), r"MLA: layout='rows'; valid values"),
+    ("bad kv_wire", lambda: _mla(kv_wire="latents"),
+     r"MLA: kv_wire='latents' must be one of \('auto', 'latent', 'expanded'\)"),
 ]
+
+
+def test_mla_kv_wire_auto_rule():
+    """kv_wire="auto": the expanded K/V under context parallelism on a CPU mesh when the
+    expansion FLOPs it saves exceed CPU_FLOPS_PER_WIRE_BYTE times the bytes it adds (the mini
+    DeepSeek-V3's attention: 196,608 FLOPs against 4,480 bytes per received token); the latent
+    without sequence shards, where it pays less, and on accelerator meshes."""
+    mini = dict(num_heads=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                qk_rope_head_dim=16, v_head_dim=32, inputs_shape=(8, 32, 32), rngs=nnx.Rngs(0))
+    rule = dict(kv_lora_rank=64, num_heads=8, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                v_head_dim=32, itemsize=4)
+    flops, added = 3 * 2 * 64 * 8 * 64, 2 * (8 * 80 - 80) * 4
+    assert (flops, added) == (196_608, 4_480)
+    assert flops > CPU_FLOPS_PER_WIRE_BYTE * added
+    epcp = _p("ep_as_cp", fsdp=2, expert=4)
+    auto = dict(mini, kv_wire="auto")
+    assert MLA(**auto, partitioner=epcp).kv_wire == "expanded"
+    assert MLA(**auto, partitioner=_p("cp", fsdp=2, context=4)).kv_wire == "expanded"
+    assert MLA(**auto, partitioner=_p("fsdp", fsdp=8)).kv_wire == "latent"  # nothing crosses
+    assert MLA(**auto, partitioner=None).kv_wire == "latent"
+    assert MLA(**mini, partitioner=epcp).kv_wire == "latent"  # the default
+    # a narrow latent (rank 8) expanding into many heads: 24,576 FLOPs against 4,928 bytes,
+    # the bytes outweigh the FLOPs
+    assert zoo.ops.choose_mla_wire(partitioner=epcp, **{**rule, "kv_lora_rank": 8}) == "latent"
+    # TPU: the latent (the chip's FLOPs per wire byte are not CPU's)
+    tpu = zoo.Partitioner(zoo.make_mesh(fsdp=2, expert=4, devices=_tpu_devices(8)),
+                          "ep_as_cp")
+    assert zoo.ops.choose_mla_wire(partitioner=tpu, **rule) == "latent"
+
+
+def _tpu_devices(n):
+    pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[test]'")
+    from zoo.train import target_devices
+    return target_devices(f"tpu-v5p-{n}")
 
 
 @pytest.mark.parametrize("what,thunk,pattern", ERRORS, ids=[e[0] for e in ERRORS])

@@ -106,7 +106,7 @@ def test_zoo_only_fields_are_declared_once():
               "capacity_factor", "moe_dispatch", "moe_grouped_matmul", "moe_buffer_factor",
               "moe_overflow"}
     assert zoo_only_fields(DecoderConfig) == shared
-    own = {MixtralConfig: set(), DeepSeek3Config: {"mtp_loss_weight"}}
+    own = {MixtralConfig: set(), DeepSeek3Config: {"mtp_loss_weight", "mla_kv_wire"}}
     for cls, extra in own.items():  # a family's own zoo-only fields (DeepSeek's MTP)
         assert zoo_only_fields(cls) == shared | extra
         written = set(cls.mini().to_hf_config())

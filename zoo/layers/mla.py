@@ -12,10 +12,14 @@ Follows Hugging Face ``DeepseekV3Attention`` (submodule names match its checkpoi
   broadcast to N heads)``. Interleaved pair layout by default (DeepSeek checkpoints).
 * softmax scale ``Hqk**-0.5 * rope.softmax_scale_multiplier()`` (YaRN's mscale correction);
   ``o_proj`` (N, Hv) -> D.
-* The latent goes on the wire: `zoo.ops.mla_attention` moves the normalised latent [B, L, Rkv]
-  and the rotated ``k_pe`` [B, L, Hr] around the ring / through the all-gather (Rkv + Hr values
-  per token instead of N * (Hqk + Hv)) and expands them with ``kv_b_proj``'s kernel on each
-  shard; gradients come back the same way.
+* Under context parallelism ``kv_wire`` picks what crosses the wire. ``"latent"``:
+  `zoo.ops.mla_attention` moves the normalised latent [B, L, Rkv] and the rotated ``k_pe``
+  [B, L, Hr] around the ring / through the all-gather (Rkv + Hr values per token instead of
+  N * (Hqk + Hv)) and expands them with ``kv_b_proj``'s kernel on each shard; gradients come
+  back the same way. ``"expanded"``: each shard expands its own tokens and `zoo.ops.attention`
+  moves the per-head K/V (cp times fewer expansion FLOPs, more bytes). ``"auto"``:
+  `zoo.ops.attention.choose_mla_wire` (expanded on CPU meshes where the FLOPs saved outweigh
+  the bytes, latent on TPU/GPU), resolved at construction into ``self.kv_wire``.
 
 Same overridable steps as `zoo.layers.Attention`: `project`, `apply_rope`, `attend`, `out`;
 here ``project`` returns ``(q, k_pe, latent)`` -- ``k_pe`` takes k's place (it is what RoPE
@@ -44,7 +48,7 @@ from zoo.layers.attention import (
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import mla_attention
+from zoo.ops.attention import KV_WIRES, attention, choose_mla_wire, mla_attention
 from zoo.ops.masks import Mask
 from zoo.partitioning import Partitioner, resolve
 
@@ -69,6 +73,9 @@ class MLA(AttentionBlock):
       implementation: see `zoo.ops.attention` (``"auto"`` is resolved here).
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
       mask, logits_soft_cap, sinks, kernel: as in `zoo.layers.Attention`.
+      kv_wire: ``"latent"``, ``"expanded"`` or ``"auto"`` (resolved here): what crosses the
+        wire under context parallelism (module docstring; default ``"latent"``, "auto" is
+        opt-in). It adds no parameters.
     """
 
     block_name = "mla"
@@ -85,7 +92,7 @@ class MLA(AttentionBlock):
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
                  mask: Mask | None = None, logits_soft_cap: float | None = None,
                  sinks: bool = False, kernel="auto", layout: str | None = None,
-                 rngs: nnx.Rngs):
+                 kv_wire: str = "latent", rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -98,6 +105,9 @@ class MLA(AttentionBlock):
         if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or q_lora_rank < 1):
             raise ValueError(f"MLA: q_lora_rank={q_lora_rank!r} must be a positive int, or None "
                              f"for a plain q_proj")
+        if kv_wire not in KV_WIRES:
+            raise ValueError(f"MLA: kv_wire={kv_wire!r} must be one of {KV_WIRES}: what crosses "
+                             f"the context-parallel wire, the latent or the expanded K/V")
         if qk_rope_head_dim % 2:
             raise ValueError(f"MLA: qk_rope_head_dim={qk_rope_head_dim} must be even (RoPE "
                              f"rotates pairs of dimensions)")
@@ -114,6 +124,10 @@ class MLA(AttentionBlock):
         self.implementation = resolve_implementation(
             implementation, p, length=length, num_heads=num_heads, num_kv_heads=num_heads,
             head_dim=self.qk_head_dim, v_head_dim=v_head_dim, what="MLA")
+        self.kv_wire = kv_wire if kv_wire != "auto" else choose_mla_wire(
+            partitioner=p, kv_lora_rank=kv_lora_rank, num_heads=num_heads,
+            qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim, itemsize=jnp.dtype(dtype or param_dtype).itemsize)
         resolve_scores(self, "MLA", mask=mask, sliding_window=None,
                        logits_soft_cap=logits_soft_cap, sinks=sinks, kernel=kernel,
                        num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
@@ -174,10 +188,23 @@ class MLA(AttentionBlock):
 
     def attend(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array, *,
                positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """Attention under ``self.mask`` -> [B, L, N, Hv] via `zoo.ops.mla_attention` (the
-        latent and k_pe cross the wire, each shard expands them with ``kv_b_proj``)."""
+        """Attention under ``self.mask`` -> [B, L, N, Hv]: via `zoo.ops.mla_attention` (the
+        latent and k_pe cross the wire, each shard expands them with ``kv_b_proj``), or with
+        ``kv_wire="expanded"`` via `zoo.ops.attention` over `expand_kv`'s local K/V."""
         dtype = self.kv_b_proj.dtype or latent.dtype
+        if self.kv_wire == "expanded":
+            k, v = self.expand_kv(k_pe, latent)
+            return self.run_op(attention, q, k, v, positions=positions, segment_ids=segment_ids)
         return self.run_op(mla_attention, q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
                            self.kv_b_proj.kernel[...].astype(dtype),
                            qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
                            segment_ids=segment_ids)
+
+    def expand_kv(self, k_pe: jax.Array, latent: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k_pe [B, L, 1, Hr] (rotated), latent [B, L, Rkv] -> per-head k [B, L, N, Hqk]
+        (``concat(k_nope, k_pe)``) and v [B, L, N, Hv], on the tokens' own shards."""
+        dtype = self.kv_b_proj.dtype or latent.dtype
+        kv = self.partitioner.constrain(self.kv_b_proj(latent.astype(dtype)), _HEADS, SCOPE)
+        k_nope, v = kv[..., :self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
+        k_pe = jnp.broadcast_to(k_pe.astype(k_nope.dtype), (*k_nope.shape[:3], k_pe.shape[-1]))
+        return jnp.concatenate([k_nope, k_pe], axis=-1), v

@@ -39,15 +39,16 @@ FSDP-sharded), then dispatches by the constructor's ``dispatch``:
   the balanced share per peer, keeps first choices before second choices, and counts the rest
   in ``aux["dropped_tokens"]``. Temporaries follow local work: flat in EP at fixed tokens per
   device. ``overflow="exact"`` sends what overflows ``buffer_factor``'s buffers in further
-  rounds instead (`zoo.ops.moe_rounds`); ``overflow="auto"`` (the default) drops with a
-  ``buffer_factor`` and, dropless, runs rounds of `ROUNDS_BUFFER_FACTOR` times the balanced
-  share when those buffers are under half the worst case's and the experts are plain SwiGLU
-  without biases (the rounds' limits), else the one round of worst-case buffers. The trade:
-  balanced routing needs one round over buffers ``EP * min(k, E_local) / (1.25 k)`` times
-  smaller (3.2x at EP 4, k 2: the exchange, the receiver's sort and the gathers around the
-  grouped matmul run over that many fewer rows), while skewed routing takes more rounds,
-  each a full exchange (the most any device ran is ``aux["moe_rounds"]``). ``MoE.overflow``
-  and ``MoE.exchange_buffer_factor`` hold the resolved choice (recorded in ``run.json``).
+  rounds instead (`zoo.ops.moe_rounds`); ``overflow="auto"`` (opt-in; the default stays
+  ``"drop"``) drops with a ``buffer_factor`` and, dropless, runs rounds of
+  `ROUNDS_BUFFER_FACTOR` times the balanced share when those buffers are under half the worst
+  case's and the experts are plain SwiGLU without biases (the rounds' limits), else the one
+  round of worst-case buffers. The trade: balanced routing needs one round over buffers ``EP *
+  min(k, E_local) / (1.25 k)`` times smaller (3.2x at EP 4, k 2: the exchange, the receiver's
+  sort and the gathers around the grouped matmul run over that many fewer rows), while skewed
+  routing takes more rounds, each a full exchange (the most any device ran is
+  ``aux["moe_rounds"]``). ``MoE.overflow`` and ``MoE.exchange_buffer_factor`` hold the resolved
+  choice (recorded in ``run.json``).
 * ``"all_gather"``: all-gather tokens over ``expert``, run the local experts on all of them
   (`zoo.ops.moe.dropless_experts`), reduce-scatter back: ``(EP - 1) * T`` rows each way and a
   sort over ``EP * T * k`` copies -- right when EP <= k on fast links.
@@ -128,7 +129,7 @@ class MoE(nnx.Module):
       overflow: what all_to_all does with copies beyond ``buffer_factor``'s buffers: ``"drop"``,
         ``"exact"`` (`zoo.ops.moe_rounds.all_to_all_rounds`: they travel in further rounds over
         the same buffers, nothing is dropped; ``aux["moe_rounds"]`` is the most rounds any
-        device ran) or ``"auto"`` (the default; see the module docstring). It adds no
+        device ran) or ``"auto"`` (see the module docstring). Default ``"drop"``. It adds no
         parameters or variables.
       router_bias: a learned bias on the router logits (gpt-oss).
       expert_bias: learned per-expert biases on the gate/up and down projections (gpt-oss).
@@ -155,7 +156,7 @@ class MoE(nnx.Module):
                  num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
                  capacity_factor: float | None = None, dispatch: str = "auto",
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
-                 overflow: str = "auto", router_bias: bool = False, expert_bias: bool = False,
+                 overflow: str = "drop", router_bias: bool = False, expert_bias: bool = False,
                  activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)

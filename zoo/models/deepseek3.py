@@ -58,6 +58,7 @@ from flax import nnx
 
 from zoo.layers.linear import Linear
 from zoo.layers.mla import MLA
+from zoo.ops.attention import KV_WIRES
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE, YaRN
 from zoo.models.config import DecoderConfig, check_positive, nullable, zoo_field
@@ -129,6 +130,8 @@ class DeepSeek3Config(DecoderConfig):
     # (DeepSeek: 0.3, then 0.1 for the last 4.8T tokens)
     num_nextn_predict_layers: int = 0  # MTP modules (config.json's name; also `mtp_depth`)
     mtp_loss_weight: float = zoo_field(0.3)
+    # MLA(kv_wire=): what crosses the context-parallel wire, "latent", "expanded" or "auto"
+    mla_kv_wire: str = zoo_field("latent")
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
@@ -156,6 +159,9 @@ class DeepSeek3Config(DecoderConfig):
         if self.mtp_depth and self.num_hidden_layers + self.mtp_depth <= self.first_k_dense_replace:
             raise ValueError(f"{what}: the MTP layers are MoE layers; first_k_dense_replace="
                              f"{self.first_k_dense_replace} leaves none")
+        if self.mla_kv_wire not in KV_WIRES:
+            raise ValueError(f"{what}: mla_kv_wire={self.mla_kv_wire!r} must be one of "
+                             f"{KV_WIRES} (what MLA sends under context parallelism)")
         if self.n_shared_experts < 0:
             raise ValueError(f"{what}: n_shared_experts={self.n_shared_experts} must be >= 0")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YaRN):
@@ -272,7 +278,8 @@ class DeepSeek3DecoderLayer(DecoderLayer):
             kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
             inputs_shape=inputs_shape, partitioner=partitioner, rope=config.rope(),
-            rms_norm_eps=config.rms_norm_eps, **config.attention_options(), rngs=rngs)
+            rms_norm_eps=config.rms_norm_eps, kv_wire=config.mla_kv_wire,
+            **config.attention_options(), rngs=rngs)
 
     def make_moe(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
         return self.moe_cls(

@@ -9,16 +9,18 @@ mixture-of-experts routing and dispatch functions; `zoo.ops.hlo` reads compiled 
 text (executions, collective bytes, FLOPs: the rehearsal's counter).
 """
 
-from zoo.ops.attention import (IMPLEMENTATIONS, attention,
-                               choose_implementation, dot_product_attention, mla_attention)
+from zoo.ops.attention import (IMPLEMENTATIONS, KV_WIRES, attention, choose_implementation,
+                               choose_mla_wire, dot_product_attention, mla_attention)
 from zoo.ops.flash import FlashKernel
 from zoo.ops.kernels import (BlockKernel, ScoreMod, Scores, TokamaxKernel, get_kernel,
                              register_kernel)
 from zoo.ops.masks import (Causal, Chunked, Document, Mask, MaskFn, PrefixLM, SlidingWindow,
                            attention_mask, block_may_attend)
 
-__all__ = ["IMPLEMENTATIONS", "BlockKernel", "Causal", "Chunked", "Document", "FlashKernel",
-           "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow", "TokamaxKernel",
+__all__ = ["IMPLEMENTATIONS", "KV_WIRES", "BlockKernel", "Causal", "Chunked", "Document",
+           "FlashKernel", "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow",
+           "TokamaxKernel",
            "attention", "attention_mask", "block_may_attend",
-           "choose_implementation", "dot_product_attention", "get_kernel", "mla_attention",
+           "choose_implementation", "choose_mla_wire", "dot_product_attention", "get_kernel",
+           "mla_attention",
            "register_kernel"]

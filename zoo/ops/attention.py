@@ -44,6 +44,14 @@ from zoo.ops.masks import Mask, attention_mask, default_mask
 from zoo.partitioning import Partitioner, resolve
 
 IMPLEMENTATIONS = ("auto", "reference", "all_gather", "ring")
+# what crosses the context-parallel wire in MLA: the latent (each shard expands what it
+# receives: `mla_attention`) or the per-head K/V (each shard expands its own tokens, then
+# `attention`); "auto": `choose_mla_wire`
+KV_WIRES = ("auto", "latent", "expanded")
+# the matmul FLOPs that cost as much as one byte moved by a context-parallel collective, on
+# virtual CPU devices (one process; a collective is a copy through memory): the 2-core box's
+# matmul rate over its 8-device all-gather rate (see `choose_mla_wire`)
+CPU_FLOPS_PER_WIRE_BYTE = 16.0
 
 
 # -- reference -------------------------------------------------------------------------------
@@ -173,6 +181,34 @@ def choose_implementation(*, partitioner: Partitioner | None, q_length: int, kv_
     gathered = kv_length * num_kv_heads * (head_dim + v_head_dim)
     local_q = q_length // cp * num_heads * head_dim
     return "all_gather" if gathered <= local_q else "ring"
+
+
+def choose_mla_wire(*, partitioner: Partitioner | None, kv_lora_rank: int, num_heads: int,
+                    qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                    itemsize: int) -> str:
+    """What MLA's ``kv_wire="auto"`` sends under context parallelism: ``"latent"`` or
+    ``"expanded"``.
+
+    Each token a shard receives costs, with the latent on the wire, its expansion by
+    ``kv_b_proj`` on that shard (``2 R N (Hn + Hv)`` FLOPs forward, twice that backward) and ``R
+    + Hr`` values each way; expanded, it costs no FLOPs there but ``N (Hn + Hr + Hv)`` values
+    each way. Without sequence shards nothing crosses and it is ``"latent"`` (the same program
+    as before the choice existed). On CPU meshes the choice is ``"expanded"`` when the FLOPs
+    saved exceed `CPU_FLOPS_PER_WIRE_BYTE` times the bytes added (the mini DeepSeek-V3: 44 FLOPs
+    a byte in fp32, so expanded; one layer's forward and backward under EP-as-CP, fsdp=2 x
+    expert=4, 8 x 512 tokens, ring: 609 ms latent, 544 ms expanded, measured once on a loaded
+    2-core box; the 16 is an estimate, not yet a measured all-gather rate). On TPU and GPU
+    meshes it stays ``"latent"``: at DeepSeek-V3's dims the expanded K/V is 71x the latent in
+    every ring piece and gather slice a step holds, and no chip measurement says the FLOPs saved
+    (623 a byte in bf16) pay for it.
+    """
+    p = resolve(partitioner)
+    if p.context_size("attention") == 1 or p.platform != "cpu":
+        return "latent"
+    R, N, Hr = kv_lora_rank, num_heads, qk_rope_head_dim
+    flops = 3 * 2 * R * N * (qk_nope_head_dim + v_head_dim)
+    added = 2 * (N * (qk_nope_head_dim + Hr + v_head_dim) - (R + Hr)) * itemsize
+    return "expanded" if flops > CPU_FLOPS_PER_WIRE_BYTE * added else "latent"
 
 
 # -- entry points ----------------------------------------------------------------------------
