@@ -245,8 +245,12 @@ def test_matches_reference(name, mesh, kv_wire):
         seg = None  # the segment_ids=None path: one document per row, no padding
         pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
     module = build(name, partitioner, impl, **({} if kv_wire == "auto" else {"kv_wire": kv_wire}))
-    if isinstance(module, MLA):  # the default: the latent
-        assert module.kv_wire == ("latent" if kv_wire == "auto" else kv_wire)
+    if isinstance(module, MLA):  # the default, "auto", is resolved at construction
+        assert module.kv_wire == (kv_wire if kv_wire != "auto" else zoo.ops.choose_mla_wire(
+            partitioner=partitioner, kv_lora_rank=module.kv_lora_rank, num_heads=4,
+            qk_nope_head_dim=module.qk_nope_head_dim, qk_rope_head_dim=module.qk_rope_head_dim,
+            v_head_dim=module.v_head_dim, itemsize=4))
+        assert module.kv_wire in ("latent", "expanded")
     # "auto" is resolved once, at construction
     assert module.implementation == (impl if impl != "auto" else zoo.ops.choose_implementation(
         partitioner=partitioner, q_length=L, kv_length=L, num_heads=4,
@@ -387,7 +391,8 @@ def test_mla_kv_wire_auto_rule():
     assert MLA(**auto, partitioner=_p("cp", fsdp=2, context=4)).kv_wire == "expanded"
     assert MLA(**auto, partitioner=_p("fsdp", fsdp=8)).kv_wire == "latent"  # nothing crosses
     assert MLA(**auto, partitioner=None).kv_wire == "latent"
-    assert MLA(**mini, partitioner=epcp).kv_wire == "latent"  # the default
+    assert MLA(**mini, partitioner=epcp).kv_wire == "expanded"  # the default is "auto"
+    assert MLA(**mini, kv_wire="latent", partitioner=epcp).kv_wire == "latent"
     # a narrow latent (rank 8) expanding into many heads: 24,576 FLOPs against 4,928 bytes,
     # the bytes outweigh the FLOPs
     assert zoo.ops.choose_mla_wire(partitioner=epcp, **{**rule, "kv_lora_rank": 8}) == "latent"

@@ -621,7 +621,7 @@ def test_auto_overflow_rule():
     args = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, inputs_shape=(B, L, D),
                 rngs=nnx.Rngs(0))
     ep4 = Partitioner(make_mesh(fsdp=2, expert=4), "ep_as_cp")
-    args["overflow"] = "auto"  # opt-in (the default is "drop")
+    args["overflow"] = "auto"  # the default, stated
     m = MoE(partitioner=ep4, **args)
     assert (m.dispatch, m.overflow, m.exchange_buffer_factor) == ("all_to_all", "exact", 1.25)
     assert ops.a2a_capacity(8, 2, 2, 4, 1.25) == 5 and ops.a2a_capacity(8, 2, 2, 4, None) == 16

@@ -125,7 +125,7 @@ def test_published_deepseek_v3_config_json():
     assert cfg.num_nextn_predict_layers == 1
     # the published config.json, read: the preset less its zoo-only choices (remat, MoE buffers)
     assert cfg == deepseek3.DeepSeek3Config.deepseek_v3(
-        aux_loss_alpha=0.001, remat_policy=None, moe_buffer_factor=None, moe_overflow="drop")
+        aux_loss_alpha=0.001, remat_policy=None, moe_buffer_factor=None, moe_overflow="auto")
 
 
 # -- rope settings against transformers' YaRN ---------------------------------------------------

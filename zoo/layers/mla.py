@@ -74,8 +74,8 @@ class MLA(AttentionBlock):
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
       mask, logits_soft_cap, sinks, kernel: as in `zoo.layers.Attention`.
       kv_wire: ``"latent"``, ``"expanded"`` or ``"auto"`` (resolved here): what crosses the
-        wire under context parallelism (module docstring; default ``"latent"``, "auto" is
-        opt-in). It adds no parameters.
+        wire under context parallelism (module docstring; default ``"auto"``,
+        `zoo.ops.choose_mla_wire`). It adds no parameters.
     """
 
     block_name = "mla"
@@ -92,7 +92,7 @@ class MLA(AttentionBlock):
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
                  mask: Mask | None = None, logits_soft_cap: float | None = None,
                  sinks: bool = False, kernel="auto", layout: str | None = None,
-                 kv_wire: str = "latent", rngs: nnx.Rngs):
+                 kv_wire: str = "auto", rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")

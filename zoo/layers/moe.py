@@ -39,8 +39,8 @@ FSDP-sharded), then dispatches by the constructor's ``dispatch``:
   the balanced share per peer, keeps first choices before second choices, and counts the rest
   in ``aux["dropped_tokens"]``. Temporaries follow local work: flat in EP at fixed tokens per
   device. ``overflow="exact"`` sends what overflows ``buffer_factor``'s buffers in further
-  rounds instead (`zoo.ops.moe_rounds`); ``overflow="auto"`` (opt-in; the default stays
-  ``"drop"``) drops with a ``buffer_factor`` and, dropless, runs rounds of
+  rounds instead (`zoo.ops.moe_rounds`); ``overflow="auto"`` (the default)
+  drops with a ``buffer_factor`` and, dropless, runs rounds of
   `ROUNDS_BUFFER_FACTOR` times the balanced share when those buffers are under half the worst
   case's and the experts are plain SwiGLU without biases (the rounds' limits), else the one
   round of worst-case buffers. The trade: balanced routing needs one round over buffers ``EP *
@@ -129,7 +129,7 @@ class MoE(nnx.Module):
       overflow: what all_to_all does with copies beyond ``buffer_factor``'s buffers: ``"drop"``,
         ``"exact"`` (`zoo.ops.moe_rounds.all_to_all_rounds`: they travel in further rounds over
         the same buffers, nothing is dropped; ``aux["moe_rounds"]`` is the most rounds any
-        device ran) or ``"auto"`` (see the module docstring). Default ``"drop"``. It adds no
+        device ran) or ``"auto"`` (the default; see the module docstring). It adds no
         parameters or variables.
       router_bias: a learned bias on the router logits (gpt-oss).
       expert_bias: learned per-expert biases on the gate/up and down projections (gpt-oss).
@@ -156,7 +156,7 @@ class MoE(nnx.Module):
                  num_shared_experts: int = 0, shared_mlp_dim: int | None = None,
                  capacity_factor: float | None = None, dispatch: str = "auto",
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
-                 overflow: str = "drop", router_bias: bool = False, expert_bias: bool = False,
+                 overflow: str = "auto", router_bias: bool = False, expert_bias: bool = False,
                  activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)

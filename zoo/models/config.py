@@ -121,7 +121,7 @@ class DecoderConfig:
     moe_buffer_factor: float | None = zoo_field(None)  # all_to_all receive buffers; None: dropless
     # MoE(overflow=): copies beyond the buffers "drop" or travel in further rounds ("exact");
     # "auto": drop with a buffer factor, dropless in rounds where they save (zoo.layers.moe)
-    moe_overflow: str = zoo_field("drop")
+    moe_overflow: str = zoo_field("auto")
     remat_policy: str | None = zoo_field(None)  # None or one of REMAT_POLICIES
     scan_layers: bool = zoo_field(True)  # runs of identical layers as one lax.scan
     # (a dtype is immutable: RUF009 cannot tell)

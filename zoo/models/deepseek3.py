@@ -131,7 +131,7 @@ class DeepSeek3Config(DecoderConfig):
     num_nextn_predict_layers: int = 0  # MTP modules (config.json's name; also `mtp_depth`)
     mtp_loss_weight: float = zoo_field(0.3)
     # MLA(kv_wire=): what crosses the context-parallel wire, "latent", "expanded" or "auto"
-    mla_kv_wire: str = zoo_field("latent")
+    mla_kv_wire: str = zoo_field("auto")
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
