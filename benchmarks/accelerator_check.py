@@ -3,10 +3,11 @@
     python benchmarks/accelerator_check.py            # on a GPU/TPU machine
     python benchmarks/accelerator_check.py --dry-run  # CPU: 8 virtual devices, reduced widths
 
-1. **Losses against CPU.** The mini presets train ``--steps`` steps (fp32, highest matmul
-   precision) under each strategy on the accelerator's devices, on the same batches as a
-   one-device CPU run of the same step; the table gives both loss curves' last value and the
-   largest relative difference over the steps.
+1. **Losses against CPU.** The mini presets train ``--steps`` steps (fp32; the accelerator at
+   its default matmul precision, the reference at the highest) under each strategy on the
+   accelerator's devices, on the same batches as a one-device CPU run of the same step; the
+   table gives both loss curves' last value and the largest relative difference over the
+   steps.
 2. **Full-width layers.** One scanned DeepSeek-V3 MoE layer and one Mixtral-8x7B layer at real
    width (bf16 compute, bf16 parameters so a layer's weights and gradients fit), forward +
    backward over ``--tokens`` tokens per device: median time, the layer's model FLOP/s and
@@ -14,6 +15,11 @@
    bf16 matmul measured in the same process.
 3. **Parts of other issues**, when present beside this file: ``accel_moe.py`` and
    ``accel_attention.py`` each expose ``run(report)``, ``report(section, row_dict)``.
+4. **Memory: the rehearsal against the chip.** Each row's train step is rehearsed for a
+   compile-only target of the chip's own kind and count (`zoo.targets.target_devices`, e.g.
+   ``tpu-v5e-1`` or ``h100-8``: what a CPU host predicts), then built and run here for
+   ``--steps`` steps; the table sets the rehearsal's peak (arguments + temporaries + outputs
+   not aliased) beside the chip's own peak (``memory_stats()["peak_bytes_in_use"]``).
 
 ``--dry-run`` runs every path on the CPU (2 steps, hidden width 256, 16 experts) so the script
 itself is tested without an accelerator; its numbers say nothing about any accelerator.
@@ -43,7 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per device (layer timing)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--skip", nargs="*", default=[], choices=("losses", "layers", "parts"))
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=("losses", "layers", "parts", "memory"))
+    p.add_argument("--parts", nargs="*", default=["accel_moe", "accel_attention"],
+                   choices=("accel_moe", "accel_attention"), help="which parts to run")
     return p.parse_args(argv)
 
 
@@ -106,7 +115,6 @@ def check_losses(args) -> None:
 
     from zoo import data
 
-    jax.config.update("jax_default_matmul_precision", "highest")
     devices = jax.devices()
     cpu = jax.devices("cpu")[0]
     steps = 2 if args.dry_run else args.steps
@@ -114,13 +122,16 @@ def check_losses(args) -> None:
     batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
     presets = [("mini_deepseek3", "deepseek3", 1e-2), ("mini_mixtral", "mixtral", 0.0)]
     for name, family, bias_rate in presets:
-        ref = train_losses(family, batches, devices=[cpu], bias_rate=bias_rate)
+        # the reference at full fp32; the accelerator at its default precision, as a run
+        # trains (a TPU's Mosaic ragged dot refuses "highest" for its bf16 passes)
+        with jax.default_matmul_precision("highest"):
+            ref = train_losses(family, batches, devices=[cpu], bias_rate=bias_rate)
         for strategy, sizes in strategy_meshes(len(devices)).items():
             mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
             got = train_losses(family, batches, devices=devices, strategy=strategy, mesh=mesh,
                                bias_rate=bias_rate)
             rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-            report("losses: accelerator vs one CPU device (fp32, highest precision)", dict(
+            report("losses: accelerator vs one CPU device (fp32)", dict(
                 model=name, strategy=strategy, mesh=",".join(f"{k}={v}" for k, v in
                                                              sizes.items()),
                 device=devices[0].device_kind, steps=steps, first_loss=ref[0],
@@ -205,8 +216,13 @@ def check_layers(args) -> None:
     from zoo.models.deepseek3 import DeepSeek3Config, DeepSeek3DecoderLayer
     from zoo.models.mixtral import MixtralConfig, MixtralDecoderLayer
 
+    import jax
     common = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat_policy="full")
-    ds = DeepSeek3Config.deepseek_v3(**common)
+    # at most 8 experts a device (DeepSeek-V3's share at EP 32; Mixtral has 8): one chip holds
+    # the layer's weights and gradients
+    n = jax.device_count()
+    ds = DeepSeek3Config.deepseek_v3(n_routed_experts=min(256, 8 * n), n_group=1, topk_group=1,
+                                     **common)
     mx = MixtralConfig.mixtral_8x7b(**common)
     if args.dry_run:
         ds = DeepSeek3Config.mini(hidden_size=256, n_routed_experts=16, **common)
@@ -215,10 +231,94 @@ def check_layers(args) -> None:
     time_layer("Mixtral-8x7B layer", mx, MixtralDecoderLayer, args)
 
 
+# -- 4. memory: the rehearsal against the chip -------------------------------------------------
+
+# (preset, overrides, batch, sequence): the mini, and a DeepSeek-V3 layer at full width with 4
+# experts and a 8k vocabulary (fp32 parameters and Adam, bf16 compute: about 11 GiB on one chip)
+MEMORY_ROWS = [
+    ("deepseek3_mini", {}, 8, 2048),
+    ("deepseek_v3", dict(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, vocab_size=8192,
+                         num_nextn_predict_layers=0, remat_policy="full"), 2, 4096),
+]
+TPU_GENERATIONS = {"TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e", "TPU v4": "v4"}
+
+
+def target_of(devices) -> str | None:
+    """The compile-only target naming these devices' kind and count (None: not one zoo has)."""
+    kind, n = devices[0].device_kind, len(devices)
+    if kind in TPU_GENERATIONS:
+        return f"tpu-{TPU_GENERATIONS[kind]}-{n}"
+    gpu = next((g for g in ("H100", "H200") if g in kind), None)
+    return f"{gpu.lower()}-{n}" if gpu else None
+
+
+def check_memory(args) -> None:
+    import jax
+    import numpy as np
+
+    from zoo.train import TrainConfig, build
+    from zoo.train import step as S
+    from zoo.train.rehearse import model_config, rehearse
+
+    devices = jax.devices()
+    target = "cpu-8" if args.dry_run else target_of(devices)
+    if target is None:
+        print(f"\n(memory: no compile-only target for {devices[0].device_kind}: skipped)")
+        return
+    GiB = 2 ** 30
+    rows = MEMORY_ROWS[:1] if args.dry_run else MEMORY_ROWS
+    for preset, overrides, B, L in rows:
+        if args.dry_run:
+            B, L = 8, 128
+        config = dataclasses.replace(model_config(preset)[1], **overrides)
+        mesh = f"fsdp={len(devices)}"
+        predicted = rehearse(config, target=target, mesh=mesh, batch_size=B, seq_len=L,
+                             dtype="bfloat16")
+        row = dict(model=preset, target=target, batch=f"{B} x {L}",
+                   rehearsal_args_GiB=predicted.argument_bytes / GiB,
+                   rehearsal_temp_GiB=predicted.temp_bytes / GiB,
+                   rehearsal_peak_GiB=predicted.peak_bytes / GiB,
+                   rehearsal_fits=predicted.fits)
+        if predicted.fits is False:
+            report("memory: the rehearsal against the chip", dict(
+                **row, chip_arrays_GiB="-", chip_reserved_GiB="-", chip_total_GiB="-",
+                rehearsal_over_chip="not run: does not fit"))
+            continue
+        train = TrainConfig(mesh=mesh, strategy="fsdp", batch_size=B, seq_len=L,
+                            dtype="bfloat16", param_dtype="float32")
+        built = build(train, model_config=config, devices=devices, with_data=False,
+                      donate=True)
+        model, opt = built.create_sharded()
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, config.vocab_size, (B, L + 1), dtype=np.int32)
+        batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                     positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)),
+                     segment_ids=np.ones((B, L), np.int32),
+                     loss_weights=np.ones((B, L), np.float32))
+        for _ in range(2 if args.dry_run else args.steps):
+            model, opt, metrics = built.train_step(
+                model, opt, S.make_global_batch(batch, built.batch_sharding), np.float32(1e-4))
+        jax.block_until_ready(metrics["loss"])
+        # arrays (parameters, optimizer state, batches) are the allocator's "in use"; a TPU
+        # runtime holds a program's temporaries apart, as "reserved" (both peaks; a GPU's
+        # allocator reports none reserved)
+        stats = None if args.dry_run else devices[0].memory_stats()
+        arrays = stats["peak_bytes_in_use"] if stats else None
+        reserved = stats.get("peak_bytes_reserved", 0) if stats else None
+        report("memory: the rehearsal against the chip", dict(
+            **row, chip_arrays_GiB=arrays / GiB if stats else "-",
+            chip_reserved_GiB=reserved / GiB if stats else "-",
+            chip_total_GiB=(arrays + reserved) / GiB if stats else "-",
+            rehearsal_over_chip=(f"{predicted.peak_bytes / (arrays + reserved):.3f}"
+                                 if stats else "-")))
+        del model, opt, metrics, built
+
+
 # -- 3. other issues' parts --------------------------------------------------------------------
 
-def run_parts() -> None:
-    for part in ("accel_moe", "accel_attention"):
+def run_parts(parts) -> None:
+    for part in parts:
         path = os.path.join(HERE, f"{part}.py")
         if not os.path.exists(path):
             print(f"\n({part}.py not present: skipped)")
@@ -241,12 +341,14 @@ def main(argv=None) -> int:
     if jax.default_backend() == "cpu" and not args.dry_run:
         print("no accelerator found; pass --dry-run to exercise the script on the CPU")
         return 2
+    if "memory" not in args.skip:
+        check_memory(args)
     if "losses" not in args.skip:
         check_losses(args)
+    if "parts" not in args.skip:
+        run_parts(args.parts)
     if "layers" not in args.skip:
         check_layers(args)
-    if "parts" not in args.skip:
-        run_parts()
     return 0
 
 

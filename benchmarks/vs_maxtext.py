@@ -19,6 +19,14 @@ Strategies and meshes: fsdp (fsdp=8), ep_as_cp (fsdp=2, expert=4; MaxText
 2048).
 
     python benchmarks/vs_maxtext.py --maxtext-python /path/to/venv/bin/python
+
+``--goal-row`` compiles DeepSeek-V3's goal row instead, for 256 TPU v5p chips by the TPU
+compiler on this host (no TPU needed), one side after the other: MaxText's ``train_compile``
+(``model_name=deepseek3-671b compile_topology=v5p-512``, fsdp 4 x expert 64, 256 x 4096, remat
+full, ``ragged_buffer_factor=2``) and zoo's `benchmarks/scale.py` on the same row
+(``moe_buffer_factor=2``, overflow dropped, no MTP). It prints each side's per-chip arguments
+and temporaries from the compiler's memory analysis and the process's wall time (build, lower
+and compile).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -56,6 +65,18 @@ STRATEGIES = {  # name -> (zoo mesh, MaxText mesh settings, sequence length)
                                      "sparse_matmul": "false"}, 512),
     "cp": ("fsdp=2,context=4", {"ici_fsdp_parallelism": 2, "ici_context_parallelism": 4}, 2048),
 }
+# the goal row, as each side spells it
+MAXTEXT_GOAL_ROW = {
+    "model_name": "deepseek3-671b", "compile_topology": "v5p-512",
+    "compile_topology_num_slices": 1, "per_device_batch_size": 1, "max_target_length": 4096,
+    "ici_fsdp_parallelism": 4, "ici_expert_parallelism": 64, "remat_policy": "full",
+    "dataset_type": "synthetic", "enable_checkpointing": "false", "ragged_buffer_factor": 2.0}
+ZOO_GOAL_ROW = ["--model", "deepseek_v3", "--target", "tpu-v5p-256", "--mesh",
+                "fsdp=4,expert=64", "--strategy", "fsdp", "--batch-size", "256", "--seq-len",
+                "4096", "--dtype", "bfloat16", "--remat", "full", "--set",
+                "moe_buffer_factor=2", "--set", "moe_overflow=drop", "--set",
+                "num_nextn_predict_layers=0"]
+MEMORY_FIELD = re.compile(r"\b(argument|temp)_size_in_bytes=(\d+)")  # not host_...
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
 
 
@@ -69,6 +90,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=25, help="steps each side runs")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    ap.add_argument("--goal-row", action="store_true", help="compile DeepSeek-V3's goal row "
+                    "for TPU v5p-256 on both sides instead of training")
     args = ap.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in args.strategies:
@@ -161,8 +184,60 @@ def run_zoo(args, strategy: str, python: str = sys.executable) -> float:
     return float(row["step ms (median)"].replace(",", "")) / 1e3
 
 
+def _timed_run(cmd: list[str], env: dict[str, str], timeout: int, cwd) -> tuple[str, float]:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
+    wall = time.perf_counter() - start
+    text = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {done.returncode}:\n{text[-4000:]}")
+    return text, wall
+
+
+def goal_row(args) -> int:
+    """Both sides' goal-row compile for TPU v5p-256: memory and wall time (see the docstring)."""
+    env = _env()
+    env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    GiB = 2 ** 30
+    print(f"# DeepSeek-V3 goal row compiled for TPU v5p-256 (256 chips), fsdp 4 x expert 64, "
+          f"256 x 4096, remat full, buffers 2x; {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.2f} at start", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        base = maxtext_command(args.maxtext_python, "fsdp", 1, out)[3]
+        cmd = [args.maxtext_python, "-m", "maxtext.trainers.pre_train.train_compile", base,
+               *(f"{k}={v}" for k, v in MAXTEXT_GOAL_ROW.items())]
+        print(f"  MaxText: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        text, wall = _timed_run(cmd, env, args.timeout, out)
+        mem = {k: int(v) for k, v in MEMORY_FIELD.findall(text)}
+        rows.append(("MaxText 0.2.5 train_compile", mem["argument"] / GiB, mem["temp"] / GiB,
+                     "-", wall))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), *ZOO_GOAL_ROW, "--json"]
+    print(f"  zoo: benchmarks/scale.py {' '.join(ZOO_GOAL_ROW)}", file=sys.stderr, flush=True)
+    text, wall = _timed_run(cmd, env, args.timeout, ROOT)
+    row = json.loads(next(line for line in text.splitlines() if line.startswith("{")))
+    rows.append(("zoo benchmarks/scale.py", row["params GiB"] + row["opt GiB"],
+                 row["temp GiB"], f"{row['compile s']:.0f}", wall))
+    return _table(("side", "arguments GiB", "temporaries GiB", "compile s", "process wall s"),
+                  [(name, f"{a:.2f}", f"{t:.2f}", c, f"{w:.0f}") for name, a, t, c, w in rows])
+
+
+def _table(columns, rows) -> int:
+    """Print a markdown table of text cells, then the load average."""
+    print()
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.goal_row:
+        return goal_row(args)
     print(f"# zoo vs MaxText: DeepSeek-V3 reduction, 8 virtual CPU devices ({os.cpu_count()} "
           f"cores), global batch 8, medians of steps {args.skip + 1}-{args.steps}, load "
           f"average {os.getloadavg()[0]:.2f} at start", flush=True)
@@ -175,13 +250,10 @@ def main(argv=None) -> int:
         rows.append((s, mesh, seq, tokens / mt, tokens / zoo))
         print(f"  {s}: MaxText {mt * 1e3:.0f} ms, zoo {zoo * 1e3:.0f} ms", file=sys.stderr,
               flush=True)
-    print()
-    print("| strategy | mesh | sequence | MaxText tokens/s | zoo tokens/s | zoo / MaxText |")
-    print("|---|---|---|---|---|---|")
-    for s, mesh, seq, mt, zoo in rows:
-        print(f"| {s} | {mesh} | {seq} | {mt:,.0f} | {zoo:,.0f} | {zoo / mt:.2f}x |")
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end", flush=True)
-    return 0
+    return _table(("strategy", "mesh", "sequence", "MaxText tokens/s", "zoo tokens/s",
+                   "zoo / MaxText"),
+                  [(s, mesh, seq, f"{mt:,.0f}", f"{zoo:,.0f}", f"{zoo / mt:.2f}x")
+                   for s, mesh, seq, mt, zoo in rows])
 
 
 if __name__ == "__main__":

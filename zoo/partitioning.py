@@ -89,10 +89,19 @@ def mesh_platform(mesh: Any = None) -> str:
     mesh (or with an `AbstractMesh`, which has no devices) the program runs on the default
     device, whose platform it is.
     """
-    devices = getattr(mesh, "devices", None)
-    if isinstance(devices, np.ndarray) and devices.size:
+    devices = _mesh_devices(mesh)
+    if devices is not None:
         return device_platform(devices.flat[0])
     return device_platform(jax.devices()[0])
+
+
+def _mesh_devices(mesh: Any) -> np.ndarray | None:
+    """`mesh`'s devices, None without any (no mesh; an `AbstractMesh` raises on `.devices`)."""
+    try:
+        devices = getattr(mesh, "devices", None)
+    except ValueError:
+        return None
+    return devices if isinstance(devices, np.ndarray) and devices.size else None
 
 
 def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1, context: int = 1,
@@ -207,8 +216,8 @@ class Partitioner:
         """One of the mesh's devices when they are not of the default device's platform (a
         TPU or GPU topology's devices on a CPU host), else None: kernels that look for the
         platform on the default device are traced with this one."""
-        devices = getattr(self.mesh, "devices", None)
-        if not isinstance(devices, np.ndarray) or not devices.size:
+        devices = _mesh_devices(self.mesh)
+        if devices is None:
             return None
         first = devices.flat[0]
         return None if device_platform(first) == mesh_platform(None) else first

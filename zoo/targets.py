@@ -257,9 +257,13 @@ def target_devices(target: str) -> list[Any]:
         raise ValueError(f"target={target!r} needs the TPU compiler: pip install -e "
                          f"'.[tpu-compile]' (jax[tpu], libtpu)") from None
     from jax.experimental import topologies
+    # libtpu's default host is 2x2 chips; a slice smaller than that (v5e/v6e's one chip) is
+    # one host of its own size
+    dims = (*(int(d) for d in t.grid.split("x")), 1, 1)[:3]
+    host = {} if dims[0] >= 2 and dims[1] >= 2 else {"chips_per_host_bounds": dims}
     topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{t.generation}:{t.grid}",
                                         chip_config_name=TPU_CHIPS[t.generation],
-                                        num_slices=t.slices)
+                                        num_slices=t.slices, **host)
     return list(topo.devices)
 
 

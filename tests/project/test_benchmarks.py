@@ -148,6 +148,19 @@ def test_vs_maxtext_names_the_venv_it_needs_and_zoo_has_its_fields():
     config = DeepSeek3Config.mini(**{k: v for k, (_, v) in vs_maxtext.SHAPE.items()},
                                   **vs_maxtext.ZOO_ONLY)
     assert config.hidden_size == 256 and config.n_routed_experts == 16
+    # --goal-row: zoo's side is a command benchmarks/scale.py takes, on MaxText's row
+    import scale
+    goal = scale.parse_args(vs_maxtext.ZOO_GOAL_ROW)
+    assert (goal.target, goal.mesh, goal.batch_size, goal.seq_len) == (
+        "tpu-v5p-256", "fsdp=4,expert=64", 256, 4096)
+    assert vs_maxtext.MAXTEXT_GOAL_ROW["ici_expert_parallelism"] == 64
+    assert vs_maxtext.MAXTEXT_GOAL_ROW["max_target_length"] == goal.seq_len
+    # MaxText prints jax's CompiledMemoryStats; the host_ fields must not overwrite the chip's
+    printed = ("Memory analysis: CompiledMemoryStats(argument_size_in_bytes=31821012480, "
+               "temp_size_in_bytes=28835577856, host_argument_size_in_bytes=0, "
+               "host_temp_size_in_bytes=0)")
+    assert dict(vs_maxtext.MEMORY_FIELD.findall(printed)) == {"argument": "31821012480",
+                                                              "temp": "28835577856"}
 
 
 def test_stacks_names_each_environments_versions_and_refuses_a_missing_python():
@@ -163,3 +176,21 @@ def test_stacks_names_each_environments_versions_and_refuses_a_missing_python():
     assert proc.returncode == 2 and "--python /nonexistent/python: no such file" in proc.stderr
     assert stacks.versions(sys.executable) == " ".join(
         f"{p} {importlib.metadata.version(p)}" for p in ("jax", "flax", "tokamax"))
+
+
+def test_accelerator_check_memory_section_runs_dry():
+    """`benchmarks/accelerator_check.py --dry-run` (the CPU path of a script meant for a GPU or
+    TPU): its memory section rehearses the mini's step, runs it, and prints one row whose
+    rehearsal figures add up; the chip columns stay empty on a CPU."""
+    script = os.path.join(ROOT, "benchmarks", "accelerator_check.py")
+    proc = subprocess.run([sys.executable, script, "--dry-run", "--skip", "losses", "layers",
+                           "parts"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model | target |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    row = dict(zip(columns, (c.strip() for c in lines[header + 2].strip("|").split("|"))))
+    assert row["model"] == "deepseek3_mini" and row["target"] == "cpu-8"
+    args, temp, peak = (float(row[f"rehearsal_{k}_GiB"]) for k in ("args", "temp", "peak"))
+    assert 0 < args and 0 < temp and peak >= temp
+    assert row["chip_total_GiB"] == "-"

@@ -112,6 +112,8 @@ def test_tpu_targets_by_chips_and_slices():
     two = target_devices("tpu-v5p-8x2")
     assert len(two) == 16 and {x.slice_index for x in two} == {0, 1}
     assert len(target_devices("tpu-v6e-4")) == 4
+    one = target_devices("tpu-v5e-1")  # smaller than a 2x2 host: one host of its own size
+    assert len(one) == 1 and one[0].device_kind == "TPU v5 lite"
 
 
 def test_target_setting_is_checked_when_parsed():
@@ -205,3 +207,53 @@ def test_targets_script_compiles_one_step_for_each_target(devices, capsys):
     assert gpu["device"] == "NVIDIA H100 80GB HBM3" and gpu["memory GiB"] == "79.10"
     assert "mosaic_gpu" in gpu["kernels"] and float(gpu["bound ms"].replace(",", "")) > 0
     assert gpu["MFU at bound"].endswith("%") and tpu["bound by"] in ("compute", "collectives")
+
+
+@pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
+                    reason="needs libtpu and jax-cuda12-plugin (pip install -e '.[test]')")
+def test_moe_settles_its_grouped_matmul_by_its_mesh(devices):
+    """"auto" becomes the blocked matmul on a CPU mesh, XLA's ragged dot on a TPU mesh and
+    tokamax on a GPU mesh, at construction: the TPU program then holds XLA's ragged-dot
+    kernel, and its backward needs fewer temporaries than tokamax's XLA fallback (which
+    copies every row once per local expert for the weight gradients)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from zoo import make_mesh
+    from zoo.layers.moe import MoE
+    from zoo.ops import moe as ops
+    from zoo.partitioning import Partitioner
+    from zoo.train import target_devices
+    from zoo.train.step import abstract_state
+
+    assert ops.choose_grouped_matmul("auto", "tpu") == "ragged_dot"
+    assert ops.choose_grouped_matmul("blocked", "tpu") == "blocked"
+    shape = (8, 512, 256)
+
+    def layer(devs, **kw):  # abstract: a target's devices hold nothing
+        p = Partitioner(make_mesh(expert=8, devices=devs), "fsdp")
+        make = lambda: MoE(num_experts=32, num_experts_per_tok=2, mlp_dim=256,
+                           inputs_shape=shape, partitioner=p, dtype=jnp.bfloat16,
+                           rngs=nnx.Rngs(0), **kw)
+        return abstract_state(make, optax.sgd(0.1), p.mesh)[0], p
+
+    tpu = target_devices("tpu-v5p-8")
+    assert layer(devices)[0].grouped_matmul == "blocked"
+    assert layer(target_devices("h100-8"))[0].grouped_matmul == "tokamax"
+    temps = {}
+    for impl in ("auto", "tokamax"):
+        moe, p = layer(tpu, grouped_matmul=impl)
+        graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+
+        def loss(params, x, graphdef=graphdef, rest=rest):
+            return jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32) ** 2)
+        x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=p.sharding(
+            ("batch", "length", "act_embed")))
+        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+        temps[impl] = compiled.memory_analysis().temp_size_in_bytes
+        if impl == "auto":
+            assert moe.grouped_matmul == "ragged_dot"
+            assert "ragged-dot" in compiled.as_text()
+    assert temps["auto"] < temps["tokamax"], temps

@@ -62,10 +62,9 @@ the all-gather (unsharded: the whole batch), as in GShard, so which copies drop 
 mesh.
 
 Grouped matmul (``grouped_matmul=``, `zoo.ops.moe.grouped_swiglu`): ``"auto"`` runs the
-blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones)
-and ``tokamax.ragged_dot`` on GPU/TPU, chosen at lowering; ``"blocked"``, ``"tokamax"`` and
-``"ragged_dot"`` (`jax.lax.ragged_dot`, which XLA expands to a dense masked matmul over every
-local expert) force one.
+blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones),
+XLA's own ragged-dot kernel on TPU (`jax.lax.ragged_dot`) and ``tokamax.ragged_dot`` on GPU,
+chosen at lowering; ``"blocked"``, ``"tokamax"`` and ``"ragged_dot"`` force one.
 
 Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 """
@@ -122,7 +121,8 @@ class MoE(nnx.Module):
       capacity_factor: None for dropless; else ``ceil(factor * tokens * k / E)`` slots per
         expert in each dispatch group (all_gather only).
       dispatch: ``"all_to_all"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
-      grouped_matmul: ``"auto"`` (blocked on CPU, tokamax on GPU/TPU), ``"blocked"``,
+      grouped_matmul: ``"auto"`` (blocked on CPU, XLA's ragged dot on TPU, tokamax on GPU),
+        ``"blocked"``,
         ``"tokamax"`` or ``"ragged_dot"``.
       buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
         (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
@@ -230,7 +230,9 @@ class MoE(nnx.Module):
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
         self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
-        self.grouped_matmul, self.overflow_requested = grouped_matmul, overflow
+        # settled for the mesh's platform: the program traces that platform's path alone
+        self.grouped_matmul = ops.choose_grouped_matmul(grouped_matmul, p.platform)
+        self.overflow_requested = overflow
         self.activation, self.gate_up = activation, gate_up
         self.dispatch_requested = dispatch
         self.dispatch = self._resolve_dispatch(dispatch, batch * length)
@@ -310,8 +312,11 @@ class MoE(nnx.Module):
     # -- pieces a subclass may override ----------------------------------------------------
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x [B, L, D]`` -> ``(weights [B, L, k], indices [B, L, k], scores [B, L, E])``."""
+        # full fp32 products (a TPU rounds fp32 matmul inputs to bf16 by default): which
+        # experts a token gets must not hinge on bf16 rounding; [D, E] is a small product
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32),
-                            self.router[...].astype(jnp.float32))
+                            self.router[...].astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
         if self.router_bias is not None:
             logits = logits + self.router_bias[...].astype(jnp.float32)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
@@ -501,8 +506,7 @@ class MoE(nnx.Module):
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
                            out_specs=(tok, P()))
         # a GPU mesh compiled on another host: its kernels (`zoo.ops.moe.target_device`). A
-        # TPU mesh needs none: XLA lowers tokamax's fallback (lax.ragged_dot) to its own TPU
-        # ragged-dot kernel, and the Mosaic TPU kernel cannot state its outputs' shard_map axes
+        # TPU mesh needs none: its grouped matmul is XLA's own TPU ragged dot
         with ops.target_device(p.target_device if p.platform == "gpu" else None):
             y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]

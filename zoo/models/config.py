@@ -117,7 +117,8 @@ class DecoderConfig:
     attention_layout: str | None = zoo_field(None)
     capacity_factor: float | None = zoo_field(None)  # None: dropless MoE
     moe_dispatch: str = zoo_field("auto")  # MoE(dispatch=): "all_to_all", "all_gather", "auto"
-    moe_grouped_matmul: str = zoo_field("auto")  # MoE(grouped_matmul=): blocked on CPU, tokamax
+    # MoE(grouped_matmul=): blocked on CPU, XLA ragged dot on TPU, tokamax on GPU
+    moe_grouped_matmul: str = zoo_field("auto")
     moe_buffer_factor: float | None = zoo_field(None)  # all_to_all receive buffers; None: dropless
     # MoE(overflow=): copies beyond the buffers "drop" or travel in further rounds ("exact");
     # "auto": drop with a buffer factor, dropless in rounds where they save (zoo.layers.moe)

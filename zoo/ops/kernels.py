@@ -261,9 +261,10 @@ class TokamaxKernel(BlockKernel):
         return self._forward(q, k, v, mask, kw)
 
     def _forward(self, q, k, v, mask, kw):
-        _, (out, (m, den)) = self._call(
+        op, (out, (m, second)) = self._call(
             lambda op: op(q, k, v, mask=mask, return_residuals=True, **kw))
-        lse = m.astype(F32) + jnp.log(den.astype(F32))
+        lse = (second.astype(F32) if _lse_residuals(op)
+               else m.astype(F32) + jnp.log(second.astype(F32)))
         out = out.astype(F32)
         if mask is not None:  # tokamax masks with a finite minimum: empty rows are not empty
             seen = jnp.any(mask, axis=-1)  # [B, 1, L]
@@ -303,7 +304,9 @@ class TokamaxKernel(BlockKernel):
                 else jax.default_device(self.device))
 
     def _vjp(self, op, q, k, v, mask, kw, lse_safe, out, dout):
-        """The op's own VJP op, given the global output and residuals ``(lse, 1)``."""
+        """The op's own VJP op, given the global output and the global log-sum-exp as its
+        residuals (``(lse, 1)`` as max and denominator, or ``(lse, lse)`` for an op whose
+        second residual is the log-sum-exp)."""
         with self._on_device():
             return self._vjp_call(op, q, k, v, mask, kw, lse_safe, out, dout)
 
@@ -311,7 +314,8 @@ class TokamaxKernel(BlockKernel):
         ba = op.bind(q, k, v, mask=mask, **kw)
         kwargs = dict(ba.kwargs)
         kwargs.pop("return_residuals", None)
-        grads = op.vjp((lse_safe, jnp.ones_like(lse_safe)), out.astype(q.dtype),
+        second = lse_safe if _lse_residuals(op) else jnp.ones_like(lse_safe)
+        grads = op.vjp((lse_safe, second), out.astype(q.dtype),
                        dout.astype(q.dtype), *ba.args, return_residuals=False, **kwargs)
         grads = grads[0] if isinstance(grads, tuple) else grads
         return tuple(grads[n].astype(F32) for n in ("q", "k", "v"))
@@ -341,6 +345,13 @@ class TokamaxKernel(BlockKernel):
 
         _, vjp = jax.vjp(attend, q, k, v)
         return tuple(g.astype(F32) for g in vjp(dout.astype(q.dtype)))
+
+
+def _lse_residuals(op) -> bool:
+    """Whether a tokamax attention op's residuals are ``(max, log-sum-exp)`` (Mosaic TPU, whose
+    VJP reads the second as the log-sum-exp) rather than ``(max, denominator)`` (the others);
+    checked on a TPU v5e, where reading Mosaic TPU's as a denominator gave NaN."""
+    return type(op).__name__.startswith("PallasMosaicTpu")
 
 
 def _pad_length(x, n: int):

@@ -154,6 +154,18 @@ def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int
 
 # -- grouped matmul ------------------------------------------------------------------------------
 GROUPED_MATMULS = ("auto", "blocked", "ragged_dot", "tokamax")
+# "auto" by the platform a program is built for (`grouped_swiglu`'s docstring says why)
+GROUPED_MATMUL_BY_PLATFORM = {"cpu": "blocked", "tpu": "ragged_dot", "gpu": "tokamax"}
+
+
+def choose_grouped_matmul(impl: str, platform: str) -> str:
+    """`impl`, with ``"auto"`` settled for `platform` (``"cpu"``/``"tpu"``/``"gpu"``, a mesh's):
+    a layer that knows its mesh settles it at construction, so the program traces only that
+    platform's path (``jax.lax.platform_dependent`` traces every branch, and tokamax's Mosaic
+    TPU kernel fails inside a ``shard_map`` when traced on a TPU host)."""
+    if impl not in GROUPED_MATMULS:
+        raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
+    return GROUPED_MATMUL_BY_PLATFORM.get(platform, "tokamax") if impl == "auto" else impl
 
 
 def _local_keys(expert_ids: jax.Array, expert_offset, num_local: int) -> jax.Array:
@@ -381,12 +393,19 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
       * ``"blocked"``: `_blocked_swiglu`, loops of dense block matmuls; the CPU path.
       * ``"tokamax"``: ``tokamax.ragged_dot`` (Mosaic GPU kernels on Hopper/Blackwell, Triton,
         Mosaic TPU; its XLA fallback elsewhere).
-      * ``"ragged_dot"``: `jax.lax.ragged_dot`; XLA:GPU and XLA:CPU expand it to a dense masked
-        matmul over every local expert (``E_local`` times the useful FLOPs), kept as a
-        reference.
-      * ``"auto"``: ``"blocked"`` when the program is lowered for CPU, ``"tokamax"`` for any
-        other platform (`jax.lax.platform_dependent`, so a program lowered here for ``cuda``
-        holds the accelerator path).
+      * ``"ragged_dot"``: `jax.lax.ragged_dot`. XLA:TPU has its own ragged-dot kernel, forward
+        and both transposes; XLA:GPU and XLA:CPU expand it to a dense masked matmul over every
+        local expert (``E_local`` times the useful FLOPs).
+      * ``"auto"``: chosen by the platform the program is lowered for
+        (`jax.lax.platform_dependent`; `zoo.layers.MoE` settles it from its mesh instead,
+        `choose_grouped_matmul`): ``"blocked"`` on CPU, ``"ragged_dot"`` on TPU,
+        ``"tokamax"`` on GPU. Not tokamax on TPU: its Mosaic TPU kernel cannot state its
+        output's `jax.shard_map` axes (a ``check_vma`` error inside the MoE's shard_map, seen
+        on a TPU v5e), its XLA fallback's backward builds a masked copy of every row per
+        local expert for the weight gradients (``[E_local, R, D]``: 1.6 GiB more temporaries
+        than XLA's ragged dot for one ``[65536, 7168] x [4, 7168, 2048]`` product on v5p),
+        and on a v5e chip XLA's ragged dot ran a SwiGLU's forward and backward about 10x
+        faster than the Mosaic kernel at its default tiles (docs/benchmarks.md).
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
@@ -421,7 +440,8 @@ def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, ord
     tok = sorted_rows(_tokamax_dot)
     if impl == "tokamax":
         return tok(*args)
-    return jax.lax.platform_dependent(*args, cpu=blocked, default=tok)
+    return jax.lax.platform_dependent(*args, cpu=blocked, tpu=sorted_rows(jax.lax.ragged_dot),
+                                      default=tok)
 
 
 # -- dispatch ----------------------------------------------------------------------------------
