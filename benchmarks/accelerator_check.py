@@ -196,8 +196,10 @@ def time_layer(name, config, layer_cls, args) -> None:
         jax.block_until_ready(step(layer, x))
         times.append(time.perf_counter() - s)
     t = statistics.median(times)
+    # one MoE layer's work: no dense layers before it, no MTP module after it
     one = dataclasses.replace(config, num_hidden_layers=1, **(
-        {"first_k_dense_replace": 0} if hasattr(config, "first_k_dense_replace") else {}))
+        {"first_k_dense_replace": 0, "num_nextn_predict_layers": 0}
+        if hasattr(config, "first_k_dense_replace") else {}))
     per_token = one.flops_per_token(L) - 6 * D * config.vocab_size  # without the lm_head
     flops = per_token * B * L / n / t
     kind = devices[0].device_kind

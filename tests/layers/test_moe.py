@@ -700,7 +700,8 @@ def _exact_case(s, mesh, factor, values):
 
 
 @pytest.mark.parametrize("config, mesh, factor", [("mixtral", "ep8", 1.0),
-                                                  ("deepseek", "epcp_f2e2c2", 0.5)])
+                                                  ("deepseek", "epcp_f2e2c2", 0.5),
+                                                  ("mixtral", "fsdp_f2e2t2", 0.5)])
 def test_exact_overflow_equals_dense_reference(setups, config, mesh, factor):
     """Buffers that drop copies under overflow='drop' (test above) lose none with 'exact':
     the overflow runs in further rounds and the layer equals the dense reference."""

@@ -98,6 +98,7 @@ def test_tpu_target_compiles_the_tpu_program(devices):
     assert (tpu.target, tpu.device_kind, tpu.devices) == ("tpu", "TPU v5", 8)
     assert tpu.custom_calls.get("tpu_custom_call", 0) > 0, tpu.custom_calls
     assert tpu.hbm_bytes == targets.hbm_bytes("TPU v5") and tpu.fits is True
+    assert tpu.device_memory_bytes == tpu.hbm_bytes
     assert tpu.row()["target"] == "TPU v5" and "of 95.74 GiB: fits" in str(tpu)
     cpu = rehearse("deepseek3_mini", **kw)
     assert cpu.target == "cpu" and cpu.fits is None

@@ -497,9 +497,11 @@ class MoE(nnx.Module):
                 y = jax.lax.psum(y, mlp_axes)
             if self.overflow == "drop":  # stat: this device's dropped copies
                 return y, jnp.stack([jax.lax.psum(stat, token_axes), jnp.ones((), jnp.int32)])
-            # stat (the rounds) is already the same over the expert axes; jax 0.12's pmax wants
-            # every axis it reduces to be one its input varies over
-            rounds = jax.lax.pmax(ops._vary(stat, token_axes), token_axes)
+            # stat (the rounds) is already the same over the expert axes, and over the tensor
+            # axes (the routing is); jax 0.12's pmax wants every axis it reduces to be one its
+            # input varies over
+            axes = tuple(sorted(set(token_axes) | ops._varying(stat)))
+            rounds = jax.lax.pmax(ops._vary(stat, axes), axes)
             return y, jnp.stack([jnp.zeros((), jnp.int32), rounds])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body

@@ -97,6 +97,11 @@ class Rehearsal:
     cross_host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
+    def device_memory_bytes(self) -> int | None:
+        """The target device's memory (HBM on TPU and GPU), None where unknown (CPU)."""
+        return self.hbm_bytes
+
+    @property
     def fits(self) -> bool | None:
         """Whether the step fits the device's memory (None: capacity unknown, e.g. CPU)."""
         if self.oom:
