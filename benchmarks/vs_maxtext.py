@@ -211,16 +211,26 @@ def goal_row(args) -> int:
         print(f"  MaxText: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         text, wall = _timed_run(cmd, env, args.timeout, out)
         mem = {k: int(v) for k, v in MEMORY_FIELD.findall(text)}
-        rows.append(("MaxText 0.2.5 train_compile", mem["argument"] / GiB, mem["temp"] / GiB,
-                     "-", wall))
+        rows.append(("MaxText 0.2.5 train_compile", _libtpu(args.maxtext_python),
+                     mem["argument"] / GiB, mem["temp"] / GiB, "-", wall))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), *ZOO_GOAL_ROW, "--json"]
     print(f"  zoo: benchmarks/scale.py {' '.join(ZOO_GOAL_ROW)}", file=sys.stderr, flush=True)
     text, wall = _timed_run(cmd, env, args.timeout, ROOT)
     row = json.loads(next(line for line in text.splitlines() if line.startswith("{")))
-    rows.append(("zoo benchmarks/scale.py", row["params GiB"] + row["opt GiB"],
-                 row["temp GiB"], f"{row['compile s']:.0f}", wall))
-    return _table(("side", "arguments GiB", "temporaries GiB", "compile s", "process wall s"),
-                  [(name, f"{a:.2f}", f"{t:.2f}", c, f"{w:.0f}") for name, a, t, c, w in rows])
+    rows.append(("zoo benchmarks/scale.py", _libtpu(sys.executable),
+                 row["params GiB"] + row["opt GiB"], row["temp GiB"],
+                 f"{row['compile s']:.0f}", wall))
+    return _table(("side", "libtpu", "arguments GiB", "temporaries GiB", "compile s",
+                   "process wall s"),
+                  [(name, v, f"{a:.2f}", f"{t:.2f}", c, f"{w:.0f}")
+                   for name, v, a, t, c, w in rows])
+
+
+def _libtpu(python: str) -> str:
+    """The libtpu version `python` compiles TPU programs with (the compiler's version)."""
+    done = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                           "print(m.version('libtpu'))"], capture_output=True, text=True)
+    return done.stdout.strip() or "?"
 
 
 def _table(columns, rows) -> int:

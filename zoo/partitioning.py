@@ -68,6 +68,12 @@ ACTIVATION_AXES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", 
                    "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
+# Parameter metadata (``nnx.Param(value, compute_dtype="bfloat16")``): the layer only ever uses
+# this parameter cast to that dtype. A scanned stack casts such parameters once, before its
+# scan (`zoo.models.stacks.run_cycle`), so the loop reads, and its backward stacks the
+# gradients in, the compute dtype; the values are the same as casting inside each layer.
+COMPUTE_DTYPE = "compute_dtype"
+
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _PLATFORM_NAMES = {"cuda": "gpu", "rocm": "gpu"}

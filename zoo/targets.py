@@ -34,7 +34,7 @@ import re
 from typing import Any
 
 __all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
-           "chip", "cpu_unless_accelerator", "gpu_target_config", "hbm_bytes", "TPU_CHIPS"]
+           "chip", "compile_with_text", "cpu_unless_accelerator", "gpu_target_config", "hbm_bytes", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -274,6 +274,35 @@ def hbm_bytes(device_kind: str) -> int | None:
     if v is None:
         v = next((g.memory_bytes for g in GPUS.values() if g.device_kind == device_kind), None)
     return None if v is None else int(v)
+
+
+def compile_with_text(lowered: Any, platform: str) -> tuple[Any, str]:
+    """``(compiled, the optimized HLO module's text)`` of a lowered program for `platform`
+    (its mesh's, `zoo.partitioning.mesh_platform`); the compiler's errors propagate.
+
+    The TPU compiler (libtpu) is newer than jaxlib's HLO reader: libtpu 0.0.52, the one
+    MaxText 0.2.5 compiles with, writes ops (an ``async-update`` with several operands) that
+    jaxlib 0.10's ``compiled.as_text()`` refuses. For TPU programs the compiler itself writes
+    the text (XLA's dump options, into a folder removed afterwards) and that is returned when
+    jaxlib cannot read the module."""
+    if platform != "tpu":
+        compiled = lowered.compile()
+        return compiled, compiled.as_text()
+    import glob
+    import tempfile
+
+    from jax.errors import JaxRuntimeError
+    with tempfile.TemporaryDirectory(prefix="zoo-hlo-") as folder:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": folder,
+                                                     "xla_dump_hlo_as_text": True})
+        try:
+            return compiled, compiled.as_text()
+        except JaxRuntimeError:  # jaxlib's HLO reader refused the compiler's module
+            found = glob.glob(os.path.join(folder, "*.after_optimizations.txt"))
+            if len(found) != 1:
+                raise
+            with open(found[0]) as f:
+                return compiled, f.read()
 
 
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "

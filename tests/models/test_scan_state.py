@@ -232,3 +232,51 @@ def test_a_cycle_of_stacks_runs_as_the_unrolled_layers(remat):
         want = np.sign(rows[i].mean() - rows[i]) * 0.5
         for m in (reference, scanned):
             np.testing.assert_allclose(m.layer(i).mlp.e_score_correction_bias[...], want)
+
+
+@pytest.mark.parametrize("remat", [None, "full"])
+def test_compute_dtype_parameters_enter_the_scan_cast(remat, monkeypatch):
+    """The experts' weights carry `COMPUTE_DTYPE` metadata: a stack casts them to bf16 once,
+    before its scan (the scan's inputs hold bf16 expert stacks, the router stays fp32), and
+    the loss and every fp32 gradient equal those of the same model casting inside each layer
+    (the cast switched off). (The unrolled bf16 model is no exact reference here: XLA fuses
+    its bf16 ops differently, 2e-4 apart even between its own eager and jitted runs.)"""
+    from zoo.models import stacks
+    from zoo.partitioning import COMPUTE_DTYPE
+
+    config = dataclasses.replace(CONFIG, scan_layers=True, remat_policy=remat,
+                                 dtype=jnp.bfloat16)
+    model = Mixtral(config, inputs_shape=(B, L), rngs=nnx.Rngs(0))
+    meta = model.layers[0].mlp.wi_gate.get_metadata()
+    assert meta[COMPUTE_DTYPE] == "bfloat16", meta
+    assert COMPUTE_DTYPE not in model.layers[0].mlp.router.get_metadata()
+    params = nnx.state(model.layers[0], nnx.Param)
+    cast = dict(nnx.to_flat_state(stacks._cast_for_compute(params)))
+    for path, v in nnx.to_flat_state(params):
+        want = jnp.bfloat16 if COMPUTE_DTYPE in v.get_metadata() else jnp.float32
+        assert cast[path].get_value().dtype == want, path
+    tokens = jax.random.randint(jax.random.key(1), (B, L), 0, CONFIG.vocab_size)
+
+    def loss_and_grads(m):  # a new function per call: its own trace
+        def loss(m):
+            logits, aux = m(tokens)
+            return jnp.mean(jnp.square(logits.astype(jnp.float32))) + aux["load_balance_loss"]
+        return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(m)
+
+    def scan_inputs(m):
+        jaxpr = jax.make_jaxpr(lambda m: m(tokens))(m)
+        (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        return [v.aval for v in scan.invars  # expert stacks [layers, E, in, out]
+                if v.aval.ndim == 4 and v.aval.shape[1] == CONFIG.num_local_experts]
+
+    got_loss, got = loss_and_grads(model)
+    assert [a.dtype for a in scan_inputs(model)] == [jnp.bfloat16] * 3
+    monkeypatch.setattr(stacks, "_cast_for_compute", lambda params: params)
+    want_loss, want = loss_and_grads(model)
+    assert [a.dtype for a in scan_inputs(model)] == [jnp.float32] * 3
+    np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(want_loss))
+    flat = dict(nnx.to_flat_state(want))
+    for path, g in nnx.to_flat_state(got):
+        assert g.get_value().dtype == flat[path].get_value().dtype == jnp.float32, path
+        np.testing.assert_array_equal(np.asarray(g.get_value()),
+                                      np.asarray(flat[path].get_value()), err_msg=str(path))

@@ -85,7 +85,7 @@ from zoo.layers import hf_keys as hfk
 from zoo.layers.mlp import MLP
 from zoo.ops import moe as ops
 from zoo.ops.moe_rounds import all_to_all_rounds
-from zoo.partitioning import Partitioner, resolve
+from zoo.partitioning import COMPUTE_DTYPE, Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
 DISPATCHES = ("auto", "all_to_all", "all_gather")
@@ -260,9 +260,14 @@ class MoE(nnx.Module):
             rngs.params(), (E,), jnp.float32)) if router_bias else None)
         w_in, w_out = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
 
+        # the experts' weights are only ever used cast to `dtype`: a scanned stack casts them
+        # once before its scan (`zoo.partitioning.COMPUTE_DTYPE`)
+        cast = {} if dtype is None or jnp.dtype(dtype) == jnp.dtype(param_dtype) else \
+            {COMPUTE_DTYPE: jnp.dtype(dtype).name}
+
         def param(init, axes, shape, on=True):
-            return nnx.Param(p.param(init, axes, "moe")(rngs.params(), shape, param_dtype)) \
-                if on else None
+            return nnx.Param(p.param(init, axes, "moe")(rngs.params(), shape, param_dtype),
+                             **cast) if on else None
         fused = gate_up == "interleaved"
         self.wi_gate_up = param(expert_init, w_in, (E, embed, 2 * mlp_dim), fused)
         self.wi_gate = param(expert_init, w_in, (E, embed, mlp_dim), not fused)

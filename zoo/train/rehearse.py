@@ -294,9 +294,9 @@ def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
         else None
     lowered = lower()
     lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True), hosts)
-    compiled, mem, oom = _compile(lowered)
+    compiled, text, mem, oom = _compile(lowered, partitioner.platform)
     compile_s = time.perf_counter() - start
-    stats = hlo_stats(compiled.as_text(), hosts) if compiled is not None else lowered_stats
+    stats = hlo_stats(text, hosts) if compiled is not None else lowered_stats
     cost = compiled.cost_analysis() if compiled is not None else None
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     kind = str(getattr(mesh.devices.flat[0], "device_kind", ""))
@@ -305,7 +305,7 @@ def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
         target=partitioner.platform, device_kind=kind,
         hbm_bytes=hbm_bytes(kind) if partitioner.platform != "cpu" else None, oom=oom,
         cross_host_bytes=dict(stats.cross_host_bytes) if hosts else {},
-        custom_calls=_custom_calls(compiled.as_text()) if compiled is not None else {},
+        custom_calls=_custom_calls(text) if compiled is not None else {},
         devices=int(mesh.devices.size), compile_s=compile_s,
         hlo_instructions=stats.instructions,
         # refused (out of memory): the arguments are at least the state's shards
@@ -325,18 +325,19 @@ class _Memory:  # the figures of a program the compiler refused (out of device m
     temp_size_in_bytes: int
 
 
-def _compile(lowered):
-    """``(compiled or None, memory analysis, out of memory?)``: a TPU out-of-memory refusal
-    is a result (temporaries from the compiler's message), any other error propagates."""
-    from zoo.targets import out_of_memory
+def _compile(lowered, platform: str):
+    """``(compiled or None, its HLO text, memory analysis, out of memory?)``: a TPU
+    out-of-memory refusal is a result (temporaries from the compiler's message), any other
+    error propagates."""
+    from zoo.targets import compile_with_text, out_of_memory
     try:
-        compiled = lowered.compile()
+        compiled, text = compile_with_text(lowered, platform)
     except Exception as e:
         oom = out_of_memory(e)
         if oom is None:
             raise
-        return None, _Memory(0, 0, 0, oom[0]), True
-    return compiled, compiled.memory_analysis(), False
+        return None, "", _Memory(0, 0, 0, oom[0]), True
+    return compiled, text, compiled.memory_analysis(), False
 
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
