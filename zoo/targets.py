@@ -1,7 +1,7 @@
 """Compile targets: the devices a program is compiled for, which need not be this host's.
 
-The TPU compiler ships in libtpu (``pip install "jax[tpu]"``, the ``tpu-compile`` extra) and
-runs on a CPU-only host: `jax.experimental.topologies` describes a slice's chips without
+The TPU compiler ships in libtpu (``libtpu==0.0.52``, MaxText 0.2.5's, in the ``tpu-compile``
+and ``test`` extras) and runs on a CPU-only host: `jax.experimental.topologies` describes a slice's chips without
 owning any, a mesh over those descriptions lowers and compiles for them, and XLA's memory
 analysis (or its out-of-memory error) is the TPU's. `zoo.train.rehearse.rehearse` takes
 ``target=`` and compiles the train step this way; every program choice zoo makes follows the
@@ -255,7 +255,7 @@ def target_devices(target: str) -> list[Any]:
         import libtpu  # noqa: F401  (the compiler; jax finds it by itself)
     except ImportError:
         raise ValueError(f"target={target!r} needs the TPU compiler: pip install -e "
-                         f"'.[tpu-compile]' (jax[tpu], libtpu)") from None
+                         f"'.[tpu-compile]' (libtpu)") from None
     from jax.experimental import topologies
     # libtpu's default host is 2x2 chips; a slice smaller than that (v5e/v6e's one chip) is
     # one host of its own size
@@ -293,8 +293,11 @@ def compile_with_text(lowered: Any, platform: str) -> tuple[Any, str]:
 
     from jax.errors import JaxRuntimeError
     with tempfile.TemporaryDirectory(prefix="zoo-hlo-") as folder:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": folder,
-                                                     "xla_dump_hlo_as_text": True})
+        # the module's text only: the buffer-assignment analysis (live ranges, the values at
+        # the peak) would add about 60 s to the DeepSeek-V3 goal row's 135 s compile
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+            "xla_dump_buffer_assignment_analysis": False})
         try:
             return compiled, compiled.as_text()
         except JaxRuntimeError:  # jaxlib's HLO reader refused the compiler's module
