@@ -236,13 +236,18 @@ def test_a_cycle_of_stacks_runs_as_the_unrolled_layers(remat):
 
 @pytest.mark.parametrize("remat", [None, "full"])
 def test_compute_dtype_parameters_enter_the_scan_cast(remat, monkeypatch):
-    """The experts' weights carry `COMPUTE_DTYPE` metadata: a stack casts them to bf16 once,
-    before its scan (the scan's inputs hold bf16 expert stacks, the router stays fp32), and
-    the loss and every fp32 gradient equal those of the same model casting inside each layer
-    (the cast switched off). (The unrolled bf16 model is no exact reference here: XLA fuses
-    its bf16 ops differently, 2e-4 apart even between its own eager and jitted runs.)"""
+    """The experts' weights carry `COMPUTE_DTYPE` metadata: a stack on an accelerator mesh
+    casts them to bf16 once, before its scan (the scan's inputs hold bf16 expert stacks, the
+    router stays fp32), and the loss and every fp32 gradient equal those of the same model
+    casting inside each layer (as on CPU meshes). Run here on CPU with the accelerators' rule
+    switched on. (The unrolled bf16 model is no exact reference: XLA fuses its bf16 ops
+    differently, 2e-4 apart even between its own eager and jitted runs.)"""
     from zoo.models import stacks
     from zoo.partitioning import COMPUTE_DTYPE
+
+    assert stacks.cast_before_scan("tpu") and stacks.cast_before_scan("gpu")
+    assert not stacks.cast_before_scan("cpu")
+    monkeypatch.setattr(stacks, "cast_before_scan", lambda platform: True)
 
     config = dataclasses.replace(CONFIG, scan_layers=True, remat_policy=remat,
                                  dtype=jnp.bfloat16)
@@ -271,7 +276,7 @@ def test_compute_dtype_parameters_enter_the_scan_cast(remat, monkeypatch):
 
     got_loss, got = loss_and_grads(model)
     assert [a.dtype for a in scan_inputs(model)] == [jnp.bfloat16] * 3
-    monkeypatch.setattr(stacks, "_cast_for_compute", lambda params: params)
+    monkeypatch.setattr(stacks, "cast_before_scan", lambda platform: False)
     want_loss, want = loss_and_grads(model)
     assert [a.dtype for a in scan_inputs(model)] == [jnp.float32] * 3
     np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(want_loss))
