@@ -1,9 +1,10 @@
 """Compile targets: the devices a program is compiled for, which need not be this host's.
 
-The TPU compiler ships in libtpu (``libtpu==0.0.52``, MaxText 0.2.5's, in the ``tpu-compile``
-and ``test`` extras) and runs on a CPU-only host: `jax.experimental.topologies` describes a slice's chips without
-owning any, a mesh over those descriptions lowers and compiles for them, and XLA's memory
-analysis (or its out-of-memory error) is the TPU's. `zoo.train.rehearse.rehearse` takes
+The TPU compiler ships in libtpu (``libtpu==0.0.52``, MaxText 0.2.5's, in the
+``tpu-compile`` and ``test`` extras) and runs on a CPU-only host:
+`jax.experimental.topologies` describes a slice's chips without owning any, a mesh over those
+descriptions lowers and compiles for them, and XLA's memory analysis (or its out-of-memory
+error) is the TPU's. `zoo.train.rehearse.rehearse` takes
 ``target=`` and compiles the train step this way; every program choice zoo makes follows the
 mesh's platform (`zoo.partitioning.mesh_platform`), so this is the program a run on that
 slice builds.
@@ -34,7 +35,8 @@ import re
 from typing import Any
 
 __all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
-           "chip", "compile_with_text", "cpu_unless_accelerator", "gpu_target_config", "hbm_bytes", "TPU_CHIPS"]
+           "chip", "compile_with_text", "cpu_unless_accelerator", "gpu_target_config",
+           "hbm_bytes", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}

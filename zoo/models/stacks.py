@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from zoo.models.decoder import DecoderLayer
 
 __all__ = ["LAYER_OUTPUT_NAMES", "MAX_CYCLE", "STACK_METADATA", "build_stack",
-           "cast_before_scan", "interleave_aux", "layer_cycles", "layer_groups", "remat_policy", "run_cycle",
-           "run_layers"]
+           "cast_before_scan", "interleave_aux", "layer_cycles", "layer_groups", "remat_policy",
+           "run_cycle", "run_layers"]
 
 # `remat_policy` names -> what the backward pass may keep of a layer (the rest is recomputed).
 # "save_layer_outputs" keeps the attention and MLP/MoE outputs the layer tags with
