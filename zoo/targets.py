@@ -21,8 +21,8 @@ slice builds.
 * `cpu_unless_accelerator()` -- with the TPU compiler installed on a host that has no TPU
   (the ``test`` extra on a CPU box), jax starts on its CPU quietly rather than probing libtpu
   first; `import zoo` calls it.
-* `compile_with_text(lowered, platform)` -- the compiled program and its optimized HLO text,
-  read from the TPU compiler's own dump where jaxlib 0.10 cannot read libtpu 0.0.52's module.
+* `compile_with_text(lowered, platform)` -- the compiled program and its optimized HLO text;
+  a TPU program's text is the compiler's own dump (jaxlib 0.10 cannot read libtpu 0.0.52's).
 * `hbm_bytes(device_kind)` -- a chip's memory as its compiler counts it (the TPU's
   out-of-memory message; a GPU's description), None when not known; `chip(device_kind)` its
   published peaks (bf16 FLOP/s, ICI or NVLink, the network between GPU hosts, HBM bytes/s),
