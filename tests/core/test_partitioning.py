@@ -237,14 +237,16 @@ def test_program_choices_follow_the_mesh_not_the_process(devices, monkeypatch):
     from zoo.models.stacks import remat_policy
     from zoo.ops.flash import ACCELERATOR_TILES, CPU_TILES, FlashKernel
     from zoo.ops.kernels import TokamaxKernel, get_kernel
+    from zoo.ops.pallas_tpu import PallasTpuKernel
     from zoo.ops.ring import ring_rounds
     from zoo.train.step import make_train_step
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     cpu = zoo.Partitioner(zoo.make_mesh(fsdp=8)).platform
     kern = get_kernel("auto", cpu)
     assert isinstance(kern, FlashKernel) and (kern.q_tile, kern.kv_tile) == CPU_TILES
-    tpu = get_kernel("auto", "tpu")  # Mosaic TPU takes no batched (document) masks
-    assert isinstance(tpu, FlashKernel) and (tpu.q_tile, tpu.kv_tile) == ACCELERATOR_TILES
+    tpu = get_kernel("auto", "tpu")  # zoo's Mosaic kernel, compiled, not interpreted
+    assert isinstance(tpu, PallasTpuKernel) and tpu.interpret is False
+    assert get_kernel("pallas_tpu", cpu).interpret is True  # Pallas' interpreter on CPU
     assert isinstance(get_kernel("auto", "gpu"), TokamaxKernel)
     tok = get_kernel("tokamax", "tpu")
     assert tok.implementation[0] == "mosaic_tpu" and tok.pad_to == 128

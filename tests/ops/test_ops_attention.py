@@ -24,6 +24,8 @@ import zoo
 from support import attention_fwd_bwd as _fwd_bwd
 from zoo.ops import attention, attention_mask, dot_product_attention
 from zoo.ops.flash import FlashKernel
+from zoo.ops.kernels import ScoreMod, Scores
+from zoo.ops.pallas_tpu import PallasTpuKernel
 from zoo.ops.masks import (Causal, Chunked, Document, MaskFn, PrefixLM, SlidingWindow,
                            prefix_segment_ids)
 
@@ -274,6 +276,93 @@ def test_every_mask_strategy_and_cp(impl, mesh):
         for x in got[m]:  # padding (and the all-padding row): exact zeros, never NaN
             x = np.asarray(x)
             assert np.all(np.isfinite(x)) and np.all(x[pad] == 0), m
+
+
+# zoo's Mosaic TPU kernel, run by Pallas' TPU interpreter on the CPU mesh: every mask under
+# both strategies (and unsharded), against the same dense reference. 128-token tiles: the
+# shards' short sub-blocks are padded to a whole tile (padding tokens the kernel adds).
+PALLAS = PallasTpuKernel(block_q=128, block_kv=128)
+PALLAS_PROGRAMS = {("ring", "cp2"): "mla", ("all_gather", "cp4"): "gqa", ("auto", None): "mqa"}
+
+
+@pytest.mark.parametrize("impl,mesh", list(PALLAS_PROGRAMS),
+                         ids=[f"{i}-{m}" for i, m in PALLAS_PROGRAMS])
+def test_pallas_tpu_kernel_every_mask(impl, mesh):
+    shape = PALLAS_PROGRAMS[impl, mesh]
+    cp = 1 if mesh is None else partitioner(mesh).context_size()
+    perm = balanced_order(L, cp)
+    inputs = cross_data(shape)
+    fn = functools.partial(attention, partitioner=partitioner(mesh), implementation=impl,
+                           kernel=PALLAS)
+    got = jax.jit(_all_masks(fn))(*_permute(inputs, perm))
+    pad = np.asarray(inputs[4])[:, perm] == 0
+    for m in MASKS:
+        _compare(got[m], _permute(_dense(shape)[m], perm), err=m)
+        for x in got[m]:
+            x = np.asarray(x)
+            assert np.all(np.isfinite(x)) and np.all(x[pad] == 0), m
+
+
+def test_pallas_tpu_kernel_tiles_and_soft_cap():
+    """One block of 300 tokens in 128-token tiles (empty, full and partial tiles, a padded
+    last tile), bf16 and a soft cap: the kernel's (out, lse) and its backward from the global
+    lse and delta against the flash kernel's, which walks the same block in JAX."""
+    rng = np.random.default_rng(1)
+    Bq, n, N, K, H, V = 2, 300, 4, 2, 32, 16
+    q, k = rng.normal(size=(Bq, n, N, H)), rng.normal(size=(Bq, n, K, H))
+    v, do = rng.normal(size=(Bq, n, K, V)), rng.normal(size=(Bq, n, N, V))
+    q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+    seg, pos = (np.stack(x) for x in zip(packed([140, 100, 40], n), packed([300], n)))
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+    toks = (pos, pos, seg, seg)
+    for scores in (Scores(Causal() & Document(), H ** -0.5),
+                   Scores(Causal() & Document(), H ** -0.5, soft_cap=2.0)):
+        ref = FlashKernel(q_tile=32, kv_tile=32)
+        want = ref.forward(q, k, v, *toks, scores=scores, masked=True)
+        got = PallasTpuKernel(block_q=128, block_kv=128).for_platform("cpu").forward(
+            q, k, v, *toks, scores=scores, masked=True)
+        np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
+        np.testing.assert_allclose(got[0], want[0], atol=2e-2)
+        fin = np.isfinite(np.asarray(want[1]))
+        np.testing.assert_allclose(np.asarray(got[1])[fin], np.asarray(want[1])[fin], atol=2e-2)
+        delta = jnp.einsum("blnv,blnv->bnl", do.astype(jnp.float32), want[0])
+        kw = dict(scores=scores, masked=True, delta=delta)
+        g_want = ref.backward(q, k, v, *toks, None, want[1], do, **kw)
+        g_got = PallasTpuKernel(block_q=128, block_kv=128).for_platform("cpu").backward(
+            q, k, v, *toks, None, want[1], do, **kw)
+        for name, a, b in zip("qkv", g_got, g_want):
+            scale = float(np.abs(np.asarray(b)).max())
+            np.testing.assert_allclose(a, b, atol=3e-2 * scale, err_msg=f"d{name}")
+
+
+def test_pallas_tpu_kernel_compiles_for_a_tpu_target_with_every_mask():
+    """Every mask (integer division in the chunked and the user's) through the Mosaic
+    lowering for TPU v5p chips on this CPU host, under context parallelism: one kernel per
+    pass (forward, dK/dV, dQ) and mask in the compiled program, named in the op's scope."""
+    pytest.importorskip("libtpu", reason="the TPU compiler: pip install -e '.[test]'")
+    from zoo.targets import compile_with_text
+    from zoo.train import target_devices
+    p = zoo.Partitioner(zoo.make_mesh(fsdp=2, context=4, devices=target_devices("tpu-v5p-8")),
+                        "cp")
+    spec = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec) for x in cross_data("gqa")]
+    fn = functools.partial(attention, partitioner=p, implementation="ring")
+    with jax.default_device(p.target_device):  # as `zoo.train.rehearse` lowers
+        lowered = jax.jit(_all_masks(fn)).lower(*args)
+    text = compile_with_text(lowered, "tpu")[1]
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    for name in ("zoo_attention_fwd", "zoo_attention_dkv", "zoo_attention_dq"):
+        assert sum(name in c and "attention_ring" in c for c in calls) == len(MASKS), name
+
+
+def test_pallas_tpu_kernel_errors():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        PallasTpuKernel(block_q=100).forward(*data("gqa")[:3], *(data("gqa")[3:5] * 2),
+                                             scores=Scores(Causal(), 1.0), masked=True)
+    mod = Scores(Causal(), 1.0, score_mod=ScoreMod(lambda s, *a: s))
+    with pytest.raises(ValueError, match="does not take a ScoreMod"):
+        PallasTpuKernel().forward(*data("gqa")[:3], *(data("gqa")[3:5] * 2), scores=mod,
+                                  masked=True)
 
 
 @pytest.mark.parametrize("shape", ["gqa", "mla"])

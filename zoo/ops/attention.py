@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zoo.ops import flash as _flash  # noqa: F401  (registers the "flash" kernel)
+from zoo.ops import pallas_tpu as _pallas_tpu  # noqa: F401  (registers "pallas_tpu")
 from zoo.ops import ring as _ring
 from zoo.ops.kernels import BlockKernel, ScoreMod, Scores, get_kernel
 from zoo.ops.masks import Mask, attention_mask, default_mask
@@ -325,7 +326,8 @@ def _run(reference, q, payload, params, expand, qpos, kpos, qseg, kseg, mask, sc
         raise ValueError(f"layout={layout!r}; valid values are {_ring.LAYOUTS}: how the "
                          f"sequence lies on the context shards (None: not known)")
     p = resolve(partitioner)
-    kern = get_kernel(kernel, p.platform, p.target_device)
+    kern = get_kernel("flash" if kernel == "auto" and score_mod is not None else kernel,
+                      p.platform, p.target_device)  # a ScoreMod's VJP is taken in JAX
     if implementation == "reference":
         return reference()
     B, L, N, H = q.shape

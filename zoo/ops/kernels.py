@@ -98,11 +98,18 @@ class BlockKernel:
     way in a 0-or-1-trip loop instead of a `lax.switch` (see `zoo.ops.ring`). A subclass of
     such a kernel (`zoo.ops.flash.FlashKernel`) that overrides ``forward`` or ``backward``
     without ``into=`` sets ``accumulates = False``.
+
+    And ``classifies_tiles = True`` says that the kernel classifies its own tiles from the
+    positions and segment ids (skipping empty ones, evaluating the mask only on partial
+    ones): the strategy then hands it each block pair whole with ``masked=True`` -- no
+    sub-blocks, no classification, no branch -- so the program holds one call per pass
+    (`zoo.ops.pallas_tpu`).
     """
 
     windowed = False
     takes_delta = False
     accumulates = False
+    classifies_tiles = False
 
     def for_platform(self, platform: str, device: Any = None) -> BlockKernel:
         """This kernel with its platform-dependent defaults settled for `platform` (the mesh's,
@@ -147,10 +154,11 @@ def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
                device: Any = None) -> BlockKernel:
     """A kernel instance from a name (``"auto"``, ``"flash"``, ``"tokamax"``, registered ones)
     or the instance itself, settled for `platform` (``"cpu"``/``"gpu"``/``"tpu"``, the mesh's;
-    None: the default device's). ``"auto"`` is tokamax on GPU, flash elsewhere: on TPU
-    tokamax's Mosaic kernel takes only unbatched masks ("Only unbatched boolean masks are
-    supported", tokamax 0.0.12), so packed documents would send it to its XLA implementation,
-    which builds each block's whole logits; zoo's flash kernel tiles them."""
+    None: the default device's). ``"auto"`` is tokamax on GPU, zoo's Mosaic kernel
+    (`zoo.ops.pallas_tpu`, ``"pallas_tpu"``) on TPU and flash on CPU. Not tokamax on TPU: its
+    Mosaic kernel takes only unbatched masks ("Only unbatched boolean masks are supported",
+    tokamax 0.0.12), so packed documents would send it to its XLA implementation, which builds
+    each block's whole logits; zoo's Mosaic kernel evaluates zoo's masks in the kernel."""
     if platform is None:
         from zoo.partitioning import mesh_platform
         platform = mesh_platform(None)
@@ -160,7 +168,7 @@ def get_kernel(kernel: str | BlockKernel, platform: str | None = None,
                              f"{kernel_names()} nor an object with forward/backward methods")
         return kernel.for_platform(platform, device)
     if kernel == "auto":
-        kernel = "tokamax" if platform == "gpu" else "flash"
+        kernel = {"gpu": "tokamax", "tpu": "pallas_tpu"}.get(platform, "flash")
     if kernel not in _KERNELS:
         raise ValueError(f"kernel={kernel!r} is not registered; valid names are "
                          f"{', '.join(map(repr, kernel_names()))} (or register_kernel(name, k))")

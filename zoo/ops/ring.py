@@ -315,6 +315,12 @@ def _merge(out, lse, o, o_lse):
     return out * w1 + o * w2, new
 
 
+def _whole(cfg) -> bool:
+    """The kernel classifies its own tiles (`BlockKernel.classifies_tiles`): each block pair
+    goes to it whole, with the mask, and the strategy neither splits nor classifies it."""
+    return getattr(cfg.kernel, "classifies_tiles", False)
+
+
 def _plans(kernel, L, S):
     """The kernel's static ways to walk a partial [L, S] sub-block (`BlockKernel`)."""
     plans = getattr(kernel, "partial_plans", None)
@@ -333,7 +339,8 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
     """Merge attention of q over one (k, v) block into the running (out, lse)."""
     B, L, N, _ = q.shape
     S, V = k.shape[1], v.shape[-1]
-    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups, kv_split)
+    whole = _whole(cfg)
+    lq, nq, lk, nk = (L, 1, S, 1) if whole else _pieces(cfg, L, S, kv_groups, kv_split)
     plans = _plans(cfg.kernel, lq, lk)
     windowed = getattr(cfg.kernel, "windowed", False)
     into = windowed and getattr(cfg.kernel, "accumulates", False)
@@ -364,12 +371,13 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
         def skip():
             return jnp.zeros((B, lq, N, V), F32), jnp.full((B, N, lq), -jnp.inf, F32)
 
-        o, o_lse = lax.switch(branch, (skip, run(False), *map(run, plans)))
+        o, o_lse = (run(True)() if whole
+                    else lax.switch(branch, (skip, run(False), *map(run, plans))))
         out, lse = state
         oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, o_lse)
         return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
 
-    return loop(nq * nk, pair, state)
+    return pair(jnp.int32(0), state) if whole else loop(nq * nk, pair, state)
 
 
 def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=1,
@@ -378,7 +386,8 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
     (out=None) from (delta, lse) for kernels that take delta (`BlockKernel.takes_delta`)."""
     rows = {} if delta is None else dict(delta=delta)
     L, S = q.shape[1], k.shape[1]
-    lq, nq, lk, nk = _pieces(cfg, L, S, kv_groups, kv_split)
+    whole = _whole(cfg)
+    lq, nq, lk, nk = (L, 1, S, 1) if whole else _pieces(cfg, L, S, kv_groups, kv_split)
     plans = _plans(cfg.kernel, lq, lk)
     windowed = getattr(cfg.kernel, "windowed", False)
     into = windowed and getattr(cfg.kernel, "accumulates", False)
@@ -412,14 +421,15 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
                     jnp.zeros((*k.shape[:1], lk, *k.shape[2:]), F32),
                     jnp.zeros((*v.shape[:1], lk, *v.shape[2:]), F32))
 
-        gq, gk, gv = lax.switch(branch, (skip, run(False), *map(run, plans)))
+        gq, gk, gv = (run(True)() if whole
+                      else lax.switch(branch, (skip, run(False), *map(run, plans))))
         dq, dk, dv = acc
         return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
                 _put(dv, _slice(dv, b, lk) + gv, b, lk))
 
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-    return loop(nq * nk, pair, init)
+    return pair(jnp.int32(0), init) if whole else loop(nq * nk, pair, init)
 
 
 ONE_OF = "zoo_one_of"  # named scope of `_one_of`'s loops: XLA's static counts take one

@@ -29,6 +29,7 @@ of a reduce-scatter, all-reduce, all-to-all or collective-permute.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -287,12 +288,17 @@ def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
     compiler says into a `Rehearsal` (`fields`: the ones that describe the program; compile
     seconds include the lowering). ``state_bytes``: the arguments' bytes from their shardings,
     reported when the compiler refuses the program for lack of memory."""
+    import jax
     start = time.perf_counter()
     mesh = partitioner.mesh
     # GPUs: which host each partition is on, to split off the collectives between hosts
     hosts = [d.process_index for d in mesh.devices.flat] if partitioner.platform == "gpu" \
         else None
-    lowered = lower()
+    # lowered with the target's device as the default one: Pallas' Mosaic lowering reads the
+    # TPU generation there (a mask's integer division in zoo's attention kernel, for one)
+    target = partitioner.target_device
+    with (jax.default_device(target) if target is not None else contextlib.nullcontext()):
+        lowered = lower()
     lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True), hosts)
     compiled, text, mem, oom = _compile(lowered, partitioner.platform)
     compile_s = time.perf_counter() - start
