@@ -224,7 +224,8 @@ class Attention(AttentionBlock):
         ``sliding_window``); None keeps the class attribute ``mask``.
       logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax (None: off).
       sinks: learn one sink logit per head (parameter ``sinks``, zeros at init).
-      kernel: the block kernel (``"auto"``, ``"flash"``, ``"tokamax"``, registered, instance).
+      kernel: the block kernel (``"auto"``, ``"flash"``, ``"pallas_tpu"``, ``"tokamax"``,
+        registered, instance).
       use_bias: biases on the q/k/v projections (and o, unless ``out_bias`` says otherwise).
       out_bias: a bias on ``o_proj`` (None: ``use_bias``; GLM-4.5 has q/k/v biases only).
       qk_norm: RMSNorm (eps ``qk_norm_eps``) over head_dim on each q and k head before RoPE.

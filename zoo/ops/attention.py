@@ -7,10 +7,10 @@
   context-parallel *strategy*: ``"reference"``, ``"all_gather"`` (gather K/V over the sequence
   shards, local Q attends), ``"ring"`` (rotate K/V with `ppermute`, fp32 online-softmax merge)
   or ``"auto"`` (`choose_implementation`). ``kernel`` names the *block kernel* the strategies
-  call (`zoo.ops.kernels`: ``"flash"``, ``"tokamax"``, a registered name or an instance;
-  ``"auto"``: tokamax on GPU/TPU, flash on CPU). It runs under `jax.shard_map` over the
-  partitioner's attention batch, sequence and head axes; gradients come from an exact
-  `custom_vjp` (`zoo.ops.ring`).
+  call (`zoo.ops.kernels`: ``"flash"``, ``"pallas_tpu"``, ``"tokamax"``, a registered name or
+  an instance; ``"auto"``: tokamax on GPU, pallas_tpu on TPU, flash on CPU). It runs under
+  `jax.shard_map` over the partitioner's attention batch, sequence and head axes; gradients
+  come from an exact `custom_vjp` (`zoo.ops.ring`).
 * `mla_attention` -- DeepSeek's multi-head latent attention with the compressed latent on the
   wire: [B, S, kv_lora_rank] and the shared rotary key [B, S, Hr] go around the ring / through
   the all-gather, and each shard expands them to per-head K/V with ``kv_up``.

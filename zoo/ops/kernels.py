@@ -18,9 +18,10 @@ pair. Its contract (`BlockKernel`):
 Python bool) says the strategy proved the block fully visible: the kernel must not evaluate the
 mask there; otherwise it is True or one of the kernel's own `BlockKernel.partial_plans`.
 Kernels are frozen dataclasses (hashable: they are part of the compiled program's key).
-Kernels here: `zoo.ops.flash.FlashKernel` (``"flash"``, pure JAX, any platform) and
-`TokamaxKernel` (``"tokamax"``); `register_kernel` adds a user's, `get_kernel` resolves a name
-(``"auto"``: tokamax on GPU/TPU, flash on CPU).
+Kernels here: `zoo.ops.flash.FlashKernel` (``"flash"``, pure JAX, any platform),
+`zoo.ops.pallas_tpu.PallasTpuKernel` (``"pallas_tpu"``, Mosaic TPU) and `TokamaxKernel`
+(``"tokamax"``); `register_kernel` adds a user's, `get_kernel` resolves a name (``"auto"``:
+tokamax on GPU, pallas_tpu on TPU, flash on CPU).
 
 Legend: B batch, L queries, S keys, N query heads, K kv heads, H q/k head dim, V value head dim.
 """
