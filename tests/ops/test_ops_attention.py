@@ -359,6 +359,11 @@ def test_pallas_tpu_kernel_errors():
     with pytest.raises(ValueError, match="multiples of 128"):
         PallasTpuKernel(block_q=100).forward(*data("gqa")[:3], *(data("gqa")[3:5] * 2),
                                              scores=Scores(Causal(), 1.0), masked=True)
+    big = jax.ShapeDtypeStruct((1, 2 ** 18, 1, 128), jnp.bfloat16)  # 2**22 tile pairs
+    toks = jax.ShapeDtypeStruct((1, 2 ** 18), jnp.int32)
+    with pytest.raises(ValueError, match="tile table of 4,194,304 entries"):
+        jax.eval_shape(lambda q, p: PallasTpuKernel(block_q=128, block_kv=128).forward(
+            q, q, q, p, p, p, p, scores=Scores(Causal(), 1.0), masked=True), big, toks)
     mod = Scores(Causal(), 1.0, score_mod=ScoreMod(lambda s, *a: s))
     with pytest.raises(ValueError, match="does not take a ScoreMod"):
         PallasTpuKernel().forward(*data("gqa")[:3], *(data("gqa")[3:5] * 2), scores=mod,

@@ -48,6 +48,8 @@ from zoo.ops.masks import EMPTY, FULL, PARTIAL, _expand, bounds, evaluate
 F32 = jnp.float32
 LANES = 128  # TPU vector lanes: the softmax statistics' scratch width
 TILE = 512  # default query/key tile: the MXU wants wide tiles; VMEM holds a few [512, 512] fp32
+# the tile-kind table lives in SMEM (1 MiB on TPU v4 and later): keep it within half
+MAX_TILE_PAIRS = 2 ** 17
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,12 @@ def _tile_kinds(scores: Scores, masked, t: _Tokens, bq: int, bk: int) -> jax.Arr
     """int32 [B * nq * nk]: EMPTY / FULL / PARTIAL of every (row, query tile, key tile)."""
     B, Lp, Sp = t.qp.shape[0], t.qp.shape[1], t.kp.shape[2]
     nq, nk = Lp // bq, Sp // bk
+    if B * nq * nk > MAX_TILE_PAIRS:
+        raise ValueError(
+            f"kernel='pallas_tpu': {B} rows x {nq} x {nk} tiles of {bq} x {bk} tokens make a "
+            f"tile table of {B * nq * nk:,} entries, over the {MAX_TILE_PAIRS:,} that fit "
+            f"TPU scalar memory; use larger tiles (PallasTpuKernel(block_q=, block_kv=)), "
+            f"shard the sequence (context parallelism) or fewer rows per device")
     if masked is False and not (t.pq or t.pk):  # the strategy proved the block visible
         return jnp.full((B * nq * nk,), FULL, jnp.int32)
     qb = _expand(bounds(t.qp.reshape(B, nq, bq), t.qs.reshape(B, nq, bq)), -1)
@@ -291,7 +299,21 @@ def _dq_kernel(kinds, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, q
 
 # -- the calls ---------------------------------------------------------------------------------
 
-def _specs(bq, bk, H, V, qmap, kmap):
+def _dims(q, k, v, bq, bk):
+    """(B, N, K, H, V, G, nq, nk) of heads-major q [B, N, Lp, H], k [B, K, Sp, H], v."""
+    B, N, Lp, H = q.shape
+    K, Sp = k.shape[1], k.shape[2]
+    return B, N, K, H, v.shape[-1], N // K, Lp // bq, Sp // bk
+
+
+def _per_query_head(G):
+    """Index maps of a grid (b, query head n, query tile i, key tile j): q-side blocks at
+    (b, n, i), k-side at (b, n's kv head, j)."""
+    return (lambda b, n, i, j, kinds: (b, n, i),
+            lambda b, n, i, j, kinds: (b, lax.div(n, G), j))
+
+
+def _specs(bq, bk, qmap, kmap):
     """BlockSpecs of (q, k, v, do) and the token arrays for index maps ``qmap(grid) -> (b, n,
     i)`` and ``kmap(grid) -> (b, kv head, j)``."""
     from jax.experimental import pallas as pl
@@ -326,19 +348,15 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, interpret):
 def _forward_call(kinds, q, k, v, t, *, scores, bq, bk, interpret):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
-    B, N, Lp, H = q.shape
-    K, Sp, V = k.shape[1], k.shape[2], v.shape[-1]
-    G, nq, nk = N // K, Lp // bq, Sp // bk
-    q_like, k_like, _, q_tok, k_tok = _specs(
-        bq, bk, H, V, lambda b, n, i, j, kinds: (b, n, i),
-        lambda b, n, i, j, kinds: (b, lax.div(n, G), j))
+    B, N, _, H, V, G, nq, nk = _dims(q, k, v, bq, bk)
+    q_like, k_like, _, q_tok, k_tok = _specs(bq, bk, *_per_query_head(G))
     kernel = functools.partial(_forward_kernel, scores=scores, nq=nq, nk=nk)
     return _call(
         kernel, (B, N, nq, nk),
         [q_like(H), k_like(H), k_like(V), q_tok, q_tok, k_tok, k_tok],
         [pl.BlockSpec((pl.squeezed, pl.squeezed, bq, V), lambda b, n, i, j, kinds: (b, n, i, 0)),
          pl.BlockSpec((pl.squeezed, pl.squeezed, bq, 1), lambda b, n, i, j, kinds: (b, n, i, 0))],
-        [jax.ShapeDtypeStruct((B, N, Lp, V), F32), jax.ShapeDtypeStruct((B, N, Lp, 1), F32)],
+        [jax.ShapeDtypeStruct((*q.shape[:3], d), F32) for d in (V, 1)],
         [pltpu.VMEM((bq, LANES), F32), pltpu.VMEM((bq, LANES), F32), pltpu.VMEM((bq, V), F32)],
         interpret)(kinds, q, k, v, t.qp, t.qs, t.kp, t.ks)
 
@@ -346,19 +364,17 @@ def _forward_call(kinds, q, k, v, t, *, scores, bq, bk, interpret):
 @functools.partial(jax.named_call, name="zoo_attention_dkv")
 def _dkv_call(kinds, q, k, v, do, lse, delta, t, *, scores, bq, bk, interpret):
     from jax.experimental.pallas import tpu as pltpu
-    B, N, Lp, H = q.shape
-    K, Sp, V = k.shape[1], k.shape[2], v.shape[-1]
-    G, nq, nk = N // K, Lp // bq, Sp // bk
+    B, _, K, H, V, G, nq, nk = _dims(q, k, v, bq, bk)
     # grid (b, kv head c, key tile j, u = group head g * nq + query tile i)
     q_like, k_like, rows, q_tok, k_tok = _specs(
-        bq, bk, H, V, lambda b, c, j, u, kinds: (b, c * G + lax.div(u, nq), lax.rem(u, nq)),
+        bq, bk, lambda b, c, j, u, kinds: (b, c * G + lax.div(u, nq), lax.rem(u, nq)),
         lambda b, c, j, u, kinds: (b, c, j))
     kernel = functools.partial(_dkv_kernel, scores=scores, nq=nq, nk=nk)
     return _call(
         kernel, (B, K, nk, G * nq),
         [q_like(H), k_like(H), k_like(V), q_like(V), rows, rows, q_tok, q_tok, k_tok, k_tok],
         [k_like(H), k_like(V)],
-        [jax.ShapeDtypeStruct((B, K, Sp, H), F32), jax.ShapeDtypeStruct((B, K, Sp, V), F32)],
+        [jax.ShapeDtypeStruct((*k.shape[:3], d), F32) for d in (H, V)],
         [pltpu.VMEM((bk, H), F32), pltpu.VMEM((bk, V), F32)],
         interpret)(kinds, q, k, v, do, lse, delta, t.qp, t.qs, t.kp, t.ks)
 
@@ -366,17 +382,13 @@ def _dkv_call(kinds, q, k, v, do, lse, delta, t, *, scores, bq, bk, interpret):
 @functools.partial(jax.named_call, name="zoo_attention_dq")
 def _dq_call(kinds, q, k, v, do, lse, delta, t, *, scores, bq, bk, interpret):
     from jax.experimental.pallas import tpu as pltpu
-    B, N, Lp, H = q.shape
-    K, Sp, V = k.shape[1], k.shape[2], v.shape[-1]
-    G, nq, nk = N // K, Lp // bq, Sp // bk
-    q_like, k_like, rows, q_tok, k_tok = _specs(
-        bq, bk, H, V, lambda b, n, i, j, kinds: (b, n, i),
-        lambda b, n, i, j, kinds: (b, lax.div(n, G), j))
+    B, N, _, H, V, G, nq, nk = _dims(q, k, v, bq, bk)
+    q_like, k_like, rows, q_tok, k_tok = _specs(bq, bk, *_per_query_head(G))
     kernel = functools.partial(_dq_kernel, scores=scores, nq=nq, nk=nk)
     return _call(
         kernel, (B, N, nq, nk),
         [q_like(H), k_like(H), k_like(V), q_like(V), rows, rows, q_tok, q_tok, k_tok, k_tok],
-        [q_like(H)], [jax.ShapeDtypeStruct((B, N, Lp, H), F32)],
+        [q_like(H)], [jax.ShapeDtypeStruct(q.shape, F32)],
         [pltpu.VMEM((bq, H), F32)],
         interpret)(kinds, q, k, v, do, lse, delta, t.qp, t.qs, t.kp, t.ks)[0]
 
