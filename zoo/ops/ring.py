@@ -34,7 +34,9 @@ forward into the running (out, lse), backward into (dq, dk, dv)) each way to run
 there, where a `conditional` copies its operands into every branch's loop. Other kernels
 return a sub-block's results and one `lax.switch` picks the way. ``split=2`` matches the
 load-balanced layout (each shard holds two chunks), so causal blocks are classified exactly
-at chunk granularity.
+at chunk granularity. A kernel that classifies its own tiles
+(`BlockKernel.classifies_tiles`, `zoo.ops.pallas_tpu`) gets each block pair whole instead:
+no sub-blocks, no classification here, no branch.
 
 Hop plan (``Config.hops``): when the mask bounds how far back/ahead in the sequence a query
 sees (`zoo.ops.masks.Reach`) and the caller states how tokens lie across the shards
