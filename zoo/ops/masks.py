@@ -300,11 +300,19 @@ def tile_visible(mask: Mask, q_pos, kv_pos, q_seg, kv_seg, q_tile: int,
     """[L/q_tile, S/kv_tile] bool: False only where no row of the batch can see any pair of
     that (query tile, key tile) -- the per-tile form of `block_kind`'s EMPTY, for kernels that
     walk only the tiles that may be visible."""
+    q, kv = tile_bounds(q_pos, kv_pos, q_seg, kv_seg, q_tile, kv_tile)
+    may, _ = mask.classify(q, kv)
+    return jnp.any(may & q.some & kv.some, axis=0)
+
+
+def tile_bounds(q_pos, kv_pos, q_seg, kv_seg, q_tile: int, kv_tile: int):
+    """`Bounds` of every query tile, [B, L/q_tile, 1], and key tile, [B, 1, S/kv_tile], of
+    [B, L] / [B, S] positions and segment ids: ``mask.classify`` of the pair broadcasts to
+    every (query tile, key tile) of every row."""
     B = q_pos.shape[0]
     q = _expand(bounds(q_pos.reshape(B, -1, q_tile), q_seg.reshape(B, -1, q_tile)), -1)
     kv = _expand(bounds(kv_pos.reshape(B, -1, kv_tile), kv_seg.reshape(B, -1, kv_tile)), -2)
-    may, _ = mask.classify(q, kv)
-    return jnp.any(may & q.some & kv.some, axis=0)
+    return q, kv
 
 
 def attention_mask(q_positions: jax.Array, kv_positions: jax.Array,

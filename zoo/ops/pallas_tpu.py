@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zoo.ops.kernels import BlockKernel, Scores, register_kernel
-from zoo.ops.masks import EMPTY, FULL, PARTIAL, _expand, bounds, evaluate
+from zoo.ops.masks import EMPTY, FULL, PARTIAL, evaluate, tile_bounds
 
 F32 = jnp.float32
 LANES = 128  # TPU vector lanes: the softmax statistics' scratch width
@@ -64,16 +64,17 @@ class PallasTpuKernel(BlockKernel):
     takes_delta = True  # backward gets delta = sum(dout * out), not the global out
     classifies_tiles = True  # takes whole blocks with the mask; skips empty tiles itself
 
+    def __post_init__(self):
+        for name, b in (("block_q", self.block_q), ("block_kv", self.block_kv)):
+            if b is not None and (not isinstance(b, int) or b <= 0 or b % LANES):
+                raise ValueError(f"PallasTpuKernel({name}={b!r}): tiles must be positive "
+                                 f"multiples of {LANES} (TPU lanes), or None for the default")
+
     def for_platform(self, platform: str, device=None) -> PallasTpuKernel:
         interpret = self.interpret if self.interpret is not None else platform != "tpu"
         return dataclasses.replace(self, interpret=interpret)
 
     def _tiles(self, L: int, S: int) -> tuple[int, int]:
-        for name, b in (("block_q", self.block_q), ("block_kv", self.block_kv)):
-            if b is not None and (b <= 0 or b % LANES):
-                raise ValueError(f"PallasTpuKernel({name}={b}): tiles must be positive "
-                                 f"multiples of {LANES} (TPU lanes)")
-
         def pick(n, b):
             return b if b is not None else min(TILE, -(-n // LANES) * LANES)
         return pick(L, self.block_q), pick(S, self.block_kv)
@@ -108,9 +109,9 @@ class PallasTpuKernel(BlockKernel):
         qh, doh = _heads_major(q, t.pq), _heads_major(dout.astype(q.dtype), t.pq)
         kh, vh = _heads_major(k, t.pk), _heads_major(v, t.pk)
         # rows that see no key anywhere have lse -inf: exp(s - 0) of their -inf logits is 0
-        rows = [jnp.pad(jnp.where(jnp.isfinite(x), x, 0.0) if i == 0 else x,
-                        ((0, 0), (0, 0), (0, t.pq)))[..., None]
-                for i, x in enumerate((lse.astype(F32), delta.astype(F32)))]
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        rows = [jnp.pad(x.astype(F32), ((0, 0), (0, 0), (0, t.pq)))[..., None]
+                for x in (lse, delta)]
         kw = dict(scores=scores, bq=bq, bk=bk, interpret=self._interpret())
         dk, dv = _dkv_call(kinds, qh, kh, vh, doh, *rows, t, **kw)
         dq = _dq_call(kinds, qh, kh, vh, doh, *rows, t, **kw)
@@ -163,8 +164,7 @@ def _tile_kinds(scores: Scores, masked, t: _Tokens, bq: int, bk: int) -> jax.Arr
             f"shard the sequence (context parallelism) or fewer rows per device")
     if masked is False and not (t.pq or t.pk):  # the strategy proved the block visible
         return jnp.full((B * nq * nk,), FULL, jnp.int32)
-    qb = _expand(bounds(t.qp.reshape(B, nq, bq), t.qs.reshape(B, nq, bq)), -1)
-    kb = _expand(bounds(t.kp.reshape(B, nk, bk), t.ks.reshape(B, nk, bk)), -2)
+    qb, kb = tile_bounds(t.qp[..., 0], t.kp[:, 0], t.qs[..., 0], t.ks[:, 0], bq, bk)
     may, full = scores.mask.classify(qb, kb)
     may, full = may & qb.some & kb.some, full & qb.no_pad & kb.no_pad
     if masked is False:  # visible except where this kernel padded
