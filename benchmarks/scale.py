@@ -38,7 +38,7 @@ def parse_args(argv=None):
       help="one of " + ", ".join(presets()))
     a("--devices", type=int, default=256, help="virtual CPU devices (--target cpu)")
     a("--target", default="cpu", help="cpu, cpu-N, a TPU slice compiled by the TPU "
-      "compiler here, e.g. tpu-v5p-256 or tpu:v5p:8x8x4 (256 v5p chips; needs libtpu), or "
+      "compiler here, e.g. tpu-v5p-256 or tpu:v5p:4x8x8 (256 v5p chips; needs libtpu), or "
       "GPUs compiled by XLA's GPU compiler, h100-256 / h200-N (needs jax-cuda12-plugin)")
     a("--mesh", default=None, help="e.g. fsdp=4,expert=64 (default fsdp=<devices>)")
     a("--strategy", default="fsdp", choices=("fsdp", "cp", "ep_as_cp"))

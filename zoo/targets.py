@@ -11,7 +11,7 @@ slice builds.
 
 * `target_devices(target)` -- ``"cpu"`` (this host's devices), ``"cpu-N"`` (N of them) or a
   TPU slice by chips, ``"tpu-v5p-256"`` (256 chips: what Cloud and MaxText call v5p-512;
-  ``"tpu-v5p-128x2"`` is two slices of 128), or by chip grid, ``"tpu:v5p:8x8x4"``, as a list
+  ``"tpu-v5p-128x2"`` is two slices of 128), or by chip grid, ``"tpu:v5p:4x8x8"``, as a list
   of device descriptions; or ``"h100-N"`` / ``"h200-N"``, N GPUs of 8 a host (fewer than 8:
   one host), compiled by XLA's GPU compiler from a description of the chip (`gpu_target_config`;
   the ``gpu-compile`` extra, ``jax[cuda12]``, brings it: no GPU or driver needed).
@@ -37,7 +37,7 @@ import re
 from typing import Any
 
 __all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
-           "chip", "compile_with_text", "cpu_unless_accelerator", "gpu_target_config",
+           "chip", "compile_with_text", "wraparound", "cpu_unless_accelerator", "gpu_target_config",
            "hbm_bytes", "TPU_CHIPS"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
@@ -138,14 +138,15 @@ def _tpu_chips() -> int:
         return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
 
 
-# chips -> the chip grid of a slice of that many (3-D tori for v4/v5p, 2-D for v5e/v6e)
-_GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "4x2x2", 32: "4x4x2", 64: "4x4x4", 128: "8x4x4",
-             256: "8x8x4", 512: "8x8x8", 1024: "16x8x8", 2048: "16x16x8", 4096: "16x16x16"}
+# chips -> the chip grid of a slice of that many, as Cloud TPU names its slices (v5p-512 is
+# 4x8x8): 3-D for v4/v5p, 2-D for v5e/v6e
+_GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+             256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 _GRIDS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
              256: "16x16"}
 _FORMS = ("'cpu' or 'cpu-N' (N of this host's devices), a TPU slice by chips 'tpu-v5p-256' "
           "(multi-slice 'tpu-v5p-128x2'; generations v5p, v5e, v6e, v4) or by grid "
-          "'tpu:v5p:8x8x4', or GPUs 'h100-N' / 'h200-N'")
+          "'tpu:v5p:4x8x8', or GPUs 'h100-N' / 'h200-N'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,21 @@ def _tpu_grid(gen: str, chips: int, target: str) -> str:
     return grids[chips]
 
 
+def wraparound(generation: str, grid: str) -> tuple[bool, bool, bool]:
+    """Which axes of a slice's chip grid close into a ring, as on the real slice: a v4/v5p
+    slice whose every side is a multiple of 4 (4x4x4 and up) is a 3-D torus, a smaller one
+    an open grid; a v5e/v6e side wraps where it spans the whole 16-chip pod edge.
+
+    The compiler plans collectives on these links: without them it cannot run an all-gather
+    over a whole 256-chip v5p slice and builds it from a zero-padded all-reduce instead
+    (twice the bytes, and more code to compile)."""
+    dims = [int(d) for d in grid.split("x")]
+    if generation in ("v5e", "v6e"):
+        return (*(d == 16 for d in dims), False, False)[:3]
+    torus = all(d % 4 == 0 for d in dims)
+    return (torus,) * 3
+
+
 def parse(target: str) -> Target:
     """The `Target` a target text names (forms: `_FORMS`); ValueError naming the forms."""
     text = target.strip().lower()
@@ -184,7 +200,7 @@ def parse(target: str) -> Target:
     m = re.fullmatch(r"(?:tpu:)?(v\d+[a-z]*):(\d+(?:x\d+)+)", text)
     if m is None or m.group(1) not in TPU_CHIPS:
         raise ValueError(f"target={target!r}: expected {_FORMS}; TPU generations are "
-                         f"{sorted(TPU_CHIPS)}, e.g. 'tpu-v5p-256' or 'tpu:v5p:8x8x4'")
+                         f"{sorted(TPU_CHIPS)}, e.g. 'tpu-v5p-256' or 'tpu:v5p:4x8x8'")
     chips = 1
     for n in m.group(2).split("x"):
         chips *= int(n)
@@ -267,7 +283,8 @@ def target_devices(target: str) -> list[Any]:
     host = {} if dims[0] >= 2 and dims[1] >= 2 else {"chips_per_host_bounds": dims}
     topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{t.generation}:{t.grid}",
                                         chip_config_name=TPU_CHIPS[t.generation],
-                                        num_slices=t.slices, **host)
+                                        num_slices=t.slices, wrap=wraparound(t.generation, t.grid),
+                                        **host)
     return list(topo.devices)
 
 

@@ -15,20 +15,61 @@ HAS_GPU_COMPILER = importlib.util.find_spec("jax_cuda12_plugin") is not None
 def test_parse_target():
     T = targets.Target
     assert targets.parse("cpu") == T("cpu")
-    assert targets.parse("tpu:v5p:8x8x4") == T("tpu", "v5p", "8x8x4", 1, 256)
+    assert targets.parse("tpu:v5p:4x8x8") == T("tpu", "v5p", "4x8x8", 1, 256)
     assert targets.parse("v6e:4x4") == T("tpu", "v6e", "4x4", 1, 16)
     for bad in ("tpu", "v9:2x2", "v5p-256", "gpu:h100", "tpu-v9-8"):
-        with pytest.raises(ValueError, match="tpu:v5p:8x8x4"):
+        with pytest.raises(ValueError, match="tpu:v5p:4x8x8"):
             targets.parse(bad)
     # by chips: zoo's tpu-v5p-256 is 256 chips (Cloud's v5p-512), multi-slice as 128x2
-    assert targets.parse("tpu-v5p-256") == T("tpu", "v5p", "8x8x4", 1, 256)
-    assert targets.parse("tpu-v5p-128x2") == T("tpu", "v5p", "8x4x4", 2, 256)
+    assert targets.parse("tpu-v5p-256") == T("tpu", "v5p", "4x8x8", 1, 256)  # Cloud's grid
+    assert targets.parse("tpu-v5p-128x2") == T("tpu", "v5p", "4x4x8", 2, 256)
     assert targets.parse("tpu-v6e-8") == T("tpu", "v6e", "2x4", 1, 8)
     assert targets.parse("tpu:v5p:2x2x2") == T("tpu", "v5p", "2x2x2", 1, 8)
     assert targets.parse("cpu-8") == T("cpu", count=8) and targets.parse("cpu") == T("cpu")
     assert targets.parse("h100-256") == T("gpu", "h100", count=256)
     with pytest.raises(ValueError, match=r"'tpu-v5p-12'.*chips per slice must be one of"):
         targets.parse("tpu-v5p-12")
+
+
+def test_slices_wrap_around_as_the_real_ones_do():
+    """A v4/v5p slice of full 4x4x4 cubes is a torus, a smaller one an open grid; a v5e/v6e
+    side wraps where it spans the 16-chip pod edge (Cloud TPU's slice shapes)."""
+    assert targets.wraparound("v5p", "4x8x8") == (True, True, True)
+    assert targets.wraparound("v5p", "4x4x4") == (True, True, True)
+    assert targets.wraparound("v5p", "2x4x4") == (False, False, False)
+    assert targets.wraparound("v5e", "16x16") == (True, True, False)
+    assert targets.wraparound("v6e", "8x16") == (False, True, False)
+    assert targets.wraparound("v5e", "2x4") == (False, False, False)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_a_whole_slice_gather_is_an_all_gather_on_the_torus():
+    """On the 256-chip v5p torus the compiler keeps a weight's all-gather over the whole
+    slice; on the same chips without wraparound links it builds it from a zero-padded
+    all-reduce (what zoo's targets compiled before they described the torus)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zoo
+
+    def collectives(devices):
+        mesh = zoo.make_mesh(fsdp=4, expert=64, devices=devices)
+        fe = NamedSharding(mesh, P(("fsdp", "expert"), None))
+        w = jax.ShapeDtypeStruct((7168, 2048), jnp.float32, sharding=fe)
+        x = jax.ShapeDtypeStruct((256 * 16, 7168), jnp.bfloat16, sharding=fe)
+        f = jax.jit(lambda w, x: jnp.sum((x @ w.astype(jnp.bfloat16)).astype(jnp.float32)))
+        _, text = targets.compile_with_text(f.lower(w, x), "tpu")
+        return {op: len(re.findall(rf"= \S+ {op}\(", text)) for op in ("all-gather",
+                                                                        "all-reduce")}
+    torus = collectives(targets.target_devices("tpu-v5p-256"))
+    assert torus["all-gather"] == 1, torus
+    grid = topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x8x8",
+                                        chip_config_name="megacore", num_slices=1).devices
+    open_grid = collectives(list(grid))
+    assert open_grid["all-gather"] == 0 and open_grid["all-reduce"] == 2, open_grid
 
 
 def test_cpu_and_gpu_targets_say_what_they_need(devices, monkeypatch):
@@ -147,7 +188,7 @@ def test_target_setting_is_checked_when_parsed():
     from zoo.train.config import TrainConfig
     with pytest.raises(ValueError, match="needs --rehearse"):
         TrainConfig(target="tpu:v5p:2x2x2")
-    with pytest.raises(ValueError, match=r"--target 'v5p-8'.*tpu:v5p:8x8x4"):
+    with pytest.raises(ValueError, match=r"--target 'v5p-8'.*tpu:v5p:4x8x8"):
         TrainConfig(target="v5p-8", rehearse=True)
     assert TrainConfig(target="tpu:v5p:2x2x2", rehearse=True).target == "tpu:v5p:2x2x2"
 

@@ -420,7 +420,7 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
       aux_loss_weight, expert_bias_rate: default `zoo.train.TrainConfig`'s (the config's aux
         weight; DeepSeek-V3's bias rate, ignored by models without a bias).
       target: ``"cpu"`` (this host's devices), ``"cpu-N"``, or a TPU slice such as
-        ``"tpu-v5p-256"`` / ``"tpu:v5p:8x8x4"`` (`zoo.targets.target_devices`): compiled by
+        ``"tpu-v5p-256"`` / ``"tpu:v5p:4x8x8"`` (`zoo.targets.target_devices`): compiled by
         the TPU compiler here, with its memory verdict.
     """
     label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
