@@ -113,6 +113,55 @@ ENTRY %main (x: bf16[4,8], buf: bf16[16,8], o: s64[4]) -> bf16[16,8] {{
     assert stats.collective_counts["all-to-all"] == 2
 
 
+def test_computations_after_a_sparsecore_one_are_read():
+    """XLA:TPU closes a computation that runs on the SparseCore with ``}, execution_thread=
+    "sparsecore"``; the computations after it (here the async one holding a ragged
+    all-to-all) are still read, and counted as often as their callers run."""
+    long = ", calls=%async_computation"
+    trips = ', backend_config={"known_trip_count":{"n":"3"}}'
+    text = """HloModule m
+
+%offload (p: bf16[4,8]) -> bf16[4,8] {
+  ROOT %p = bf16[4,8]{1,0} parameter(0)
+}, execution_thread="sparsecore"
+
+%async_computation (a: bf16[4,8], b: bf16[16,8], o: s32[4]) -> bf16[16,8] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %b = bf16[16,8]{1,0} parameter(1)
+  %o = s32[4]{0} parameter(2)
+  ROOT %r = bf16[16,8]{1,0} ragged-all-to-all(%a, %b, %o, %o, %o, %o), replica_groups={{0,1,2,3}}
+}
+
+%body (t: (s32[], bf16[4,8], bf16[16,8], s32[4])) -> (s32[], bf16[4,8], bf16[16,8], s32[4]) {
+  %t = (s32[], bf16[4,8]{1,0}, bf16[16,8]{1,0}, s32[4]{0}) parameter(0)
+  %x = bf16[4,8]{1,0} get-tuple-element(%t), index=1
+  %buf = bf16[16,8]{1,0} get-tuple-element(%t), index=2
+  %o = s32[4]{0} get-tuple-element(%t), index=3
+  %s = {async} async-start(%x, %buf, %o){long}
+  %d = bf16[16,8]{1,0} async-done(%s)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %n = (s32[], bf16[4,8]{1,0}, bf16[16,8]{1,0}, s32[4]{0}) tuple(%i, %x, %d, %o)
+}
+
+%cond (t: (s32[], bf16[4,8], bf16[16,8], s32[4])) -> pred[] {
+  %t = (s32[], bf16[4,8]{1,0}, bf16[16,8]{1,0}, s32[4]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (t: (s32[], bf16[4,8], bf16[16,8], s32[4])) -> (s32[], bf16[4,8], bf16[16,8], s32[4]) {
+  %t = (s32[], bf16[4,8]{1,0}, bf16[16,8]{1,0}, s32[4]{0}) parameter(0)
+  ROOT %w = {tup} while(%t), condition=%cond, body=%body{trips}
+}
+"""
+    for key, value in dict(long=long, trips=trips, tup="(s32[], bf16[4,8]{1,0}, bf16[16,8]{1,0}, "
+                           "s32[4]{0})", async_="((bf16[4,8]{1,0}, bf16[16,8]{1,0}, s32[4]{0}), "
+                           "bf16[16,8]{1,0})").items():
+        text = text.replace("{" + key.rstrip("_") + "}", value)
+    stats = hlo_stats(text)
+    assert stats.collective_counts["all-to-all"] == 3  # the loop's 3 trips
+    assert stats.collective_bytes["all-to-all"] == 3 * 4 * 8 * 2
+
+
 def test_convolution_flops_count_only_taps_on_real_input():
     """The TPU compiler writes dots as convolutions: a 1-long input padded to a 128 window
     (one real tap of 128), and a ragged dot's weight gradient as a dilated convolution (one

@@ -236,7 +236,7 @@ def parse(text: str) -> Module:
                     name, _, t = _COMMENT.sub("", p).partition(":")
                     types[current][name.strip().lstrip("%")] = t.strip()
             continue
-        if stripped == "}":
+        if stripped.startswith("}"):  # also ``}, execution_thread="sparsecore"`` (TPU)
             current = None
             continue
         ins = _parse_instr(line)

@@ -202,6 +202,41 @@ def _as_varying(v: jax.Array, axes) -> jax.Array:
     return _vary(jax.lax.psum(v, extra) if extra else v, axes)
 
 
+def take_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
+    """``x[idx]`` for an ``idx`` that takes every row of ``x [R, D]`` the same number of times
+    ``c`` (a permutation: ``c = 1``; a token's k copies: ``c = k``), whose gradient is a gather
+    as well: ``inv [c * R]`` says where copy ``q`` of row ``q % R`` sits in the result
+    (``idx[inv[q]] == q % R``), so ``dx = sum over copies of g[inv]`` -- not the scatter-add
+    (and, on TPU, the sort of the indices) that autodiff makes of a gather."""
+    return _take_rows(x, idx, inv, x.shape[0], _varying(x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _take_rows(x, idx, inv, rows, axes):
+    return x[idx]
+
+
+def _take_rows_fwd(x, idx, inv, rows, axes):
+    return x[idx], (idx, inv)
+
+
+def _take_rows_bwd(rows, axes, res, g):
+    idx, inv = res
+    copies = g[inv].reshape(-1, rows, *g.shape[1:])
+    dx = copies[0] if copies.shape[0] == 1 else jnp.sum(copies, 0, dtype=jnp.float32)
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+    return _as_varying(dx.astype(g.dtype), axes), zero(idx), zero(inv)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+    """``inv`` with ``inv[perm[i]] == i`` (an integer scatter of distinct indices)."""
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype),
+                                             unique_indices=True)
+
+
 def _block_mm(x: jax.Array, w: jax.Array, experts: jax.Array, active: jax.Array) -> jax.Array:
     """``x [n, b, K]`` block n times ``w[experts[n]] [K, N]`` -> ``[n, b, N]``; inactive
     blocks give zeros and cost nothing (a `lax.cond` inside a loop). The weight of each block
@@ -385,7 +420,8 @@ def _ragged_dot_for(device):
 def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array,
                    group_sizes: jax.Array, impl: str = "auto", *,
                    expected_rows: int | None = None, order: jax.Array | None = None,
-                   activation: GLU = SWIGLU, bias=None) -> jax.Array:
+                   inverse: jax.Array | None = None, activation: GLU = SWIGLU,
+                   bias=None) -> jax.Array:
     """SwiGLU of rows sorted by expert: ``[R, D] -> [R, D]``; rows past ``sum(group_sizes)``
     are undefined (callers mask them).
 
@@ -409,18 +445,20 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
-    own gathers, saving two ``[R, D]`` temporaries).
+    own gathers, saving two ``[R, D]`` temporaries). ``inverse``: ``order``'s inverse
+    permutation when the caller has it (else computed); the sorted forms move rows with
+    `take_rows`, whose gradients are gathers too.
     ``activation``: a `GLU`; ``bias``: None or ``(gate_bias, up_bias)`` ``[E_local, F]``.
     """
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
     with jax.named_scope("grouped_matmul"):  # profiles and HLO read the experts' matmuls by it
         return _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order,
-                               activation, bias)
+                               inverse, activation, bias)
 
 
-def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order, activation,
-                    bias):
+def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order, inverse,
+                    activation, bias):
     block = block_size(expected_rows or x.shape[0], wi_gate.shape[0])
     args = (x, wi_gate, wi_up, wo, group_sizes)
     blocked = lambda *a: _blocked_swiglu(*a, block, order, activation, bias)
@@ -429,9 +467,9 @@ def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, ord
         def run(x, *rest):
             if order is None:
                 return _ragged_swiglu(dot, x, *rest, activation, bias)
-            inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0],
-                                                                     dtype=order.dtype))
-            return _ragged_swiglu(dot, x[order], *rest, activation, bias)[inverse]
+            inv = inverse_permutation(order) if inverse is None else inverse
+            out = _ragged_swiglu(dot, take_rows(x, order, inv), *rest, activation, bias)
+            return take_rows(out, inv, order)
         return run
     if impl == "blocked":
         return blocked(*args)
@@ -472,15 +510,15 @@ def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_ga
     keys = _local_keys(indices.T.reshape(-1), expert_offset, num_local)  # [M], row = j*T + t
     order = jnp.argsort(keys, stable=True)  # local experts' copies first, grouped by expert
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
-    x_sorted = x.astype(wi_gate.dtype)[order % num_tokens]  # [M, D]
+    inverse = inverse_permutation(order)
+    x_sorted = take_rows(x.astype(wi_gate.dtype), order % num_tokens, inverse)  # [M, D]
     out = grouped_swiglu(x_sorted, wi_gate, wi_up, wo, group_sizes, impl,
                          expected_rows=expected_rows, activation=activation, bias=bias)
     # rows past the local groups belong to other shards' experts: zero them explicitly, since
     # a grouped-matmul kernel need not define them
     valid = jnp.arange(order.shape[0]) < group_sizes.sum()
     out = jnp.where(valid[:, None], out, 0)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = _combine(out[inverse].reshape(k, num_tokens, -1), weights)
+    y = _combine(take_rows(out, inverse, order).reshape(k, num_tokens, -1), weights)
     return y, jnp.zeros((), jnp.int32)
 
 
@@ -514,9 +552,12 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     Each device holds its own tokens ``x [T, D]`` (with ``indices/weights [T, k]``) and the
     experts ``me * E_local ..`` (``me = axis_index(axis_name)``). Every token copy travels
     only to the device holding its expert, into ``capacity`` rows reserved per sender there
-    (see `a2a_capacity`); the receiver sorts what arrived by expert, runs the grouped SwiGLU
-    and sends the rows back the same way, and the sender combines them with the routing
-    weights. Copies beyond a peer's ``capacity`` are dropped: first choices go before second
+    (see `a2a_capacity`), grouped by that device's experts on the way (`_send_plan`), so
+    only rows and a ``[EP, E_local]`` count table travel (no expert ids); the receiver
+    places what arrived by expert from the counts (`_arrival_layout`), runs the grouped
+    SwiGLU and sends the rows back the same way, and the sender combines them with the
+    routing weights. Rows move by `take_rows`, whose gradients are gathers. Copies beyond
+    a peer's ``capacity`` are dropped: first choices go before second
     choices (then token order), exactly like on every platform; kept copies are exact.
 
     ``transport``: ``"ragged"`` (`jax.lax.ragged_all_to_all`: only real rows travel; GPU/TPU),
@@ -529,68 +570,137 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     num_local = wi_gate.shape[0]
     copies, cap, n = num_tokens * k, capacity, num_shards
     me = jax.lax.axis_index(axis_name)
-    ids = indices.T.reshape(-1)  # [M], copy j*T + t: first choices first
-    dest = ids // num_local
-    order = jnp.argsort(dest, stable=True)  # by destination, priority order within
-    counts = jnp.bincount(dest, length=n).astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts
-    sent = jnp.minimum(counts, cap)
+    plan = _send_plan(indices.T.reshape(-1), num_local, n, cap)  # copy j*T + t: priority order
     x = x.astype(wi_gate.dtype)
-    e_local = ids - dest * num_local
-    slot = jnp.arange(cap)
-    src_copy = order[jnp.clip(starts[:, None] + slot, 0, copies - 1)]  # [EP, C]
-    filled = slot < sent[:, None]
-    recv_sizes = jax.lax.all_to_all(sent, axis_name, 0, 0, tiled=True)  # from each peer
-    their_starts = jax.lax.all_to_all(starts, axis_name, 0, 0, tiled=True)
+    # each peer's rows for me, per local expert of mine, and where my rows sit on each peer
+    recv_counts = jax.lax.all_to_all(plan.per_expert, axis_name, 0, 0, tiled=True)  # [EP, E_l]
+    recv_sizes = recv_counts.sum(1)
+    their_offsets = jax.lax.all_to_all(plan.offsets, axis_name, 0, 0, tiled=True)
     vary = lambda v, like: _vary(v, _varying(like))
 
-    def ragged_go(x, e_local):
-        xs, es = x[order % num_tokens], e_local[order]  # sorted copies [M, D], [M]
+    def ragged_go(x):
+        xs = take_rows(x, plan.order % num_tokens, plan.pos)  # copies in send order [M, D]
         at = jnp.full((n,), me * cap, jnp.int32)  # my rows on every peer
-        rx = jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, x.shape[-1]), x.dtype), xs),
-                                       starts, sent, at, recv_sizes, axis_name=axis_name)
-        re = jax.lax.ragged_all_to_all(es, vary(jnp.full((n * cap,), -1, es.dtype), es),
-                                       starts, sent, at, recv_sizes, axis_name=axis_name)
-        return rx, re
+        return jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, x.shape[-1]), x.dtype), xs),
+                                         plan.offsets, plan.sent, at, recv_sizes,
+                                         axis_name=axis_name)
 
-    def padded_go(x, e_local):
-        return _send_padded(x, e_local[src_copy], src_copy % num_tokens, filled, axis_name)
+    def padded_go(x):
+        slot = jnp.arange(cap)
+        src = plan.order[jnp.clip(plan.offsets[:, None] + slot, 0, copies - 1)]  # [EP, C]
+        send = jnp.where((slot < plan.sent[:, None])[..., None], x[src % num_tokens], 0)
+        return jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True).reshape(n * cap, -1)
 
     go = dict(ragged=ragged_go, padded=padded_go)
     if transport == "auto":
-        recv_x, recv_e = jax.lax.platform_dependent(x, e_local, cpu=padded_go, default=ragged_go)
+        recv_x = jax.lax.platform_dependent(x, cpu=padded_go, default=ragged_go)
     else:
-        recv_x, recv_e = go[transport](x, e_local)
+        recv_x = go[transport](x)
 
-    # on the receiver: [EP * C] rows, peer-major; empty slots have expert -1
-    keys = jnp.where(recv_e < 0, num_local, recv_e)
-    order2 = jnp.argsort(keys, stable=True)
-    group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    # on the receiver: [EP * C] rows, peer-major, each peer's grouped by expert
+    arrival, order2, valid, group_sizes = _arrival_layout(recv_counts, cap)
     out = grouped_swiglu(recv_x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows=copies,
-                         order=order2, activation=activation, bias=bias)  # in arrival order
-    out = jnp.where((keys < num_local)[:, None], out, 0)
-
-    pos = jnp.zeros_like(order).at[order].set(jnp.arange(copies, dtype=order.dtype))
-    rank = pos - starts[dest]  # each copy's place among those for its destination
-    kept = rank < cap
+                         order=order2, inverse=arrival, activation=activation,
+                         bias=bias)  # in arrival order
+    out = jnp.where(valid[:, None], out, 0)
 
     def ragged_back(out):
         back = jax.lax.ragged_all_to_all(
             out, vary(jnp.zeros((copies, out.shape[-1]), out.dtype), out), jnp.arange(n) * cap,
-            recv_sizes, their_starts, sent, axis_name=axis_name)
-        return back[pos]
+            recv_sizes, their_offsets, plan.sent, axis_name=axis_name)  # my send order
+        return take_rows(back, plan.pos, plan.order)
 
     def padded_back(out):
         back = jax.lax.all_to_all(out.reshape(n, cap, -1), axis_name, 0, 0, tiled=True)
-        return back[dest, jnp.minimum(rank, cap - 1)]
+        return back[plan.dest, jnp.clip(plan.pos - plan.offsets[plan.dest], 0, cap - 1)]
 
     back = dict(ragged=ragged_back, padded=padded_back)
     if transport == "auto":
         got = jax.lax.platform_dependent(out, cpu=padded_back, default=ragged_back)
     else:
         got = back[transport](out)
-    got = jnp.where(kept[:, None], got, 0).reshape(k, num_tokens, -1)
-    return _combine(got, weights), (copies - sent.sum()).astype(jnp.int32)
+    got = jnp.where(plan.kept[:, None], got, 0).reshape(k, num_tokens, -1)
+    return _combine(got, weights), (copies - plan.sent.sum()).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SendPlan:
+    """Where each token copy goes in `all_to_all_experts` (M copies, EP peers):
+    ``order [M]`` the copies in send order and ``pos [M]`` each copy's place in it;
+    ``dest [M]`` its peer; ``kept [M]`` whether it fits the peer's buffer; ``sent [EP]`` and
+    ``offsets [EP]`` each peer's block of the send order; ``per_expert [EP, E_local]`` the
+    block's rows per expert of that peer."""
+    order: jax.Array
+    pos: jax.Array
+    dest: jax.Array
+    kept: jax.Array
+    sent: jax.Array
+    offsets: jax.Array
+    per_expert: jax.Array
+
+
+def _send_plan(ids: jax.Array, num_local: int, n: int, cap: int) -> _SendPlan:
+    """The send order of `all_to_all_experts`: the copies that fit -- each peer's first `cap`
+    in priority (copy) order -- by peer, then by its local expert, priority order within;
+    the copies that do not fit last. One sort (by expert id), no scatter of rows.
+
+    A copy's priority rank among all copies for its peer is its rank within its own expert's
+    run plus, for each other expert of that peer, how many of that expert's copies come
+    earlier: binary searches in the sorted (expert id, copy) keys."""
+    copies = ids.shape[0]
+    groups = n * num_local
+    if groups * copies >= 2 ** 31:
+        raise ValueError(f"all_to_all dispatch: {copies} token copies on a device times {groups} "
+                         f"experts must stay below 2**31 (int32 sort keys); use fewer tokens "
+                         f"per device (smaller batch or more expert/data shards)")
+    by_id = jnp.argsort(ids, stable=True)  # by (peer, local expert), then priority
+    ids_s = ids[by_id]
+    id_counts = jnp.bincount(ids, length=groups).astype(jnp.int32)
+    id_starts = jnp.cumsum(id_counts) - id_counts
+    sorted_keys = ids_s * copies + by_id  # increasing
+    peer_ids = (ids_s // num_local)[:, None] * num_local + jnp.arange(num_local)  # [M, E_l]
+    earlier = (jnp.searchsorted(sorted_keys, peer_ids * copies + by_id[:, None])
+               - id_starts[peer_ids])  # copies of each expert of the peer before this one
+    fits = earlier.sum(1) < cap
+    kept_per_id = jnp.bincount(jnp.where(fits, ids_s, groups), length=groups + 1)[:groups]
+    kept_starts = jnp.cumsum(kept_per_id) - kept_per_id  # peer-major, so peers' blocks too
+    s = jnp.arange(copies)
+    run = s - id_starts[ids_s]  # place in its expert's run (kept copies: the run's prefix)
+    total = kept_per_id.sum()
+    send_pos = jnp.where(fits, kept_starts[ids_s] + run,
+                         total + s - kept_starts[ids_s] - kept_per_id[ids_s])
+    order = jnp.zeros_like(by_id).at[send_pos].set(by_id, unique_indices=True)
+    pos = inverse_permutation(order)
+    per_expert = kept_per_id.reshape(n, num_local).astype(jnp.int32)
+    sent = per_expert.sum(1)
+    return _SendPlan(order=order, pos=pos, dest=ids // num_local, kept=pos < total, sent=sent,
+                     offsets=jnp.cumsum(sent) - sent, per_expert=per_expert)
+
+
+def _arrival_layout(recv_counts: jax.Array, cap: int):
+    """The receiver's side of `_send_plan`, from the counts alone: rows arrive in ``[EP, C]``
+    slots, peer p's first ``sum(recv_counts[p])`` rows grouped by expert. Returns
+    ``(arrival, order, valid, group_sizes)``: ``arrival [EP*C]`` each slot's place once
+    sorted by expert (peer order within an expert; empty slots last, in slot order),
+    ``order`` its inverse, ``valid [EP*C]`` the slots that hold a row and ``group_sizes
+    [E_local]``."""
+    n, num_local = recv_counts.shape
+    rows = n * cap
+    sizes = recv_counts.sum(1)  # [EP]
+    group_sizes = recv_counts.sum(0).astype(jnp.int32)  # [E_l]
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    before_peer = jnp.cumsum(recv_counts, 0) - recv_counts  # [EP, E_l]: earlier peers' rows
+    within_ends = jnp.cumsum(recv_counts, 1)  # [EP, E_l]: ends of the experts' runs in a block
+    total = sizes.sum()
+    empty_before = jnp.arange(n) * cap - (jnp.cumsum(sizes) - sizes)  # [EP]
+    r = jnp.arange(rows)
+    p, i = r // cap, r % cap
+    valid = i < sizes[p]
+    e = jnp.minimum(jnp.sum(i[:, None] >= within_ends[p], 1), num_local - 1)
+    run = i - (within_ends[p, e] - recv_counts[p, e])
+    arrival = jnp.where(valid, group_starts[e] + before_peer[p, e] + run,
+                        total + empty_before[p] + i - sizes[p])
+    return arrival, inverse_permutation(arrival), valid, group_sizes
 
 
 def dispatch_bytes(scheme: str, *, tokens: int, k: int, embed: int, num_shards: int,
