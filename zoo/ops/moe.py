@@ -658,10 +658,11 @@ def _send_plan(ids: jax.Array, num_local: int, n: int, cap: int) -> _SendPlan:
     id_counts = jnp.bincount(ids, length=groups).astype(jnp.int32)
     id_starts = jnp.cumsum(id_counts) - id_counts
     sorted_keys = ids_s * copies + by_id  # increasing
-    peer_ids = (ids_s // num_local)[:, None] * num_local + jnp.arange(num_local)  # [M, E_l]
-    earlier = (jnp.searchsorted(sorted_keys, peer_ids * copies + by_id[:, None])
+    # [E_l, M] (copies minor, so no relayout): each expert of the copy's peer
+    peer_ids = jnp.arange(num_local)[:, None] + (ids_s // num_local)[None, :] * num_local
+    earlier = (jnp.searchsorted(sorted_keys, peer_ids * copies + by_id[None, :])
                - id_starts[peer_ids])  # copies of each expert of the peer before this one
-    fits = earlier.sum(1) < cap
+    fits = earlier.sum(0) < cap
     kept_per_id = jnp.bincount(jnp.where(fits, ids_s, groups), length=groups + 1)[:groups]
     kept_starts = jnp.cumsum(kept_per_id) - kept_per_id  # peer-major, so peers' blocks too
     s = jnp.arange(copies)
@@ -696,7 +697,7 @@ def _arrival_layout(recv_counts: jax.Array, cap: int):
     r = jnp.arange(rows)
     p, i = r // cap, r % cap
     valid = i < sizes[p]
-    e = jnp.minimum(jnp.sum(i[:, None] >= within_ends[p], 1), num_local - 1)
+    e = jnp.minimum(jnp.sum(i[None, :] >= within_ends.T[:, p], 0), num_local - 1)  # [E_l, R]
     run = i - (within_ends[p, e] - recv_counts[p, e])
     arrival = jnp.where(valid, group_starts[e] + before_peer[p, e] + run,
                         total + empty_before[p] + i - sizes[p])
