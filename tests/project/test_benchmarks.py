@@ -161,6 +161,15 @@ def test_vs_maxtext_names_the_venv_it_needs_and_zoo_has_its_fields():
                "host_temp_size_in_bytes=0)")
     assert dict(vs_maxtext.MEMORY_FIELD.findall(printed)) == {"argument": "31821012480",
                                                               "temp": "28835577856"}
+    # the TPU compiler's own time: the longest END_TO_END stage in libtpu's log
+    import tempfile
+    with tempfile.TemporaryDirectory() as logs:
+        assert vs_maxtext.compiler_seconds(logs) is None
+        with open(os.path.join(logs, "tpu_driver.host.log.INFO.1"), "w") as f:
+            f.write("I1206 deepsea_compiler_base.cc:1017] END_TO_END stage duration: 96.65ms\n"
+                    "I1206 deepsea_compiler_base.cc:1017] END_TO_END stage duration: "
+                    "1m15.5s\nI1206 x.cc:1] END_TO_END stage duration: 2.5s\n")
+        assert abs(vs_maxtext.compiler_seconds(logs) - 75.5) < 1e-9
 
 
 def test_stacks_names_each_environments_versions_and_refuses_a_missing_python():
