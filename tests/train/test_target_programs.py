@@ -32,9 +32,11 @@ SEQ, BATCH = 2048, 8
 SCOPES = {"deepseek3_mini": "mla", "mixtral_mini": "attention", "qwen3_moe_mini": "attention"}
 
 
-def program(preset: str, strategy: str, devices) -> str:
+def program(preset: str, strategy: str, devices, mesh: str | None = None,
+            lower_only: bool = False, **overrides) -> str:
     """The optimized HLO text of `preset`'s train step (two layers, bf16, all-to-all dispatch
-    under ep_as_cp) for `devices`, built from the public pieces."""
+    under ep_as_cp, config `overrides`) for `devices` (`mesh`: the strategy's by default),
+    built from the public pieces; `lower_only`: the lowered program's text instead."""
     import dataclasses
 
     import jax
@@ -48,12 +50,12 @@ def program(preset: str, strategy: str, devices) -> str:
     from zoo.train.step import BATCH_KEYS, abstract_state, make_train_step, make_tx
 
     family, config = registry.resolve(preset)
-    sizes = dict(kv.split("=") for kv in MESHES[strategy].split(","))
+    sizes = dict(kv.split("=") for kv in (mesh or MESHES[strategy]).split(","))
     mesh = zoo.make_mesh(devices=devices, **{k: int(v) for k, v in sizes.items()})
     p = zoo.Partitioner(mesh, strategy)
     config = dataclasses.replace(config, num_hidden_layers=2, dtype="bfloat16",
                                  **({"moe_dispatch": "all_to_all"} if strategy == "ep_as_cp"
-                                    else {}))
+                                    else {}), **overrides)
 
     def make():
         return family.model_cls(config, inputs_shape=(BATCH, SEQ), partitioner=p,
@@ -64,7 +66,8 @@ def program(preset: str, strategy: str, devices) -> str:
                                      else jnp.int32, sharding=sharding) for k in BATCH_KEYS}
     lowered = make_train_step(donate=True).lower(model, opt, batch,
                                                  jax.ShapeDtypeStruct((), jnp.float32))
-    return compile_with_text(lowered, mesh_platform(mesh))[1]
+    return lowered.as_text() if lower_only else compile_with_text(lowered,
+                                                                  mesh_platform(mesh))[1]
 
 
 def _fingerprint(text: str) -> dict:
@@ -101,6 +104,24 @@ def test_mini_steps_hold_the_accelerator_kernels(preset):
             (strategy, kernels)
         if strategy == "ep_as_cp":
             assert "ragged-all-to-all" in text, strategy
+
+
+@pytest.mark.slow
+def test_exact_rounds_backward_runs_the_gpu_kernels():
+    """The exact dropless dispatch (``moe_overflow="exact"``: rounds over factor-2 buffers)
+    has its own backward, traced after the layer's target scope has closed; it still traces
+    tokamax's kernels for the GPU target (tokamax's own backward, traced for the CPU host
+    instead, failed its varying-axes check inside the MoE's shard_map). DeepSeek-V3's widths
+    (the mini's fall to tokamax's XLA fallback), two layers, 32 experts, 8 H100s."""
+    from zoo.train import rehearse
+    r = rehearse("deepseek_v3", target="h100-8", mesh="fsdp=2,expert=4", strategy="fsdp",
+                 batch_size=8, seq_len=4096, dtype="bfloat16", param_dtype="float32",
+                 remat="full", overrides=["num_nextn_predict_layers=0", "num_hidden_layers=2",
+                                          "first_k_dense_replace=1", "n_routed_experts=32",
+                                          "n_group=8", "topk_group=4",
+                                          "moe_dispatch=all_to_all", "moe_overflow=exact",
+                                          "moe_buffer_factor=2"])
+    assert r.fits and r.custom_calls.get("mosaic_gpu_v2", 0) >= 6, r.custom_calls
 
 
 CPU_ONLY = """

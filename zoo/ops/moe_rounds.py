@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo.ops.moe import _combine, _vary, _varying, grouped_swiglu
+from zoo.ops.moe import _TARGET_DEVICE, _combine, _vary, _varying, grouped_swiglu, target_device
 
 __all__ = ["all_to_all_rounds"]
 
@@ -49,7 +49,7 @@ def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
     axes = frozenset().union(*(_varying(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
     x, wi_gate, wi_up, wo = (_vary(v, axes) for v in (x, wi_gate, wi_up, wo))
     indices = _vary(indices, axes)
-    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport)
+    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, _TARGET_DEVICE.get())
     got, rounds = _exchange(cfg, x, wi_gate, wi_up, wo, indices)
     num_tokens, k = indices.shape
     return _combine(got.reshape(k, num_tokens, -1), weights), rounds
@@ -63,6 +63,7 @@ class _Cfg:
     cap: int
     impl: str
     transport: str
+    device: Any = None  # `zoo.ops.moe.target_device` at the forward: the backward traces later
 
 
 class _Plan:
@@ -193,6 +194,13 @@ def _exchange_fwd(cfg, x, wg, wu, wo, indices):
 
 
 def _exchange_bwd(cfg, res, cotangents):
+    # the grouped matmuls' kernels are traced for the target again (tokamax's own backward,
+    # traced without it, fails its varying-axes check inside the shard_map)
+    with target_device(cfg.device):
+        return _exchange_bwd_for_target(cfg, res, cotangents)
+
+
+def _exchange_bwd_for_target(cfg, res, cotangents):
     x, wg, wu, wo, indices = res
     d_got = cotangents[0].astype(x.dtype)
     plan = _Plan(cfg, indices, wg.shape[0])
