@@ -534,14 +534,6 @@ def a2a_capacity(tokens: int, k: int, num_local: int, num_shards: int,
     return max(1, min(most, math.ceil(buffer_factor * tokens * k / num_shards)))
 
 
-def _send_padded(x, e_local, src, filled, axis_name):
-    """CPU transport: ``[EP, C]`` slots gathered from the tokens, one dense `all_to_all`."""
-    send_x = jnp.where(filled[..., None], x[src], 0)
-    send_e = jnp.where(filled, e_local, -1)
-    recv = [jax.lax.all_to_all(v, axis_name, 0, 0, tiled=True) for v in (send_x, send_e)]
-    return recv[0].reshape(-1, x.shape[-1]), recv[1].reshape(-1)
-
-
 def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
                        wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *,
                        axis_name, num_shards: int, capacity: int, impl: str = "auto",
