@@ -1,13 +1,13 @@
 """Generation: decode tokens/s with the KV cache against the naive full recompute, and cache sizes.
 
 * Decode table: for each mini model (``mini`` presets, random weights, one device, batch 1)
-  and context length, the cached decode step (`zoo.generate.Decoder.decode` over a cache of
-  ``context + steps`` slots, filled by `zoo.generate.prefill`) against the naive loop's step
+  and context length, the cached decode step (`zoo.inference.Decoder.decode` over a cache of
+  ``context + steps`` slots, filled by `zoo.inference.prefill`) against the naive loop's step
   (the whole ``[1, context]`` buffer through ``model(...)`` for each new token). Every program
   is compiled before it is timed; the median of ``--steps`` steps is kept, the contexts of a
   model timed in turn within each round so that their ratio sees one load.
 * Cache table: bytes per token (all layers, bf16) of the full-size presets' caches
-  (`zoo.generate.cache_bytes_per_token` on abstract models: no memory), with, for MLA, what
+  (`zoo.inference.cache_bytes_per_token` on abstract models: no memory), with, for MLA, what
   expanded per-head K/V would take.
 
 Usage::
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import zoo.generate as G
+import zoo.inference as G
 from zoo.layers.mla import MLA
 from zoo.models import deepseek3, mixtral, qwen3_moe
 from zoo.train.launch import set_cpu_devices
@@ -59,7 +59,7 @@ def _interleaved_medians(fns, steps: int, block: int = 10) -> list[float]:
 
 def decode_fns(name: str, context: int, steps: int):
     """(cached step, naive step) at this context, both compiled: the cached one decodes from
-    a cache of ``context + steps`` slots filled by `zoo.generate.prefill`, the naive one runs
+    a cache of ``context + steps`` slots filled by `zoo.inference.prefill`, the naive one runs
     the whole ``[1, context]`` buffer through ``model(...)``."""
     cls, preset = MINI[name]
     model = nnx.jit(lambda: cls(preset(max_position_embeddings=max(4096, 2 * context)),

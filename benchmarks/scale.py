@@ -9,7 +9,7 @@ device parameter / optimizer / temporary GiB and arguments + temporaries + outpu
 compile seconds, HLO instructions, HLO FLOPs / model FLOPs (dots counted with loop bodies x
 trip counts against ``flops_per_token``), collective GB per device per step by kind.
 
-``--decode``: one decode step instead (`zoo.train.rehearse.rehearse_decode`): ``--batch-size``
+``--decode``: one decode step instead (`zoo.inference.rehearsal.rehearse_decode`): ``--batch-size``
 rows against a donated KV cache of ``--context`` slots, bf16 parameters unless
 ``--param-dtype`` says otherwise; columns: per-device parameter / cache / argument / temporary
 GiB and the rest as above (model FLOPs: the forward for one token per row).
@@ -83,7 +83,8 @@ def markdown(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from zoo.train.rehearse import rehearse, rehearse_decode, set_virtual_devices
+    from zoo.inference.rehearsal import rehearse_decode
+    from zoo.train.rehearse import rehearse, set_virtual_devices
     from zoo.targets import parse
     target = parse(args.target)
     if target.platform == "cpu":  # before anything starts jax's backend

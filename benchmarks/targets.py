@@ -14,12 +14,30 @@ device's memory, compile seconds, HLO/model FLOPs (kernels' custom calls are not
 count), collective GB per device per step, the custom calls (kernels) and the roofline bound
 (`Rehearsal.roofline`, a lower bound on the step's time, with the MFU at it). A TPU target
 needs libtpu (``.[tpu-compile]``), a GPU target the CUDA plugin (``.[gpu-compile]``).
+
+The MoE program space, one verdict per cell::
+
+    python benchmarks/targets.py --matrix             # every cell: 5 families x 3 strategies x
+                                                      # 2 dispatches x 3 overflows x 2 dtypes x
+                                                      # 2 targets (360 compiles)
+    python benchmarks/targets.py --pairwise --json docs/benchmarks/moe_target_matrix.json
+    python benchmarks/targets.py --matrix --only dtype=float32,target=h100-8  # a slice of it
+
+Each cell is a family's mini preset (two layers, `MATRIX_SEQ` tokens a row, batch 8) trained
+under a strategy on 8 devices of a target, with the MoE's dispatch, overflow and dtype set
+(`cell_config`); its verdict is ``compiles``, ``invalid`` (a combination the MoE refuses at
+construction, with its message: e.g. ``overflow='exact'`` with all_gather) or ``FAILS`` (the
+error). The row also names the grouped-matmul kernel the execution resolved and why, where it
+fell back to XLA's (`zoo.ops.moe.MoEExecution`). ``--pairwise`` runs a covering subset
+(`pairwise_cells`): every pair of values of any two axes appears in some valid cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+import time
 
 GOAL_ROW = ("moe_buffer_factor=2", "moe_overflow=drop", "num_nextn_predict_layers=0")
 COLUMNS = ("target", "device", "temp GiB", "peak GiB", "memory GiB", "fits", "compile s",
@@ -44,7 +62,178 @@ def parse_args(argv=None):
            f"replace those")
     a("--json", default=None, metavar="PATH",
       help="write the table as a record (docs/benchmarks/goal_row_targets.json)")
+    a("--matrix", action="store_true",
+      help="compile every cell of the MoE program space (MATRIX_AXES) and print its verdict")
+    a("--pairwise", action="store_true",
+      help="with or without --matrix: only a pairwise covering set of its cells")
+    a("--only", default=None, metavar="AXIS=VALUE,...",
+      help="with --matrix: only the cells with these values, e.g. dtype=float32,target=h100-8")
     return p.parse_args(argv)
+
+
+# -- the MoE program space ---------------------------------------------------------------------
+MATRIX_AXES = {
+    "family": ("deepseek3", "glm4_moe", "gpt_oss", "mixtral", "qwen3_moe"),
+    "strategy": ("fsdp", "cp", "ep_as_cp"),
+    "dispatch": ("all_gather", "all_to_all"),
+    "overflow": ("drop", "exact", "dropless"),
+    "dtype": ("float32", "bfloat16"),
+    "target": ("tpu-v5p-8", "h100-8"),
+}
+# every strategy's mesh has an expert axis, so both dispatches are meaningful under each
+MATRIX_MESHES = {"fsdp": "fsdp=2,expert=4", "cp": "fsdp=2,context=2,expert=2",
+                 "ep_as_cp": "fsdp=2,expert=4"}
+MATRIX_SEQ, MATRIX_BATCH, MATRIX_LAYERS = 256, 8, 2
+# the float32 all_to_all cells of the three original minis (they did not compile for h100-8)
+SEED_CELLS = (
+    dict(family="deepseek3", strategy="ep_as_cp", dispatch="all_to_all", overflow="drop",
+         dtype="float32", target="h100-8"),
+    dict(family="mixtral", strategy="ep_as_cp", dispatch="all_to_all", overflow="exact",
+         dtype="float32", target="h100-8"),
+    dict(family="qwen3_moe", strategy="ep_as_cp", dispatch="all_to_all", overflow="dropless",
+         dtype="float32", target="h100-8"),
+)
+MATRIX_COLUMNS = (*MATRIX_AXES, "verdict", "grouped matmul", "why", "compile s")
+
+
+def cell_config(cell: dict) -> dict:
+    """The config overrides of a cell: two layers, its dtype and dispatch; overflow ``drop``
+    bounds what can be kept (all_to_all buffers of twice the balanced share, or all_gather's
+    capacity factor 1.25), ``exact`` sends the overflow of those buffers in further rounds,
+    ``dropless`` keeps every copy in one round."""
+    bounded = {"all_to_all": dict(moe_buffer_factor=2.0),
+               "all_gather": dict(capacity_factor=1.25)}[cell["dispatch"]]
+    flow = {"drop": dict(moe_overflow="drop", **bounded),
+            "exact": dict(moe_overflow="exact", moe_buffer_factor=2.0),
+            "dropless": dict(moe_overflow="drop")}[cell["overflow"]]
+    return dict(num_hidden_layers=MATRIX_LAYERS, dtype=cell["dtype"],
+                moe_dispatch=cell["dispatch"], **flow)
+
+
+def build_cell(cell: dict, devices=None):
+    """``(lowered train step, the first MoE layer's execution)`` of a cell, built from the
+    public pieces on the target's devices (`zoo.train.target_devices`); raises ValueError for
+    a combination the model refuses at construction."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import zoo
+    from zoo.layers.moe import moe_modules
+    from zoo.models import registry
+    from zoo.train import target_devices
+    from zoo.train.step import BATCH_KEYS, abstract_state, make_train_step, make_tx
+
+    family, config = registry.resolve(f"{cell['family']}_mini")
+    sizes = dict(kv.split("=") for kv in MATRIX_MESHES[cell["strategy"]].split(","))
+    devices = target_devices(cell["target"]) if devices is None else devices
+    mesh = zoo.make_mesh(devices=devices, **{k: int(v) for k, v in sizes.items()})
+    p = zoo.Partitioner(mesh, cell["strategy"])
+    config = dataclasses.replace(config, **cell_config(cell))
+
+    def make():
+        return family.model_cls(config, inputs_shape=(MATRIX_BATCH, MATRIX_SEQ),
+                                partitioner=p, rngs=nnx.Rngs(0))
+    model, opt = abstract_state(make, make_tx(), mesh)
+    execution = moe_modules(model, with_bias=False)[0].execution
+    sharding = p.sharding(("batch", "length"))
+    batch = {k: jax.ShapeDtypeStruct((MATRIX_BATCH, MATRIX_SEQ), jnp.float32
+                                     if k == "loss_weights" else jnp.int32, sharding=sharding)
+             for k in BATCH_KEYS}
+    lowered = make_train_step(donate=True).lower(model, opt, batch,
+                                                 jax.ShapeDtypeStruct((), jnp.float32))
+    return lowered, execution
+
+
+def run_cell(cell: dict, devices=None) -> dict:
+    """A cell's row: its axes, verdict (``compiles``, ``invalid: ...``, ``FAILS: ...``), the
+    grouped matmul the execution resolved and why, compile seconds."""
+    start = time.perf_counter()
+    kernel = why = "-"
+    try:
+        lowered, execution = build_cell(cell, devices)
+        kernel, why = execution.grouped_matmul, execution.kernel_reason or "-"
+        lowered.compile()
+        verdict = "compiles"
+    except ValueError as e:
+        if "check_vma" in str(e) or "manual_axis_type" in str(e):
+            verdict = f"FAILS: {str(e).splitlines()[0][:300]}"
+        else:
+            verdict = f"invalid: {str(e).splitlines()[0][:300]}"
+    except Exception as e:  # a compiler's error: the verdict, not a crash of the whole run
+        verdict = f"FAILS: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return {**cell, "verdict": verdict, "grouped matmul": kernel, "why": why,
+            "compile s": time.perf_counter() - start}
+
+
+def valid(cell: dict) -> bool:
+    """Whether the MoE takes a cell's combination (the rules of `zoo.ops.moe.MoEExecution`:
+    rounds need all_to_all and plain SwiGLU experts; gpt-oss's have biases)."""
+    if cell["overflow"] == "exact":
+        return cell["dispatch"] == "all_to_all" and cell["family"] != "gpt_oss"
+    return True
+
+
+def all_cells() -> list[dict]:
+    return [dict(zip(MATRIX_AXES, values)) for values in itertools.product(*MATRIX_AXES.values())]
+
+
+def _pairs(cell: dict) -> set:
+    items = list(cell.items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def pairwise_cells() -> list[dict]:
+    """A covering set of valid cells: `SEED_CELLS` first, then greedily the cell covering most
+    pairs not yet covered (ties: the first in `all_cells` order), until every pair of values
+    of two axes that some valid cell holds is covered. Deterministic."""
+    cells = [c for c in all_cells() if valid(c)]
+    todo = set().union(*(_pairs(c) for c in cells))
+    chosen = []
+    for seed in SEED_CELLS:
+        chosen.append(dict(seed))
+        todo -= _pairs(seed)
+    while todo:
+        best = max(cells, key=lambda c: len(_pairs(c) & todo))
+        chosen.append(best)
+        todo -= _pairs(best)
+    return chosen
+
+
+def matrix(argv_args) -> int:
+    """``--matrix`` / ``--pairwise``: one row per cell, printed as it finishes, then the table;
+    exit status 1 when a valid cell fails."""
+    from zoo.train import target_devices
+    cells = pairwise_cells() if argv_args.pairwise else all_cells()
+    if argv_args.only:
+        only = dict(kv.split("=", 1) for kv in argv_args.only.split(","))
+        unknown = {k: v for k, v in only.items() if v not in MATRIX_AXES.get(k, ())}
+        if unknown:
+            raise SystemExit(f"--only {argv_args.only}: {unknown} are not axes' values; the "
+                             f"axes are {MATRIX_AXES}")
+        cells = [c for c in cells if all(c[k] == v for k, v in only.items())]
+    devices = {t: target_devices(t) for t in MATRIX_AXES["target"]}
+    rows = []
+    for cell in cells:
+        r = run_cell(cell, devices[cell["target"]])
+        print(" ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr, flush=True)
+        rows.append(r)
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from scale import markdown  # benchmarks/, beside this script
+    failed = sum(r["verdict"].startswith("FAILS") for r in rows)
+    kind = "pairwise covering set" if argv_args.pairwise else "every cell"
+    if argv_args.only:
+        kind += f" with {argv_args.only}"
+    text = (f"## MoE train steps for accelerator targets, {kind}: {len(rows)} cells, "
+            f"{failed} failing (minis, {MATRIX_LAYERS} layers, {MATRIX_BATCH} x {MATRIX_SEQ})"
+            f"\n\n" + markdown(rows, MATRIX_COLUMNS))
+    print(text)
+    if argv_args.json:
+        import _record
+        _record.write_tables(argv_args.json, ["moe_target_matrix"], _record.markdown_tables(text))
+    return 1 if failed else 0
 
 
 def row(r) -> dict:
@@ -67,6 +256,8 @@ def row(r) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.matrix or args.pairwise:
+        return matrix(args)
     from zoo.targets import parse
     from zoo.train.rehearse import rehearse, set_virtual_devices
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]

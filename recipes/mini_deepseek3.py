@@ -16,7 +16,7 @@ from zoo.train import TrainConfig, cli  # importing jax starts no backend: --dev
 
 RECIPE = cli.Recipe(
     name="mini_deepseek3",
-    description=__doc__.split("\n")[0],
+    description=cli.first_paragraph(__doc__),
     train=TrainConfig(
         family="deepseek3", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
         overrides=("num_nextn_predict_layers=1",),  # as DeepSeek-V3 trains: one MTP module

@@ -17,7 +17,7 @@ from zoo.train import TrainConfig, cli  # importing jax starts no backend: --dev
 
 RECIPE = cli.Recipe(
     name="mini_glm4_moe",
-    description=__doc__.split("\n")[0],
+    description=cli.first_paragraph(__doc__),
     train=TrainConfig(
         family="glm4_moe", preset="mini",    # zoo.models.registry; --set FIELD=VALUE
         steps=200, batch_size=8, seq_len=256,

@@ -16,7 +16,7 @@ from zoo.train import TrainConfig, cli  # importing jax starts no backend: --dev
 
 RECIPE = cli.Recipe(
     name="mini_qwen3_moe",
-    description=__doc__.split("\n")[0],
+    description=cli.first_paragraph(__doc__),
     train=TrainConfig(
         family="qwen3_moe", preset="mini",   # zoo.models.registry; --set FIELD=VALUE
         steps=200, batch_size=8, seq_len=256,

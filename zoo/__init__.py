@@ -14,8 +14,8 @@ cpu_unless_accelerator()  # the TPU compiler installed on a CPU host: no libtpu 
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("ops", "layers", "models", "data", "train", "generate", "evaluate",
-                "shardings")
+_SUBPACKAGES = ("ops", "layers", "models", "data", "train", "inference", "generate",
+                "evaluate", "shardings")
 
 __all__ = ["MESH_AXES", "STRATEGIES", "Partitioner", "__version__", "make_mesh",
            "set_cpu_devices", *_SUBPACKAGES]

@@ -9,9 +9,13 @@ perplexity::
 
     python -m zoo.evaluate --run runs/mini_deepseek3
     python -m zoo.evaluate --run runs/mini_deepseek3 --data notes/ --batches 16
+    python -m zoo.evaluate --run runs/research --decoder-layer-cls my_lab.layers:TemperedLayer
 
-Bad input (no run dir, no checkpoint in it, missing or non-text ``--data``, a run that held
-out nothing) exits 2 with one line naming it.
+The model is rebuilt with the classes the run trained with (run.json's ``model_cls`` and
+``decoder_layer_cls``, imported by their ``module:QualName``); ``--model-cls`` and
+``--decoder-layer-cls`` pass one that cannot be imported that way (a class defined in the
+training script). Bad input (no run dir, no checkpoint in it, missing or non-text ``--data``,
+a run that held out nothing, a class that cannot be imported) exits 2 with one line naming it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from zoo.train.cli import FlagParser
+    p = FlagParser(
         prog="python -m zoo.evaluate",
         description="Evaluate a training run's checkpoint on its held-out documents (or on "
                     "--data): loss and perplexity.")
@@ -38,18 +43,20 @@ def _parser() -> argparse.ArgumentParser:
                         "run's --eval-batches; fewer when the text runs out)")
     p.add_argument("--step", type=int, default=None,
                    help="this checkpoint step (default the newest)")
+    from zoo.train.load import add_class_flags
+    add_class_flags(p)
     return p
 
 
 def _evaluate(args):
     from zoo.train import validate
     from zoo.train.evaluation import Evaluator
-    from zoo.train.load import load
+    from zoo.train.load import classes_from_flags, load
     if not os.path.isdir(args.run):
         raise ValueError(f"--run {args.run}: is not a directory; pass a run dir (the recipes' "
                          f"--run-dir, e.g. runs/mini_deepseek3)")
     validate.check_data(args.data)  # before the restore: missing or non-text files
-    loaded = load(args.run, step=args.step)
+    loaded = load(args.run, step=args.step, **classes_from_flags(args))
     config = loaded.config
     if args.data is None and not config.validation_fraction:
         raise ValueError(f"--run {args.run}: the run held out no documents "

@@ -86,6 +86,15 @@ def device_platform(device: Any) -> str:
     return _PLATFORM_NAMES.get(name, name)
 
 
+def host_value(x: Any) -> np.ndarray:
+    """`x` as a host array, whole. An array spread over other processes' devices is gathered
+    from all of them (a collective: every process of the job calls this together)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def mesh_platform(mesh: Any = None) -> str:
     """The platform of `mesh`'s devices: the target a program over this mesh is compiled for.
 

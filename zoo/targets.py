@@ -107,17 +107,20 @@ def cpu_unless_accelerator() -> None:
     import importlib.util
 
     import jax
-    if jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS"):
-        return
+
+    from zoo import _jax_compat
+    named = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or ""
     gpu_plugins = [m for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                                "jax_rocm7_plugin") if importlib.util.find_spec(m) is not None]
-    # the GPU compiler alone (`gpu-compile`) on a host without a GPU counts as no accelerator
-    if gpu_plugins and _gpu_present():
+    # the GPU compiler alone (`gpu-compile`) on a host without a GPU counts as no accelerator:
+    # it loads when a GPU target is named (`target_devices`), not in every process
+    if gpu_plugins and not _gpu_present() and not {"cuda", "gpu"} & set(named.split(",")):
+        _jax_compat.defer_gpu_compiler()
+    if named or (gpu_plugins and _gpu_present()):
         return
     if (importlib.util.find_spec("libtpu") is None and not gpu_plugins) or _tpu_chips():
         return
-    from jax._src import xla_bridge
-    if not xla_bridge.backends_are_initialized():
+    if not _jax_compat.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -130,12 +133,12 @@ def _gpu_present() -> bool:
 
 def _tpu_chips() -> int:
     """TPU chips attached to this host (PCI devices of Google's vendor id, as jax counts)."""
-    try:
-        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
-        return num_available_tpu_chips_and_device_id()[0]
-    except Exception:  # a jax without the helper: look for the TPU device files instead
+    from zoo import _jax_compat
+    chips = _jax_compat.tpu_chips_on_host()
+    if chips is None:  # a jax without the helper: look for the TPU device files instead
         import glob
         return len(glob.glob("/dev/accel*")) + len(glob.glob("/dev/vfio/[0-9]*"))
+    return chips
 
 
 # chips -> the chip grid of a slice of that many, as Cloud TPU names its slices (v5p-512 is
@@ -251,6 +254,8 @@ def _gpu_devices(t: Target, target: str) -> list[Any]:
                          f"{GPUS_PER_HOST}; name a multiple of {GPUS_PER_HOST} (or fewer "
                          f"than {GPUS_PER_HOST}: one host)")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+    from zoo import _jax_compat
+    _jax_compat.load_gpu_compiler()
     import jax
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")

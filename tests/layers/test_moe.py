@@ -801,10 +801,10 @@ def test_glu_clamps_as_gpt_oss():
 
 
 def test_grouped_matmul_traced_for_a_target_device_is_exact(devices):
-    """`zoo.ops.moe.target_device`: tokamax's grouped matmul traced with a target device as
-    the default (what a GPU/TPU mesh compiled on a CPU host gets) has its own backward;
-    values and both gradients equal `jax.lax.ragged_dot`'s, plain and inside a shard_map
-    (where the kernel's outputs are marked as varying like its inputs)."""
+    """`zoo.ops.moe.tokamax_dot` with a static target ``device``: tokamax's grouped matmul
+    traced with that device as the default (what a GPU/TPU mesh compiled on a CPU host gets)
+    has its own backward; values and both gradients equal `jax.lax.ragged_dot`'s, plain and
+    inside a shard_map (where the kernel's outputs are marked as varying like its inputs)."""
     from jax.sharding import PartitionSpec as P
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (48, 8))  # two shards of 24 rows
@@ -813,8 +813,7 @@ def test_grouped_matmul_traced_for_a_target_device_is_exact(devices):
     g = jax.random.normal(kg, (48, 5)) * (jnp.arange(48) % 24 < 20)[:, None]
 
     def target(x, w, gs):
-        with ops.target_device(devices[0]):
-            return ops._tokamax_dot(x, w, gs)
+        return ops.tokamax_dot(x, w, gs, device=devices[0])
 
     def grads(dot, x, w, g):
         return jax.value_and_grad(lambda x, w: jnp.sum(dot(x, w, gs) * g), (0, 1))(x, w)

@@ -8,7 +8,7 @@ from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loa
                          check_packed_documents, check_param_count, check_recipe,
                          check_round_trip, check_strategy, load, reference)
 
-from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_moe
+from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_5_moe, qwen3_moe, qwen3_next
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -28,6 +28,16 @@ GPT_OSS_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
 QWEN3_MOE_TINY = ("--set", "num_hidden_layers=2", "--set", "hidden_size=32",
                   "--set", "intermediate_size=32", "--set", "moe_intermediate_size=16",
                   "--set", "num_attention_heads=4", "--set", "head_dim=8")
+QWEN3_NEXT_TINY = ("--set", "hidden_size=32", "--set", "num_attention_heads=4",
+                   "--set", "head_dim=8", "--set", "linear_key_head_dim=8",
+                   "--set", "linear_value_head_dim=8", "--set", "moe_intermediate_size=16",
+                   "--set", "shared_expert_intermediate_size=16")
+# gated DeltaNet 3:1 gated attention (partial rotary 0.5), shared expert behind a sigmoid gate
+QWEN3_NEXT_CONFIG = dict(
+    vocab_size=64, hidden_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
 
 FAMILIES = [
     FamilySpec(
@@ -111,12 +121,32 @@ FAMILIES = [
                  "gpt_oss_120b": gpt_oss.GptOssConfig.gpt_oss_120b,
                  "mini": gpt_oss.GptOssConfig.mini},
         recipe="mini_gpt_oss", recipe_flags=GPT_OSS_TINY),
+    FamilySpec(
+        name="qwen3_next", config_cls=qwen3_next.Qwen3NextConfig, model_cls=qwen3_next.Qwen3Next,
+        from_hf=qwen3_next.from_hf, to_hf=qwen3_next.to_hf,
+        hf_config=lambda: transformers.Qwen3NextConfig(
+            **QWEN3_NEXT_CONFIG, intermediate_size=48, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        presets={"qwen3_next_80b_a3b": qwen3_next.Qwen3NextConfig.qwen3_next_80b_a3b,
+                 "mini": qwen3_next.Qwen3NextConfig.mini},
+        recipe="mini_qwen3_next", recipe_flags=QWEN3_NEXT_TINY),
+    FamilySpec(
+        name="qwen3_5_moe", config_cls=qwen3_5_moe.Qwen3_5MoeConfig,
+        model_cls=qwen3_5_moe.Qwen3_5Moe, from_hf=qwen3_5_moe.from_hf, to_hf=qwen3_5_moe.to_hf,
+        hf_config=lambda: transformers.Qwen3_5MoeTextConfig(**QWEN3_NEXT_CONFIG),
+        presets={"qwen3_5_35b_a3b": qwen3_5_moe.Qwen3_5MoeConfig.qwen3_5_35b_a3b,
+                 "qwen3_5_397b_a17b": qwen3_5_moe.Qwen3_5MoeConfig.qwen3_5_397b_a17b,
+                 "mini": qwen3_5_moe.Qwen3_5MoeConfig.mini},
+        recipe="mini_qwen3_5_moe", recipe_flags=QWEN3_NEXT_TINY),
 ]
 # the published totals, as a cross-check of the transformers count itself
 PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
              "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP layer
              "qwen3_30b_a3b": 30_532_122_624,
-             "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672}
+             "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672,
+             # transformers' counts (language models, no MTP layer)
+             "qwen3_next_80b_a3b": 79_674_391_296, "qwen3_5_35b_a3b": 34_660_610_688,
+             "qwen3_5_397b_a17b": 396_346_350_336}
 
 PRESETS = [(f, name) for f in FAMILIES for name in f.presets]
 

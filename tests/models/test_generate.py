@@ -42,7 +42,10 @@ import pytest
 from test_conformance import DEEPSEEK_TINY
 from test_conformance import FAMILIES as conformance_families
 
-import zoo.generate as G
+import zoo.inference as G
+from zoo.inference.cache import cache_axes
+from zoo.inference.prompts import pad_prompts
+from zoo.layers.attention import Attention
 from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from zoo.partitioning import Partitioner, make_mesh
 
@@ -266,7 +269,7 @@ def test_mla_cache_shards_its_length_over_the_context_axes(ds, strategy, devices
     r, _, _ = ds
     p = Partitioner(make_mesh(**MESHES[strategy]), strategy)
     model = deepseek3.from_hf(r.path, partitioner=p)
-    tokens, segs = G._pad_prompts(model, PROMPTS)
+    tokens, segs = pad_prompts(model, PROMPTS)
     S = tokens.shape[1] + 8
     logits, cache = G.prefill(model, tokens, segs, max_length=S)
     context = p.sequence_axes()
@@ -291,7 +294,7 @@ def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
         p = Partitioner(make_mesh(**mesh), "cp")
         model = r.family.from_hf(r.path, partitioner=p)
         assert G.generate(model, PROMPTS, max_new_tokens=NEW) == r.hf_tokens, name
-        tokens, segs = G._pad_prompts(model, PROMPTS)
+        tokens, segs = pad_prompts(model, PROMPTS)
         _, cache = G.prefill(model, tokens, segs, max_length=tokens.shape[1] + 8)
         slots = {e["k"].shape[3] for e in cache.layers}
         assert slots == ({W, tokens.shape[1] + 8} if name == "gpt_oss" else {W})
@@ -301,9 +304,10 @@ def test_gqa_cache_shards_kv_heads_over_tensor_and_length_over_context(devices,
                 assert spec[2] == "tensor" and spec[4] is None, (name, spec)
                 assert spec[3] == "context", (name, a.shape, spec)
         # a ring of 3 slots does not split over context=2: kept whole on the length
-        assert G.cache_axes(p, "k", (1, 4, 2, 3, 8))[3] is None
-        assert G.cache_axes(p, "k", (1, 4, 2, 4, 8))[3] == "length"
-        assert G.cache_axes(p, "k", (1, 4, 1, 4, 8))[2] is None  # 1 kv head, tensor 2
+        k_axes = ("layers", *Attention.cache_axes["k"])
+        assert cache_axes(p, k_axes, (1, 4, 2, 3, 8))[3] is None
+        assert cache_axes(p, k_axes, (1, 4, 2, 4, 8))[3] == "length"
+        assert cache_axes(p, k_axes, (1, 4, 1, 4, 8))[2] is None  # 1 kv head, tensor 2
 
 
 # the recipe's closing sample (`zoo.train.cli`): a mini DeepSeek-V3 on its default mesh
@@ -365,7 +369,10 @@ def test_command_line(tmp_path, devices, capsys):
     for argv, message in (
             (["--run", str(tmp_path / "empty"), "--prompt", "x"], "holds no checkpoint"),
             (["--run", str(run), "--prompt", ""], "--prompt is empty"),
-            (["--run", str(run), "--prompt", "x" * 5000], "exceeds the model's 4096")):
+            (["--run", str(run), "--prompt", "x" * 5000], "exceeds the model's 4096"),
+            (["--run", str(run), "--prompt", "x", "--step", "99"], "--step 99: "),
+            (["--run", str(run), "--prompt", "x", "--max-new-tokens", "0"],
+             "nothing to generate")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

@@ -104,7 +104,7 @@ def test_zoo_only_fields_are_declared_once():
     shared = {"dtype", "param_dtype", "remat_policy", "scan_layers", "attention_implementation",
               "attention_layout",
               "capacity_factor", "moe_dispatch", "moe_grouped_matmul", "moe_buffer_factor",
-              "moe_overflow"}
+              "moe_overflow", "fp8"}
     assert zoo_only_fields(DecoderConfig) == shared
     own = {MixtralConfig: set(), DeepSeek3Config: {"mtp_loss_weight", "mla_kv_wire"}}
     for cls, extra in own.items():  # a family's own zoo-only fields (DeepSeek's MTP)

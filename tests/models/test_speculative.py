@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import zoo.generate as G
-import zoo.speculative as S
+import zoo.inference as G
+import zoo.inference.speculative as S
+from zoo.inference.engine import compiled_steps
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
 from zoo.models.mixtral import Mixtral, MixtralConfig
 from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
@@ -68,8 +69,7 @@ def random_model():
 def test_random_model_equals_plain_greedy(random_model):
     stats = _check(random_model)
     assert stats.steps == NEW - 1 and stats.speedup == 1.0  # random drafts: rejected
-    verify = [k for k in G._COMPILED if k[0] is S._verify_jit]
-    assert len(verify) == 1, "one compiled verify step"
+    assert compiled_steps(S.verify_jit) == 1, "one compiled verify step"
 
 
 def test_accepted_drafts_save_forward_passes():
@@ -118,15 +118,17 @@ def test_refusals(random_model):
 
 
 def test_command_line(random_model, monkeypatch, capsys):
-    from zoo import generate_cli
     from zoo.data import ByteTokenizer
-    monkeypatch.setattr(generate_cli, "_load", lambda args: (random_model, ByteTokenizer()))
-    assert G.main(["--run", "x", "--prompt", "def", "--max-new-tokens", "4",
-                   "--speculative", "mtp"]) == 0
+    from zoo.inference import cli
+    monkeypatch.setattr(cli, "load_model", lambda args: (random_model, ByteTokenizer()))
+    assert cli.main(["--run", "x", "--prompt", "def", "--max-new-tokens", "4",
+                     "--speculative", "mtp"]) == 0
     text, stats = capsys.readouterr().out.strip().splitlines()[-2:]
     assert text.startswith("def") and "drafts accepted" in stats and "forward passes" in stats
     mixtral = Mixtral(MixtralConfig.mini(num_hidden_layers=1), rngs=nnx.Rngs(0))
-    monkeypatch.setattr(generate_cli, "_load", lambda args: (mixtral, ByteTokenizer()))
+    monkeypatch.setattr(cli, "load_model", lambda args: (mixtral, ByteTokenizer()))
     with pytest.raises(SystemExit) as e:
-        G.main(["--run", "x", "--prompt", "def", "--speculative", "mtp"])
-    assert e.value.code == 2 and "Mixtral has none" in capsys.readouterr().err
+        cli.main(["--run", "x", "--prompt", "def", "--speculative", "mtp"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Mixtral has none" in err and "--speculative mtp" in err
+    assert "speculative=" not in err  # the flag, not the Python argument

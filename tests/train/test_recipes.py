@@ -162,12 +162,15 @@ def test_run_outputs(learned):
 
 
 def test_finished_run_has_nothing_to_do(tmp_path, straight, capsys):
+    """A rerun of a finished run says so without compiling the step first."""
     run_dir = tmp_path / "copy"
     shutil.copytree(straight, run_dir)
-    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--run-dir", str(run_dir)])
+    out = []
+    code, steps = run_main("mini_mixtral", [*STRAIGHT, "--run-dir", str(run_dir)], stdout=out)
     assert code == 0 and steps == []  # already done: nothing to run
     err = capsys.readouterr().err
-    assert "already at step 12 of the planned 12" in err
+    assert "already at step 12 of the planned 12" in out[0], out[0]
+    assert "compiling" not in err and "compiled" not in err and "sample" not in out[0], err
 
 
 # -- resume ------------------------------------------------------------------------------------
@@ -353,6 +356,48 @@ def test_two_processes_match_one(tmp_path, straight):
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data)
 
 
+def _documented_two_process_commands(port: int, steps: int | None = None):
+    """docs/training.md's two-process example, one argv per process, on `port` (and for
+    `steps` steps, its own --steps replaced, when given)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    lines = [line.rstrip(" &").split() for line in text.splitlines()
+             if line.startswith("python recipes/") and "--num-processes 2" in line]
+    assert len(lines) == 2, lines
+    out = []
+    for argv in lines:
+        argv = [f"127.0.0.1:{port}" if a.startswith("127.0.0.1:") else a for a in argv]
+        if steps is not None and "--steps" in argv:
+            del argv[argv.index("--steps"):argv.index("--steps") + 2]
+        more = [] if steps is None else ["--steps", str(steps)]
+        out.append([sys.executable, str(ROOT / argv[1]), *argv[2:], *more])
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_documented_two_process_command_ends_cleanly(tmp_path):
+    """docs/training.md's two-process run as written (5 steps; a free port, its run dir under
+    a fresh working folder): both processes exit 0, the summary and the closing greedy sample
+    (every process computes it, process 0 prints it) appear once, no traceback."""
+    procs = [subprocess.Popen(argv, env=sub_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+             for argv in _documented_two_process_commands(_free_port())]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=900)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    both = "\n".join(outs)
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outs)
+    assert "Traceback" not in both, both[-3000:]
+    assert both.count("mini_deepseek3: finished 5/5 steps") == 1, both[-3000:]
+    assert both.count("sample (48 greedy tokens after 'def')") == 1, both[-3000:]
+    assert (tmp_path / "runs" / "mini_deepseek3" / "checkpoints" / "5").is_dir()
+
+
 # -- flags -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,message", [
@@ -386,14 +431,26 @@ def test_two_processes_match_one(tmp_path, straight):
     (["--set", "scan_layers=maybe"], "--set scan_layers=maybe: expected true or false (the "
                                      "field MixtralConfig.scan_layers is true or false)"),
     (["--steps", "12", "--warmup", "50"], "--warmup 50: must be in [0, --steps 12]"),
+    (["--steps", "-5"], "--steps -5: must be an integer >= 1"),
+    (["--data", "nothere.txt"], "--data: nothere.txt (does not exist)"),
+    (["--data", "{tmp}/binary.txt"], "1 of 1 files are not text"),
 ])
 def test_flag_errors_are_clear(tmp_path, devices, capsys, argv, message):
+    """A refused flag or input: exit 2, one line naming the flag, the value and the fix, then
+    "see --help" (no usage block, no traceback), and no run dir created."""
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    run_dir = tmp_path / "run"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as e:
         run_main("mini_mixtral", [*COMMON, *TINY["mini_mixtral"], *argv,
-                                  "--run-dir", str(tmp_path)])
+                                  "--run-dir", str(run_dir)])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "checkpoints").exists()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "cuda" not in line and line.strip()]
+    assert message in err
+    assert len(lines) == 1 and lines[0].endswith("(see --help)"), err
+    assert "usage:" not in err and "Traceback" not in err
+    assert not run_dir.exists()  # nothing written for a refused run
 
 
 def test_set_parses_values_by_field():
@@ -439,6 +496,9 @@ def test_help_lists_every_train_config_field_with_its_default(capsys):
             assert f"{help_text}(default:{default})" in text, (flag, default)
     assert "--set FIELD=VALUE" in out and "--no-load-balance" in out
     assert "(default:0.01)" in text and "(default:deepseek3)" in text  # the recipe's
+    # the description is the docstring's whole first paragraph
+    first = "".join(mod.__doc__.split("\n\n")[0].split())
+    assert first.endswith("module).") and first in text
 
 
 def test_the_training_guide_lists_every_section_and_field():
@@ -527,7 +587,8 @@ def test_a_research_recipe_names_its_model_and_layer_classes(tmp_path, straight)
         assert cli.main(RECIPE, argv) == 0
     assert ResearchLayer.built  # the recipe's layer class built the layers
     info = json.loads((tmp_path / "run.json").read_text())["config"]
-    assert (info["model_cls"], info["decoder_layer_cls"]) == ("ResearchMixtral", "ResearchLayer")
+    assert (info["model_cls"], info["decoder_layer_cls"]) == (
+        f"{__name__}:ResearchMixtral", f"{__name__}:ResearchLayer")  # importable paths
     np.testing.assert_allclose(losses(tmp_path)[1], losses(straight)[1][:2], atol=1e-5, rtol=0)
 
 

@@ -329,7 +329,7 @@ def test_decode_rehearsal_arguments_are_params_and_cache(devices):
     """One decode step of a small DeepSeek-V3 on 8 CPU devices: XLA's argument bytes per
     device are exactly the bf16 parameters' and the cache's shards (computed from shapes), the
     donated cache is aliased to the output, and nothing is optimizer state."""
-    from zoo.train.rehearse import rehearse_decode
+    from zoo.inference.rehearsal import rehearse_decode
     r = rehearse_decode(DS_DECODE, **DECODE)
     params, cache = _decode_argument_bytes(DS_DECODE, DECODE["batch_size"], DECODE["context"])
     assert (r.step, r.devices, r.param_dtype, r.dtype) == ("decode", 8, "bfloat16", "bfloat16")
@@ -351,7 +351,7 @@ def test_decode_rehearsal_for_a_tpu_slice(devices):
     small dimensions to tiles), the donated cache is aliased, the MoE runs the Mosaic ragged dot
     and the step fits a chip."""
     from zoo import targets
-    from zoo.train.rehearse import rehearse_decode
+    from zoo.inference.rehearsal import rehearse_decode
     r = rehearse_decode(DS_DECODE, target="tpu:v5p:2x2x2", **DECODE)
     params, cache = _decode_argument_bytes(DS_DECODE, DECODE["batch_size"], DECODE["context"])
     assert (r.target, r.device_kind, r.devices) == ("tpu", "TPU v5", 8)
@@ -386,11 +386,11 @@ def test_scale_script_prints_the_decode_row(devices, capsys):
     (dict(batch_size=0), r"batch_size=0 must be an int >= 1"),
 ])
 def test_decode_rehearsal_refuses_bad_input_before_compiling(devices, monkeypatch, kw, match):
-    module = importlib.import_module("zoo.train.decode_rehearsal")
+    module = importlib.import_module("zoo.inference.rehearsal")
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled despite bad input")
 
-    monkeypatch.setattr(module, "_measure", no_compile)
+    monkeypatch.setattr(module, "measure", no_compile)
     with pytest.raises(ValueError, match=match):
         module.rehearse_decode(DS_DECODE, **{**DECODE, **kw})

@@ -8,6 +8,7 @@ back on another mesh; TensorBoard events hold the same losses as metrics.jsonl.
 
 import dataclasses
 import json
+import statistics
 import struct
 
 import jax
@@ -74,6 +75,16 @@ def test_train_in_two_calls_equals_a_straight_run(straight, resumed):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_summary_throughput_leaves_out_each_calls_first_step(resumed):
+    """The summary's tokens/s: the median of a `train` call's per-step figures past its first
+    (which carries first-call costs: the resumed call's first step too)."""
+    run_dir, first, second = resumed
+    speeds = [r["tokens_per_s"] for r in read_metrics(run_dir)]
+    assert first.tokens_per_s == pytest.approx(statistics.median(speeds[1:3]), rel=1e-9)
+    assert second.tokens_per_s == pytest.approx(statistics.median(speeds[4:6]), rel=1e-9)
+    assert f"{second.tokens_per_s:,.0f} tokens/s" in second.line()
+
+
 def test_load_gives_the_trained_model_on_another_mesh(straight, resumed):
     run_dir, want = straight
     loaded = load(run_dir, mesh="fsdp=8", strategy="fsdp", batch_size=8,
@@ -109,12 +120,15 @@ class StopAt(Hook):
         return step >= self.at
 
 
-def test_a_hook_stops_the_run_with_a_checkpoint(tmp_path, straight):
+def test_a_hook_stops_the_run_with_a_checkpoint(tmp_path, straight, capsys):
     hook = StopAt(2)
     with _trainer(tmp_path, hooks=[hook]) as t:
         summary = t.train()
-    # the step in flight when the hook asked finishes and is saved, as under SIGTERM
-    assert summary.stopped_by == "StopAt" and summary.step in (2, 3)
+    assert summary.line() not in capsys.readouterr().out  # the library returns it, unprinted
+    # one step past the first: too few for a throughput figure
+    assert summary.tokens_per_s is None and "tokens/s n/a" in summary.line()
+    # the run ends after the step whose metrics made should_stop true, and saves it
+    assert summary.stopped_by == "StopAt" and summary.step == 2
     assert hook.seen == list(range(1, summary.step + 1))
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [summary.step]

@@ -1,6 +1,8 @@
 """Text corpora on disk: find the files, index them lazily, read documents on demand.
 
 * `find_files(paths)` -- files, globs or folders -> a sorted, de-duplicated list of files.
+  Symlinks are followed, each real folder walked once (a loop such as ``self -> .`` ends
+  there) and each real file kept once, with a warning counting the names skipped.
   Folders are walked for ``.txt``, ``.md``, ``.py`` and ``.jsonl``; files and glob matches
   named explicitly are taken whatever their suffix (``.jsonl`` parsed, the rest plain text).
   ``paths=None`` is the built-in corpus, `stdlib_files()`: the ``.py`` sources of the running
@@ -27,6 +29,7 @@ import os
 import re
 import sysconfig
 import threading
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["SUFFIXES", "RANGE_BYTES", "find_files", "stdlib_files", "index_ranges",
@@ -38,16 +41,53 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle
                         "__pycache__"})
 _GLOB_CHARS = frozenset("*?[")
 
+_NOTED: set[str] = set()  # the symlink notes `find_files` gave
+
 # (file, start byte, end byte, file size, is_jsonl)
 Range = tuple[str, int, int, int, bool]
 
 
-def _walk(folder: str, suffixes: Sequence[str], skip: frozenset[str] = frozenset()) -> list[str]:
+def _walk(folder: str, suffixes: Sequence[str], skip: frozenset[str] = frozenset(),
+          revisits: list[str] | None = None) -> list[str]:
+    """The files under `folder`, symlinked folders followed, each real folder entered once: a
+    link back to a parent (``self -> .``) or a second link to a folder is appended to
+    `revisits` and not entered."""
     out = []
+    seen = set()
     for root, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if d not in skip and not d.startswith("."))
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
+            if revisits is not None:
+                revisits.append(root)
+            continue
+        seen.add(real)
+        # folders before links to folders, so a linked folder is walked under its own name
+        dirs[:] = sorted((d for d in dirs if d not in skip and not d.startswith(".")),
+                         key=lambda d: (os.path.islink(os.path.join(root, d)), d))
         out += [os.path.join(root, f) for f in sorted(files)
                 if f.endswith(tuple(suffixes)) and not f.startswith(".")]
+    return out
+
+
+def _unique(files: Sequence[str], revisits: Sequence[str]) -> list[str]:
+    """`files` (sorted, absolute) with every real file kept once, under its first name; a
+    warning counts the other names of the same files and the folders not walked again."""
+    out, seen = [], set()
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    if len(out) < len(files) or revisits:
+        note = (f"data: symlinks lead to files or folders already found: skipped "
+                f"{len(files) - len(out)} second name(s) of a file and {len(revisits)} "
+                f"folder(s) already walked (e.g. "
+                f"{(list(revisits) + sorted(set(files) - set(out)))[0]}); each of the "
+                f"{len(out)} files is read once")
+        if note not in _NOTED:  # once per process, however often the files are listed
+            _NOTED.add(note)
+            warnings.warn(note, stacklevel=3)
     return out
 
 
@@ -69,6 +109,7 @@ def find_files(paths) -> list[str]:
         paths = [paths]
     found: list[str] = []
     missing: list[str] = []
+    revisits: list[str] = []
     for p in paths:
         p = os.path.expanduser(os.fspath(p))
         if any(c in p for c in _GLOB_CHARS):
@@ -76,9 +117,9 @@ def find_files(paths) -> list[str]:
             if not matches:
                 missing.append(f"{p!r} (glob matched nothing)")
             for m in matches:
-                found += _walk(m, SUFFIXES) if os.path.isdir(m) else [m]
+                found += _walk(m, SUFFIXES, revisits=revisits) if os.path.isdir(m) else [m]
         elif os.path.isdir(p):
-            files = _walk(p, SUFFIXES)
+            files = _walk(p, SUFFIXES, revisits=revisits)
             if not files:
                 missing.append(f"{p!r} (folder has no {'/'.join(SUFFIXES)} files)")
             found += files
@@ -90,7 +131,7 @@ def find_files(paths) -> list[str]:
         raise ValueError("text_dataset: these paths give no text files: " + ", ".join(missing)
                          + "; pass existing files, folders or globs (or paths=None for the "
                          "built-in standard-library corpus)")
-    return sorted(set(os.path.abspath(f) for f in found))
+    return _unique(sorted(set(os.path.abspath(f) for f in found)), revisits)
 
 
 def _check_jsonl_head(path: str) -> None:

@@ -47,9 +47,11 @@ once; the final batch is padded with empty rows (``segment_ids`` 0, weights 0), 
 ``it.get_state()`` is a JSON-serialisable dict; ``set_state`` on a fresh iterator built with the
 same arguments repeats exactly the batches that followed. The state records the arguments that
 shape the stream (seq_len, context_parallel, balance, tile, corpus_docs, seed, shuffle, the
-tokenizer's identity, the paths and a digest of the files found); ``set_state`` with a state
-saved under other ones raises `PipelineStateMismatch` naming each difference (``batch_size``,
-``rows_per_device``, ``num_epochs`` and the process layout may change).
+tokenizer's identity, the paths, the files found with their sizes, and a digest of their
+contents: each file's first and last MiB, so an edit that keeps a file's size is seen);
+``set_state`` with a state saved under other ones raises `PipelineStateMismatch` naming each
+difference (`argument_changes`; ``batch_size``, ``rows_per_device``, ``num_epochs`` and the
+process layout may change).
 
 Legend: B rows per process, L ``seq_len``.
 """
@@ -72,8 +74,8 @@ from zoo.data import work
 from zoo.data.reorder import STRATEGIES, check_length, load_balance as _load_balance
 from zoo.data.tokenizer import ByteTokenizer, identity
 
-__all__ = ["text_dataset", "PipelineStateMismatch", "CORPUS_DOCS", "PACKING_BINS",
-           "SHUFFLE_WINDOW"]
+__all__ = ["text_dataset", "PipelineStateMismatch", "argument_changes", "CORPUS_DOCS",
+           "PACKING_BINS", "SHUFFLE_WINDOW"]
 
 CORPUS_DOCS = ("file", "short")  # a document per file (jsonl: per line) / per top-level def
 
@@ -105,6 +107,16 @@ class PipelineStateMismatch(ValueError):
 
 
 _STATE_KEY = "zoo_data_arguments"
+# arguments a state saved before they were recorded lacks: not compared then
+_LATER_ARGUMENTS = frozenset({"contents"})
+_DIGEST_BYTES = 1 << 20  # the contents digest reads this much at each end of a file
+
+
+def argument_changes(saved: dict, now: dict) -> list[str]:
+    """``"name: saved X, now Y"`` for each pipeline argument of `now` that differs in `saved`
+    (an argument recorded only by newer versions, absent from `saved`, is not a change)."""
+    return [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+            if saved.get(k) != v and (k in saved or k not in _LATER_ARGUMENTS)]
 
 
 class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
@@ -122,8 +134,7 @@ class _PrefetchIterator(gx.ThreadPrefetchDatasetIterator):
         state = dict(state)
         saved = state.pop(_STATE_KEY, None)  # None: a state from before arguments were saved
         if saved is not None:
-            diffs = [f"{k}: saved {saved.get(k)!r}, now {v!r}"
-                     for k, v in self.arguments.items() if saved.get(k) != v]
+            diffs = argument_changes(saved, self.arguments)
             if diffs:
                 raise PipelineStateMismatch(
                     "the data pipeline state was saved with other arguments: "
@@ -233,6 +244,41 @@ def _files_digest(ranges) -> str:
         if start == 0:
             h.update(f"{path}\0{size}\n".encode())
     return f"{sum(r[1] == 0 for r in ranges)} files, sha256 {h.hexdigest()[:16]}"
+
+
+def _contents_digest(ranges) -> str:
+    """A digest of every file's first and last MiB (all of a file up to 2 MiB) and size: an
+    edit in place that keeps the size changes it, a copy or a ``touch`` does not."""
+    h = hashlib.sha256()
+    for path, start, _, size, _ in ranges:
+        if not start:
+            h.update(f"{size}\n".encode() + _file_digest(path))
+    return f"sha256 of the first and last MiB of each file {h.hexdigest()[:16]}"
+
+
+# path -> (size, mtime, ctime, inode), digest: a file is read again only once it changed (any
+# write changes its ctime), so listing a corpus twice in a process reads it once
+_FILE_DIGESTS: dict[str, tuple[tuple[int, ...], bytes]] = {}
+
+
+def _file_digest(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        cached = _FILE_DIGESTS.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            h.update(f.read(_DIGEST_BYTES))
+            if st.st_size > _DIGEST_BYTES:
+                f.seek(max(_DIGEST_BYTES, st.st_size - _DIGEST_BYTES))
+                h.update(f.read(_DIGEST_BYTES))
+    except OSError as e:
+        raise ValueError(f"text_dataset: {path} cannot be read ({e}); pass readable "
+                         f"files") from None
+    _FILE_DIGESTS[path] = key, h.digest()
+    return h.digest()
 
 
 def _positive_int(name: str, value) -> int:
@@ -345,7 +391,8 @@ def text_dataset(paths: str | os.PathLike | Sequence[str | os.PathLike] | None =
     arguments = dict(  # what shapes the stream; a resume must match (see the module docstring)
         seq_len=seq_len, context_parallel=context_parallel, balance=balance,
         balance_tile=balance_tile, corpus_docs=corpus_docs, seed=int(seed), shuffle=shuffle,
-        tokenizer=identity(tokenizer), paths=_paths_text(paths), files=_files_digest(ranges))
+        tokenizer=identity(tokenizer), paths=_paths_text(paths), files=_files_digest(ranges),
+        contents=_contents_digest(ranges))
     if validation_fraction:  # absent when 0, so a state saved before holdouts still matches
         arguments.update(validation_fraction=float(validation_fraction), split=split)
     ds = grain.MapDataset.source(ranges)

@@ -6,13 +6,19 @@ parameters are created already sharded. Subclass a layer and override one method
 
 from zoo.layers.attention import Attention
 from zoo.layers.embed import Embed
+from zoo.layers.gated_attention import GatedAttention
+from zoo.layers.gated_deltanet import GatedDeltaNet
+from zoo.layers.indexer import Indexer, LayerNorm
 from zoo.layers.linear import Linear
 from zoo.layers.mla import MLA
 from zoo.layers.mlp import MLP
 from zoo.layers.moe import MoE, RouterBias, moe_modules, update_expert_bias
-from zoo.layers.norm import RMSNorm
+from zoo.layers.norm import GatedRMSNorm, RMSNorm, ZeroCentredRMSNorm
 from zoo.layers.rope import RoPE, YaRN, apply_rope
+from zoo.layers.shared_expert import SharedExpertMoE
 
 __all__ = ["MLA", "MLP", "Attention", "Embed", "Linear", "MoE", "RMSNorm", "RoPE", "RouterBias",
            "YaRN", "apply_rope", "moe_modules", "update_expert_bias"]
-
+__all__ += ["GatedAttention", "GatedDeltaNet", "GatedRMSNorm", "SharedExpertMoE",
+            "ZeroCentredRMSNorm"]
+__all__ += ["Indexer", "LayerNorm"]

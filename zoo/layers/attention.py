@@ -18,13 +18,20 @@
 * Score modifiers: ``logits_soft_cap`` (Gemma-2) and ``sinks=True`` (gpt-oss: a learned
   [num_heads] logit in every row's softmax, parameter ``sinks``; off by default, so checkpoints
   without sinks load unchanged).
+* The cached call (`zoo.inference`): each layer kind owns its KV cache. `AttentionBlock`
+  gives ``cache_slots`` and ``prefill_cache`` (``__call__`` that also returns the cache
+  arrays) and ``decode_step`` (new tokens over the cache through a ``put`` callback); a kind
+  declares ``cache_axes`` and defines ``cache_shape``, ``cache_entry`` and ``attend_cache``
+  (here: ``k``/``v`` [B, K, S, H] per kv head). `reshard` moves a small activation to the
+  cache's sharding.
 
 Legend: B batch, L length, S kv length (= L here), D embed, N heads, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +41,11 @@ from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation
+from zoo.ops.attention import IMPLEMENTATIONS, choose_implementation, dot_product_attention
 from zoo.ops.ring import LAYOUTS
 from zoo.ops.attention import attention as attention_op
 from zoo.ops.kernels import get_kernel
-from zoo.ops.masks import Mask
+from zoo.ops.masks import Mask, default_mask
 from zoo.partitioning import Partitioner, resolve
 
 SCOPE = "attention"
@@ -126,6 +133,14 @@ def score_kwargs(module) -> dict:
     return kw
 
 
+def cached_score_kwargs(module) -> dict:
+    """`score_kwargs` for `zoo.ops.dot_product_attention` over a cache (no kernel, no token
+    layout: the cached products are the reference ones)."""
+    kw = score_kwargs(module)
+    kw.pop("kernel"), kw.pop("layout")
+    return kw
+
+
 def check_call(module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
     """Static checks of ``__call__``'s arguments (shapes are known while tracing)."""
     what = type(module).__name__
@@ -152,6 +167,30 @@ def qk_norms(qk_norm, eps, head_dim: int, p: Partitioner, param_dtype, rngs: nnx
                          f"its rms_norm_eps, 1e-6)")
     return tuple(RMSNorm(head_dim, eps=float(eps), partitioner=p, param_dtype=param_dtype,
                          rngs=rngs) for _ in range(2))
+
+
+# -- the cached call's layouts (zoo.inference) -----------------------------------------------
+
+# what a cached call's ``put`` takes: (cache array name, the new slots [B, K, T, F]) -> the
+# layer's whole cache array [B, K, S, F] with them written
+CachePut = Callable[[str, jax.Array], jax.Array]
+
+
+def splittable_axes(p: Partitioner, axes: Sequence[str | None],
+                    shape: Sequence[int]) -> tuple[str | None, ...]:
+    """`axes` with None for each dimension of `shape` that its mesh axes (attention scope) do
+    not divide: that dimension is kept whole."""
+    return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
+                 for logical, size in zip(axes, shape, strict=True))
+
+
+def reshard(p: Partitioner, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` constrained to `axes` (`splittable_axes`) through a replicated layout: between a
+    weight-derived sharding (over the embed or kv_lora axis) and a cache's batch sharding that
+    is one all-gather of a small activation then a local slice; asked in one step, XLA's SPMD
+    partitioner finds no collective for it and replicates the tensor itself, warning
+    "Involuntary full rematerialization". A no-op without a mesh."""
+    return p.constrain(p.constrain(x, (None,) * x.ndim), splittable_axes(p, axes, x.shape))
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -193,6 +232,72 @@ class AttentionBlock(nnx.Module):
         return self.partitioner.constrain(self.o_proj(o), ("batch", "length", "act_embed"),
                                           SCOPE)
 
+
+    # -- the cached call (zoo.inference): each layer kind owns its cache ----------------------
+    # logical axes of each cache array [B, K, S, F] (K: the heads the cache keeps, S: slots)
+    cache_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {}
+
+    def cache_slots(self, max_length: int) -> int:
+        """Slots this layer's cache keeps for a sequence of `max_length`: all of them, or for
+        a mask whose reach back is bounded (``sliding_window=W``: a query sees keys less than
+        W positions back, itself included, so W keys; ``Chunked(c)``: c) that many, as a ring
+        written at ``slot % slots``. Cache rows hold one sequence at consecutive positions, so
+        a bound in positions is one in slots."""
+        mask = self.mask if self.mask is not None else default_mask(
+            None, getattr(self, "sliding_window", None), None)
+        back = mask.reach().back
+        return max_length if back is None else min(back + 1, max_length)
+
+    def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        """The shape ``[B, K, S, F]`` of each array of this layer's cache (names as
+        `cache_axes`) for `batch` rows of `max_length` tokens (S: `cache_slots`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define cache_shape")
+
+    def cache_entry(self, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
+        """`project` + `apply_rope`'s k and v over L tokens -> the cache arrays [B, K, L, F]
+        they leave (heads before slots, as the cached products read them)."""
+        raise NotImplementedError(f"{type(self).__name__} must define cache_entry")
+
+    def prefill_cache(self, x: jax.Array, *, positions: jax.Array,
+                      segment_ids: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`__call__` that also returns the layer's cache arrays over the L tokens:
+        x [B, L, D] -> (out [B, L, D], `cache_entry` {name: [B, K, L, F]})."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope(self.block_name):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            q, k, v = self.project(x)
+            q, k = self.apply_rope(q, k, positions)
+            o = self.attend(q, k, v, positions=positions, segment_ids=segment_ids)
+            return self.out(o), self.cache_entry(k, v)
+
+    def decode_step(self, x: jax.Array, put: CachePut, *, q_positions: jax.Array,
+                    kv_positions: jax.Array, kv_segment_ids: jax.Array,
+                    partitioner: Partitioner | None = None) -> jax.Array:
+        """T new tokens per row over the cache: x [B, T, D] at ``q_positions [B, T]`` ->
+        [B, T, D]. ``put(name, new [B, K, T, F])`` writes this step's cache arrays and
+        returns the layer's whole array [B, K, S, F] with them; ``kv_positions`` and
+        ``kv_segment_ids`` [B, S] describe its slots (segment 0: empty). `partitioner`: how
+        the cache is sharded (the layer itself may run its unsharded code on sharded
+        parameters); new arrays meet the cache through `reshard`."""
+        p = resolve(partitioner)
+        with jax.named_scope(self.block_name):
+            q, k, v = self.project(x)
+            q, k = self.apply_rope(q, k, q_positions)
+            kw = dict(q_positions=q_positions, kv_positions=kv_positions,
+                      q_segment_ids=jnp.ones(q_positions.shape, jnp.int32),
+                      kv_segment_ids=kv_segment_ids, scale=self.scale, kv_heads_major=True,
+                      **cached_score_kwargs(self))
+            o = self.attend_cache(q, k, v, put, p, **kw)
+            return self.out(o.astype(q.dtype))
+
+    def attend_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, put: CachePut,
+                     p: Partitioner, **kw) -> jax.Array:
+        """`decode_step`'s attention of q [B, T, N, H] over the cache after writing this
+        step's k/v through ``put``; ``kw``: `zoo.ops.dot_product_attention`'s positions,
+        segment ids, scale and score arguments (``kv_heads_major``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define attend_cache")
+
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D]."""
@@ -230,6 +335,8 @@ class Attention(AttentionBlock):
       out_bias: a bias on ``o_proj`` (None: ``use_bias``; GLM-4.5 has q/k/v biases only).
       qk_norm: RMSNorm (eps ``qk_norm_eps``) over head_dim on each q and k head before RoPE.
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
+      fp8: "blockwise": the four projections in blockwise-scaled FP8 (`zoo.layers.Linear`); the
+        scores and the softmax-weighted sum stay in the compute dtype.
     """
 
     hf_projections = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # norms: if set
@@ -241,7 +348,8 @@ class Attention(AttentionBlock):
                  param_dtype=jnp.float32, mask: Mask | None = None,
                  logits_soft_cap: float | None = None, sinks: bool = False,
                  kernel="auto", qk_norm: bool = False, qk_norm_eps: float = 1e-6,
-                 layout: str | None = None, out_bias: bool | None = None, rngs: nnx.Rngs):
+                 layout: str | None = None, out_bias: bool | None = None,
+                 fp8: str | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_kv_heads, what="Attention")
@@ -275,7 +383,7 @@ class Attention(AttentionBlock):
         self.kv_act_axis = "act_kv_heads" if split_kv else None
 
         kw = dict(partitioner=p, scope=SCOPE, use_bias=use_bias, dtype=dtype,
-                  param_dtype=param_dtype, rngs=rngs)
+                  param_dtype=param_dtype, fp8=fp8, rngs=rngs)
         self.q_proj = Linear(embed, (num_heads, head_dim), in_axes=("embed",),
                              out_axes=("heads", "head_dim"), **kw)
         self.k_proj = Linear(embed, (num_kv_heads, head_dim), in_axes=("embed",),
@@ -308,3 +416,24 @@ class Attention(AttentionBlock):
                segment_ids: jax.Array | None) -> jax.Array:
         """Attention of q over k/v under ``self.mask`` -> [B, L, N, H] (`zoo.ops.attention`)."""
         return self.run_op(attention_op, q, k, v, positions=positions, segment_ids=segment_ids)
+
+
+    # -- the cached call (zoo.inference) ------------------------------------------------------
+    cache_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "k": ("batch", "act_kv_heads", "length", "act_head_dim"),
+        "v": ("batch", "act_kv_heads", "length", "act_head_dim")}
+
+    def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        """``k`` and ``v`` [B, K, S, H] per kv head (after RoPE and the q/k norms)."""
+        kv = (batch, self.num_kv_heads, self.cache_slots(max_length), self.head_dim)
+        return {"k": kv, "v": kv}
+
+    def cache_entry(self, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
+        return {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}
+
+    def attend_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, put: CachePut,
+                     p: Partitioner, **kw) -> jax.Array:
+        """The new k/v [B, T, K, H] into the cache; q over all its slots."""
+        axes = ("batch", "act_kv_heads", None, None)
+        k, v = (reshard(p, jnp.swapaxes(a, 1, 2), axes) for a in (k, v))
+        return dot_product_attention(q, put("k", k), put("v", v), **kw)

@@ -4,6 +4,10 @@ Contracts the trailing ``len(in_features)`` dimensions of the input with a kerne
 ``in_features + out_features``; multi-dimensional features let attention project straight to
 ``[..., heads, head_dim]`` without reshapes. Logical axes of the kernel are
 ``in_axes + out_axes`` and go to the partitioner.
+
+``fp8="blockwise"`` runs the product as `zoo.ops.fp8.dot` (1x128 activation tiles, 128x128
+weight blocks, an FP8 backward) on the flattened ``[..., prod(in)] @ [prod(in), prod(out)]``;
+the kernel stays in ``param_dtype`` and is quantised where it is used.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers import hf_keys as hfk
+from zoo.ops import fp8 as fp8_ops
 from zoo.partitioning import Partitioner, resolve
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -34,6 +39,7 @@ class Linear(nnx.Module):
       partitioner: shards the kernel (None: unsharded); ``scope`` picks its override table.
       use_bias: add a bias of shape ``out_features`` (logical axes ``out_axes``).
       dtype: computation dtype (None: the input's); param_dtype: storage dtype.
+      fp8: None/"off" or "blockwise" (see the module docstring; `zoo.ops.fp8.check_mode`).
     """
 
     def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
@@ -41,7 +47,8 @@ class Linear(nnx.Module):
                  partitioner: Partitioner | None = None, scope: str | None = None,
                  use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init=default_kernel_init, bias_init=nnx.initializers.zeros_init(),
-                 rngs: nnx.Rngs):
+                 fp8: str | None = None, rngs: nnx.Rngs):
+        self.fp8 = fp8_ops.check_mode(fp8, what="Linear(fp8=)")
         self.in_features = _tuple(in_features)
         self.out_features = _tuple(out_features)
         if len(in_axes) != len(self.in_features) or len(out_axes) != len(self.out_features):
@@ -68,6 +75,9 @@ class Linear(nnx.Module):
             raise ValueError(f"input trailing dims {x.shape[x.ndim - n_in:]} do not match "
                              f"in_features {self.in_features}")
         dtype = self.dtype or x.dtype
+        if self.fp8 == "blockwise":
+            y = self.fp8_product(x.astype(dtype), self.kernel[...]).astype(dtype)
+            return y if self.bias is None else y + self.bias[...].astype(dtype)
         kernel = self.kernel[...].astype(dtype)
         y = jax.lax.dot_general(
             x.astype(dtype), kernel,
@@ -75,6 +85,13 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y
+
+    def fp8_product(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+        """float32 `zoo.ops.fp8.dot` of ``x [..., *in]`` and the kernel, ``[..., *out]``."""
+        k, n = math.prod(self.in_features), math.prod(self.out_features)
+        lead = x.shape[:x.ndim - len(self.in_features)]
+        y = fp8_ops.dot(x.reshape(*lead, k), kernel.reshape(k, n))
+        return y.reshape(*lead, *self.out_features)
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         """``prefix.weight`` (``nn.Linear`` layout ``[out, in]``) and ``prefix.bias``."""

@@ -26,6 +26,11 @@ here ``project`` returns ``(q, k_pe, latent)`` -- ``k_pe`` takes k's place (it i
 rotates) and the latent v's -- and ``attend(q, k_pe, latent)`` expands them. Mask, soft cap,
 sinks and kernel as in `Attention` (``mask`` class attribute or argument).
 
+Cached (`zoo.inference`): one array, ``latent_pe`` [B, 1, S, Rkv + Hr] (the latent and the
+rotated shared key), and ``attend_cache`` decodes with the up-projections absorbed: the
+query's no-position part goes through ``kv_b_proj``'s key half into latent space, attention
+runs as one shared head over the cached latent, and the value half maps the result back.
+
 Legend: B batch, L length, D embed, N heads, Rq q_lora_rank, Rkv kv_lora_rank,
 Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hqk = Hn + Hr, Hv v_head_dim.
 """
@@ -33,6 +38,7 @@ Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hqk = Hn + Hr, Hv v_head_dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +47,17 @@ from flax import nnx
 from zoo.layers.attention import (
     SCOPE,
     AttentionBlock,
+    CachePut,
     check_inputs_shape,
+    reshard,
     resolve_implementation,
     resolve_scores,
 )
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
-from zoo.ops.attention import KV_WIRES, attention, choose_mla_wire, mla_attention
+from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
+                               mla_attention)
 from zoo.ops.masks import Mask
 from zoo.partitioning import Partitioner, resolve
 
@@ -76,6 +85,9 @@ class MLA(AttentionBlock):
       kv_wire: ``"latent"``, ``"expanded"`` or ``"auto"`` (resolved here): what crosses the
         wire under context parallelism (module docstring; default ``"auto"``,
         `zoo.ops.choose_mla_wire`). It adds no parameters.
+      fp8: "blockwise": every projection (the latents' down and up projections included, also
+        where ``kv_b_proj`` expands the latent inside `zoo.ops.mla_attention`) in
+        blockwise-scaled FP8; the scores, softmax and the cached (absorbed) decode do not change.
     """
 
     block_name = "mla"
@@ -92,7 +104,7 @@ class MLA(AttentionBlock):
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
                  mask: Mask | None = None, logits_soft_cap: float | None = None,
                  sinks: bool = False, kernel="auto", layout: str | None = None,
-                 kv_wire: str = "auto", rngs: nnx.Rngs):
+                 kv_wire: str = "auto", fp8: str | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -133,7 +145,9 @@ class MLA(AttentionBlock):
                        num_heads=num_heads, p=p, param_dtype=param_dtype, rngs=rngs,
                        layout=layout)
 
-        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fp8 = fp8
+        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, fp8=fp8,
+                  rngs=rngs)
         heads = ("heads", "head_dim")
         if q_lora_rank is None:
             self.q_proj = Linear(embed, (num_heads, self.qk_head_dim), in_axes=("embed",),
@@ -198,7 +212,7 @@ class MLA(AttentionBlock):
         return self.run_op(mla_attention, q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
                            self.kv_b_proj.kernel[...].astype(dtype),
                            qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, fp8=self.fp8)
 
     def expand_kv(self, k_pe: jax.Array, latent: jax.Array) -> tuple[jax.Array, jax.Array]:
         """k_pe [B, L, 1, Hr] (rotated), latent [B, L, Rkv] -> per-head k [B, L, N, Hqk]
@@ -208,3 +222,39 @@ class MLA(AttentionBlock):
         k_nope, v = kv[..., :self.qk_nope_head_dim], kv[..., self.qk_nope_head_dim:]
         k_pe = jnp.broadcast_to(k_pe.astype(k_nope.dtype), (*k_nope.shape[:3], k_pe.shape[-1]))
         return jnp.concatenate([k_nope, k_pe], axis=-1), v
+
+
+    # -- the cached call (zoo.inference) ------------------------------------------------------
+    # one entry, ``latent_pe`` [B, 1, S, Rkv + Hr]: the normalised latent and the rotated
+    # shared key, one "head" all heads read (576 values per token for DeepSeek-V3)
+    cache_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "latent_pe": ("batch", None, "length", None)}
+
+    def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        return {"latent_pe": (batch, 1, self.cache_slots(max_length), width)}
+
+    def cache_entry(self, k_pe: jax.Array, latent: jax.Array) -> dict[str, jax.Array]:
+        """k_pe [B, L, 1, Hr] (rotated), latent [B, L, Rkv] -> ``latent_pe`` [B, 1, L, Rkv+Hr]."""
+        latent_pe = jnp.concatenate([latent, k_pe[:, :, 0].astype(latent.dtype)], -1)
+        return {"latent_pe": latent_pe[:, None]}
+
+    def attend_cache(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array, put: CachePut,
+                     p: Partitioner, **kw) -> jax.Array:
+        """Absorbed MLA over the latent cache: scores ``q_nope W_uk . latent + q_pe . k_pe``,
+        output ``(p . latent) W_uv``, as one shared-key head of width Rkv + Hr, so the
+        expanded K/V are never built."""
+        Hn, R = self.qk_nope_head_dim, self.kv_lora_rank
+        new = self.cache_entry(k_pe, latent)["latent_pe"]  # [B, 1, T, Rkv + Hr]
+        cache = put("latent_pe", reshard(p, new, ("batch", None, None, None)))
+        dtype = self.kv_b_proj.dtype or cache.dtype
+        w = self.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
+        w_uk, w_uv = w[..., :Hn], w[..., Hn:]
+        # weight-stationary: the product is split over kv_lora as w_uk is (FSDP) and moves to
+        # the cache's batch sharding -- [B, 1, N, Rkv] is far smaller than w_uk
+        q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
+        q_lat = reshard(p, q_lat, ("batch", None, "act_heads", None))
+        q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)  # [B, T, N, Rkv + Hr]
+        kv = cache.astype(dtype)
+        o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, T, N, Rkv]
+        return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)

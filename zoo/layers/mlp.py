@@ -20,7 +20,8 @@ class MLP(nnx.Module):
     """SwiGLU MLP with kernels ``gate``/``up`` ``[D, F]`` and ``down`` ``[F, D]``.
 
     Override `activation` in a subclass to change the non-linearity. Hugging Face names:
-    ``gate_proj``/``up_proj``/``down_proj`` (``hf_names``).
+    ``gate_proj``/``up_proj``/``down_proj`` (``hf_names``). ``fp8="blockwise"``: the three
+    products in blockwise-scaled FP8 (`zoo.layers.Linear`).
     """
 
     hf_names: ClassVar[dict[str, str]] = {"gate": "gate_proj", "up": "up_proj",
@@ -28,11 +29,11 @@ class MLP(nnx.Module):
 
     def __init__(self, *, embed_dim: int, mlp_dim: int, partitioner: Partitioner | None = None,
                  scope: str | None = None, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=default_kernel_init, rngs: nnx.Rngs):
+                 kernel_init=default_kernel_init, fp8: str | None = None, rngs: nnx.Rngs):
         self.embed_dim, self.mlp_dim = embed_dim, mlp_dim
         self.partitioner, self.scope = resolve(partitioner), scope
         kw = dict(partitioner=partitioner, scope=scope, dtype=dtype, param_dtype=param_dtype,
-                  kernel_init=kernel_init, rngs=rngs)
+                  kernel_init=kernel_init, fp8=fp8, rngs=rngs)
         self.gate = Linear(embed_dim, mlp_dim, in_axes=("embed",), out_axes=("mlp",), **kw)
         self.up = Linear(embed_dim, mlp_dim, in_axes=("embed",), out_axes=("mlp",), **kw)
         self.down = Linear(mlp_dim, embed_dim, in_axes=("mlp",), out_axes=("embed",), **kw)

@@ -64,13 +64,23 @@ mesh.
 Grouped matmul (``grouped_matmul=``, `zoo.ops.moe.grouped_swiglu`): ``"auto"`` runs the
 blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones),
 XLA's own ragged-dot kernel on TPU (`jax.lax.ragged_dot`) and ``tokamax.ragged_dot`` on GPU,
-chosen at lowering; ``"blocked"``, ``"tokamax"`` and ``"ragged_dot"`` force one.
+chosen from the mesh; ``"blocked"``, ``"tokamax"`` and ``"ragged_dot"`` force one. Where a
+kernel cannot run (tokamax in float32 on a GPU mesh: its Triton kernel fails the shard_map's
+varying-axes check) XLA's ragged dot runs, and the execution says why.
+
+Execution. The arguments that choose how the layer runs (``dispatch``, ``capacity_factor``,
+``buffer_factor``, ``overflow``, ``grouped_matmul``, with ``dtype`` and the mesh) build one
+frozen value, ``MoE.execution`` (`zoo.ops.moe.MoEExecution`): resolved and validated once at
+construction, passed to the kernels as a static value (its target device reaches their
+backward pass), recorded in ``run.json``. ``MoE.dispatch``, ``MoE.overflow``, ... read it;
+``m.execution = m.execution.dropless()`` makes a layer drop nothing.
 
 Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -83,18 +93,15 @@ from jax.sharding import PartitionSpec as P
 
 from zoo.layers import hf_keys as hfk
 from zoo.layers.mlp import MLP
+from zoo.ops import fp8 as fp8_ops
 from zoo.ops import moe as ops
 from zoo.ops.moe_rounds import all_to_all_rounds
 from zoo.partitioning import COMPUTE_DTYPE, Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
-DISPATCHES = ("auto", "all_to_all", "all_gather")
+DISPATCHES, OVERFLOWS = ops.DISPATCHES, ops.OVERFLOWS
 GATE_UPS = ("separate", "interleaved")
-OVERFLOWS = ("auto", "drop", "exact")
-# overflow="auto" on a dropless all_to_all: receive buffers of this multiple of the balanced
-# share, overflow in further rounds (`zoo.ops.moe_rounds`), when that is under half the
-# worst-case buffers of one round
-ROUNDS_BUFFER_FACTOR = 1.25
+ROUNDS_BUFFER_FACTOR = ops.ROUNDS_BUFFER_FACTOR
 
 
 class RouterBias(nnx.Variable):
@@ -122,8 +129,8 @@ class MoE(nnx.Module):
         expert in each dispatch group (all_gather only).
       dispatch: ``"all_to_all"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
       grouped_matmul: ``"auto"`` (blocked on CPU, XLA's ragged dot on TPU, tokamax on GPU),
-        ``"blocked"``,
-        ``"tokamax"`` or ``"ragged_dot"``.
+        ``"blocked"``, ``"tokamax"`` or ``"ragged_dot"`` (XLA's ragged dot where tokamax cannot
+        run: `zoo.ops.moe.MoEExecution`).
       buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
         (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
       overflow: what all_to_all does with copies beyond ``buffer_factor``'s buffers: ``"drop"``,
@@ -140,6 +147,9 @@ class MoE(nnx.Module):
       dtype: computation dtype of the experts, None for the input's (the router is always
         float32);
         param_dtype: storage dtype.
+      fp8: "blockwise": the routed experts' grouped matmul (``grouped_matmul="fp8_blockwise"``,
+        `zoo.ops.fp8.ragged_dot`) and the shared experts' products (`zoo.layers.Linear`) in
+        blockwise-scaled FP8; the router stays float32 (docs/fp8.md).
 
     Hugging Face names (``hf_names``, the DeepSeek/Qwen layout): router ``gate.weight``,
     ``gate.e_score_correction_bias``, experts ``experts.{e}.gate_proj|up_proj|down_proj``,
@@ -158,7 +168,8 @@ class MoE(nnx.Module):
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
                  overflow: str = "auto", router_bias: bool = False, expert_bias: bool = False,
                  activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, param_dtype=jnp.float32, fp8: str | None = None,
+                 rngs: nnx.Rngs):
         p = resolve(partitioner)
         batch, length, embed = p.check_inputs_shape(inputs_shape, what="MoE")
         E, k = num_experts, num_experts_per_tok
@@ -177,42 +188,22 @@ class MoE(nnx.Module):
             raise ValueError(f"num_experts_per_tok={k} exceeds the {topk_group * (E // n_group)}"
                              f" experts in the topk_group={topk_group} best groups of "
                              f"{E // n_group}; raise topk_group or lower num_experts_per_tok")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for "
-                             f"dropless dispatch")
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
-        if grouped_matmul not in ops.GROUPED_MATMULS:
-            raise ValueError(f"grouped_matmul={grouped_matmul!r} must be one of "
-                             f"{ops.GROUPED_MATMULS}")
-        if buffer_factor is not None and not buffer_factor > 0:
-            raise ValueError(f"buffer_factor={buffer_factor} must be > 0, or None for dropless "
-                             f"all-to-all buffers")
-        if buffer_factor is not None and dispatch == "all_gather":
-            raise ValueError(f"buffer_factor={buffer_factor} sizes all_to_all receive buffers; "
-                             f"dispatch='all_gather' has none (use capacity_factor there)")
-        if overflow not in OVERFLOWS:
-            raise ValueError(f"overflow={overflow!r} must be one of {OVERFLOWS}: 'drop' drops "
-                             f"the copies beyond the all_to_all buffers, 'exact' sends them in "
-                             f"further rounds, 'auto' picks (see zoo.layers.moe)")
-        if overflow == "exact" and dispatch == "all_gather":
-            raise ValueError("overflow='exact' runs all_to_all in rounds; dispatch='all_gather' "
-                             "has no buffers to overflow (pass dispatch='all_to_all' with a "
-                             "buffer_factor)")
-        if capacity_factor is not None and dispatch == "all_to_all":
-            raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
-                             "capacity after the gather); with dispatch='all_to_all' bound the "
-                             "buffers with buffer_factor instead")
         if not isinstance(activation, ops.GLU):
             raise ValueError(f"activation={activation!r} must be a zoo.ops.moe.GLU (e.g. GLU() "
                              f"for SwiGLU, GLU(alpha=1.702, limit=7.0, up_offset=1.0) for gpt-oss)")
         if gate_up not in GATE_UPS:
             raise ValueError(f"gate_up={gate_up!r} must be one of {GATE_UPS} ('interleaved': one "
                              f"[E, D, 2F] weight, gate in the even columns, as gpt-oss)")
-        if overflow == "exact" and (expert_bias or activation != ops.SWIGLU):
-            raise ValueError("overflow='exact' runs the plain SwiGLU experts; expert_bias and a "
-                             "clamped activation need overflow='drop' (with buffer_factor=None "
-                             "nothing is dropped)")
+        plain = not expert_bias and activation == ops.SWIGLU
+        if fp8_ops.check_mode(fp8, what="MoE(fp8=)") == "blockwise":
+            if grouped_matmul not in ("auto", "fp8_blockwise"):
+                raise ValueError(f"MoE: fp8='blockwise' runs the experts' grouped matmul as "
+                                 f"'fp8_blockwise', but grouped_matmul={grouped_matmul!r} "
+                                 f"asks for another; leave it 'auto' or set fp8=None")
+            grouped_matmul = "fp8_blockwise"
+        ops.MoEExecution.check(dispatch=dispatch, capacity_factor=capacity_factor,
+                               buffer_factor=buffer_factor, overflow=overflow,
+                               grouped_matmul=grouped_matmul, plain=plain)
         shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
         p.check_split("num_experts", E, "experts", "moe", what="MoE",
                       role="experts are sharded over them",
@@ -229,15 +220,11 @@ class MoE(nnx.Module):
         self.inputs_shape, self.embed_dim = (batch, length, embed), embed
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
-        self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
-        # settled for the mesh's platform: the program traces that platform's path alone
-        self.grouped_matmul = ops.choose_grouped_matmul(grouped_matmul, p.platform)
-        self.overflow_requested = overflow
         self.activation, self.gate_up = activation, gate_up
-        self.dispatch_requested = dispatch
-        self.dispatch = self._resolve_dispatch(dispatch, batch * length)
-        self.overflow, self.exchange_buffer_factor = self._resolve_overflow(
-            overflow, batch * length, plain=not expert_bias and activation == ops.SWIGLU)
+        # how it runs, settled for the mesh: the program traces that platform's path alone
+        self.execution = self.resolve_execution(
+            dispatch=dispatch, capacity_factor=capacity_factor, buffer_factor=buffer_factor,
+            overflow=overflow, grouped_matmul=grouped_matmul, plain=plain, dtype=dtype)
         if buffer_factor is not None and self.dispatch == "all_gather" and self.overflow == "drop":
             # "auto" chose the scheme without receive buffers: say so rather than ignore it
             # (with overflow="exact", as the full-size presets set, nothing is lost: all_gather
@@ -285,7 +272,7 @@ class MoE(nnx.Module):
         # `expert` too (the "moe" scope would replicate them there and repeat the work).
         self.shared_experts = (MLP(embed_dim=embed, mlp_dim=shared_dim, partitioner=p,
                                    dtype=dtype, param_dtype=param_dtype,
-                                   kernel_init=kernel_init, rngs=rngs)
+                                   kernel_init=kernel_init, fp8=fp8, rngs=rngs)
                                if shared_dim else None)
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
@@ -341,48 +328,37 @@ class MoE(nnx.Module):
         replicated = tuple(a for a in ep_axes if a not in {a for a, _ in plan})
         return tok, plan, replicated
 
-    def _resolve_dispatch(self, dispatch: str, tokens: int) -> str:
-        """The scheme "auto" stands for: the one with fewer analytic bytes per device
-        (`zoo.ops.moe.dispatch_bytes`); all_gather without expert parallelism or when an
-        expert axis does not shard the tokens (all-to-all needs each device's own tokens)."""
+    def resolve_execution(self, **requested) -> ops.MoEExecution:
+        """The `zoo.ops.moe.MoEExecution` the requested options (`MoE`'s arguments of the same
+        names, ``plain`` and ``dtype``) stand for on this layer's mesh and sizes."""
         p = self.partitioner
         ep = p.size("experts", "moe")
-        if p.mesh is None:
-            return "all_gather" if dispatch == "auto" else dispatch
-        _, _, replicated = self._token_plan()
-        if replicated:
-            if dispatch == "all_to_all":
-                raise ValueError(f"dispatch='all_to_all' needs the tokens sharded over every "
-                                 f"expert axis, but {replicated} shards none of them; use "
-                                 f"dispatch='all_gather' or a strategy that shards tokens "
-                                 f"over 'expert'")
-            return "all_gather"
-        if dispatch != "auto":
-            return dispatch
-        if ep == 1 or self.capacity_factor is not None:
-            return "all_gather"
-        dims = dict(tokens=tokens // (p.size("batch") * p.size("length")),
-                    k=self.num_experts_per_tok, embed=self.embed_dim, num_shards=ep)
-        a2a, ag = (ops.dispatch_bytes(s, **dims) for s in ("all_to_all", "all_gather"))
-        return "all_to_all" if a2a < ag else "all_gather"
+        batch, length, embed = self.inputs_shape
+        replicated = self._token_plan()[2] if p.mesh is not None else ()
+        return ops.MoEExecution.resolve(
+            **requested, platform=p.platform, device=p.target_device, sharded=p.mesh is not None,
+            expert_shards=ep, unsharded_token_axes=replicated,
+            tokens_per_device=batch * length // (p.size("batch") * p.size("length")),
+            num_experts=self.num_experts, k=self.num_experts_per_tok, embed=embed)
 
-    def _resolve_overflow(self, overflow: str, tokens: int, *, plain: bool
-                          ) -> tuple[str, float | None]:
-        """``(overflow, receive-buffer factor)`` that "auto" stands for (module docstring):
-        "drop" with a ``buffer_factor``; dropless, "exact" rounds over `ROUNDS_BUFFER_FACTOR`
-        buffers when all_to_all runs, the experts allow rounds (``plain``) and those buffers
-        are under half the worst case's; else one round of worst-case buffers."""
-        if overflow != "auto":
-            return overflow, self.buffer_factor
-        if self.buffer_factor is not None or self.dispatch != "all_to_all" or not plain:
-            return "drop", self.buffer_factor
-        p = self.partitioner
-        ep = p.size("experts", "moe")
-        t = tokens // (p.size("batch") * p.size("length"))
-        args = (t, self.num_experts_per_tok, self.num_experts // ep, ep)
-        if 2 * ops.a2a_capacity(*args, ROUNDS_BUFFER_FACTOR) < ops.a2a_capacity(*args, None):
-            return "exact", ROUNDS_BUFFER_FACTOR
-        return "drop", None
+    # the execution's fields, as the layer's own; setting one replaces it in ``execution``
+    # (which research code may also replace whole, e.g. ``m.execution.dropless()``)
+    def _field(name, field=None):
+        field = field or name
+
+        def put(self, value):
+            self.execution = dataclasses.replace(self.execution, **{field: value})
+        return property(lambda self: getattr(self.execution, field), put)
+
+    dispatch = _field("dispatch")
+    dispatch_requested = _field("dispatch_requested", "requested_dispatch")
+    overflow = _field("overflow")
+    overflow_requested = _field("overflow_requested", "requested_overflow")
+    exchange_buffer_factor = _field("exchange_buffer_factor")
+    buffer_factor = _field("buffer_factor")
+    capacity_factor = _field("capacity_factor")
+    grouped_matmul = _field("grouped_matmul")
+    del _field
 
     def local_experts(self, x, indices, weights, wi_gate, wi_up, wo, expert_offset, bias=None):
         """all_gather's per-device work: ``x [T, D]``, ``indices/weights [T, k]``, local expert
@@ -392,6 +368,7 @@ class MoE(nnx.Module):
         if self.capacity_factor is None:
             return ops.dropless_experts(
                 x, indices, weights, wi_gate, wi_up, wo, impl=self.grouped_matmul,
+                device=self.execution.device,
                 expected_rows=max(1, x.shape[0] * self.num_experts_per_tok * wi_gate.shape[0]
                                   // self.num_experts), **kw)
         capacity = ops.expert_capacity(x.shape[0], self.num_experts_per_tok, self.num_experts,
@@ -496,7 +473,7 @@ class MoE(nnx.Module):
             y, stat = exchange(
                 x.reshape(t, D), indices.reshape(t, k), weights.reshape(t, k), wg, wu, wo,
                 axis_name=ep_axes[0] if len(ep_axes) == 1 else ep_axes, num_shards=n_ep,
-                capacity=cap, impl=self.grouped_matmul, **extra)
+                capacity=cap, impl=self.grouped_matmul, device=self.execution.device, **extra)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
@@ -505,17 +482,14 @@ class MoE(nnx.Module):
             # stat (the rounds) is already the same over the expert axes, and over the tensor
             # axes (the routing is); jax 0.12's pmax wants every axis it reduces to be one its
             # input varies over
-            axes = tuple(sorted(set(token_axes) | ops._varying(stat)))
-            rounds = jax.lax.pmax(ops._vary(stat, axes), axes)
+            axes = tuple(sorted(set(token_axes) | ops.varying_axes(stat)))
+            rounds = jax.lax.pmax(ops.mark_varying(stat, axes), axes)
             return y, jnp.stack([jnp.zeros((), jnp.int32), rounds])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
         fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
                            out_specs=(tok, P()))
-        # a GPU mesh compiled on another host: its kernels (`zoo.ops.moe.target_device`). A
-        # TPU mesh needs none: its grouped matmul is XLA's own TPU ragged dot
-        with ops.target_device(p.target_device if p.platform == "gpu" else None):
-            y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
+        y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]
 
     # -- forward -------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ names, redeclares the shared fields whose defaults differ, and adds its own::
   `zoo.models.hf.rope_from_hf` / `rope_to_hf` (both spellings).
 * `nullable` marks a field where an explicit ``null`` in config.json means something (Mixtral's
   ``sliding_window``, DeepSeek's ``q_lora_rank``); elsewhere a ``null`` keeps the default.
+* Every value read from config.json must have its field's annotated type (`check_hf_types`): a
+  number written as a string (``"rms_norm_eps": "1e-5"``), a float in an int field or a NaN is
+  a `ValueError` naming the field, the value and the type, never coerced.
 * The fields `zoo.models.decoder.CausalLM` and the training CLI read are all declared here:
   widths, depth, heads, ``rms_norm_eps``, ``tie_word_embeddings``, ``dtype``/``param_dtype``,
   ``scan_layers``, ``remat_policy``, the attention and MoE choices, plus `num_experts`,
@@ -28,6 +31,11 @@ names, redeclares the shared fields whose defaults differ, and adds its own::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -35,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.models import hf
+from zoo.ops import fp8 as fp8_ops
 
-__all__ = ["DecoderConfig", "REMAT_POLICIES", "check_positive", "dtype_name", "nullable",
-           "zoo_field", "zoo_only_fields"]
+__all__ = ["DecoderConfig", "REMAT_POLICIES", "check_hf_types", "check_positive", "dtype_name",
+           "nullable", "zoo_field", "zoo_only_fields"]
 
 ZOO_ONLY = "zoo_only"
 NULLABLE = "hf_nullable"
@@ -80,6 +89,81 @@ def check_positive(config: Any, names: Sequence[str], *, optional: Sequence[str]
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             extra = " or None" if name in optional else ""
             raise ValueError(f"{what}: {name}={value!r} must be a positive int{extra}")
+
+
+@functools.cache
+def _annotations(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether the JSON value `value` is of the annotated type `hint` (a float: also finite)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, (bool, np.bool_))
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if hint is int:
+        return isinstance(value, (int, np.integer))
+    if hint is float:
+        return isinstance(value, (int, float, np.integer, np.floating)) and math.isfinite(value)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_has_type(v, args[0]) for v in value)
+        return not args or (len(args) == len(value)
+                            and all(_has_type(v, a) for v, a in zip(value, args)))
+    if origin is not None:
+        return isinstance(value, origin)
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _type_text(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_text(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if hint is float:
+        return "a finite number"
+    if hint is int:
+        return "an integer"
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if typing.get_origin(hint) in (tuple, list):
+        return f"a list ({hint})"
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_hf_types(cls: type, values: dict[str, Any], *, what: str) -> None:
+    """ValueError unless each config.json value in `values` (field name -> value) has the type
+    `cls` annotates its field with (``float``: a finite JSON number, an int too; ``int``: an
+    integer; ``bool``: true/false; ``tuple[int, ...]``: a list of them; ``X | None``: also null).
+    The error names the field, the value, the expected type and the fix."""
+    hints = _annotations(cls)
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is None or _has_type(value, hint):
+            continue
+        fix = "correct it in config.json (is it the config.json of this checkpoint?)"
+        if isinstance(value, str):
+            try:
+                number = json.loads(value)
+            except ValueError:
+                number = None
+            if not isinstance(number, str) and _has_type(number, hint):
+                fix = (f"write it without quotes, as a JSON {type(number).__name__}: "
+                       f"\"{name}\": {value}")
+        raise ValueError(f"{what}: config.json has {name}={value!r} ({type(value).__name__}), "
+                         f"but {cls.__name__}.{name} must be {_type_text(hint)}; {fix}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +212,8 @@ class DecoderConfig:
     # (a dtype is immutable: RUF009 cannot tell)
     dtype: Any = zoo_field(jnp.float32)  # noqa: RUF009 -- computation dtype
     param_dtype: Any = zoo_field(jnp.float32)  # noqa: RUF009 -- storage dtype
+    # None/"off" or "blockwise": FP8 products in the dense linears (zoo.ops.fp8, docs/fp8.md)
+    fp8: str | None = zoo_field(None)
 
     def __post_init__(self):
         what = type(self).__name__
@@ -151,6 +237,9 @@ class DecoderConfig:
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"{what}: {name}={dt} must be a floating dtype (e.g. float32, "
                                  f"bfloat16)")
+        if self.fp8 not in fp8_ops.MODES:
+            raise ValueError(f"{what}: fp8={self.fp8!r} must be None or 'off' (no FP8) or "
+                             f"'blockwise' (blockwise-scaled FP8 linears, docs/fp8.md)")
         if self.moe_overflow not in ("auto", "drop", "exact"):
             raise ValueError(f"{what}: moe_overflow={self.moe_overflow!r} must be 'drop' (copies "
                              f"beyond the all_to_all buffers are dropped), 'exact' (they "
@@ -184,13 +273,15 @@ class DecoderConfig:
     def attention_options(self) -> dict[str, Any]:
         """Keyword arguments of `zoo.layers.Attention` / `MLA` taken from the zoo fields."""
         return dict(implementation=self.attention_implementation,
-                    layout=self.attention_layout, dtype=self.dtype, param_dtype=self.param_dtype)
+                    layout=self.attention_layout, dtype=self.dtype, param_dtype=self.param_dtype,
+                    fp8=self.fp8)
 
     def moe_options(self) -> dict[str, Any]:
         """Keyword arguments of `zoo.layers.MoE` taken from the zoo fields."""
         return dict(capacity_factor=self.capacity_factor, dispatch=self.moe_dispatch,
                     grouped_matmul=self.moe_grouped_matmul, buffer_factor=self.moe_buffer_factor,
-                    overflow=self.moe_overflow, dtype=self.dtype, param_dtype=self.param_dtype)
+                    overflow=self.moe_overflow, dtype=self.dtype, param_dtype=self.param_dtype,
+                    fp8=self.fp8)
 
     # -- Hugging Face config.json ---------------------------------------------------------------
     @classmethod
@@ -211,6 +302,7 @@ class DecoderConfig:
         for f in cls.hf_fields():
             if f.name in cfg and (cfg[f.name] is not None or f.metadata.get(NULLABLE)):
                 kwargs[f.name] = cfg[f.name]
+        check_hf_types(cls, kwargs, what=what)
         if cfg.get("num_key_value_heads") is None and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # as transformers
         names = {f.name for f in dataclasses.fields(cls)}

@@ -60,6 +60,7 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers import hf_keys as hfk
 from zoo.models import hf
 from zoo.models.config import DecoderConfig
+from zoo.ops.moe import choose_grouped_matmul
 from zoo.models.stacks import (STACK_METADATA, build_stack, interleave_aux, layer_cycles,
                                layer_groups, run_cycle, run_layers)
 from zoo.partitioning import Partitioner, resolve
@@ -158,7 +159,7 @@ class DecoderLayer(nnx.Module):
     def make_mlp(self, config, *, inputs_shape, partitioner, rngs) -> nnx.Module:
         return self.mlp_cls(embed_dim=config.hidden_size, mlp_dim=config.intermediate_size,
                             partitioner=partitioner, dtype=config.dtype,
-                            param_dtype=config.param_dtype, rngs=rngs)
+                            param_dtype=config.param_dtype, fp8=config.fp8, rngs=rngs)
 
     # -- Hugging Face keys ---------------------------------------------------------------------
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
@@ -182,7 +183,7 @@ class DecoderLayer(nnx.Module):
 
     def block(self, x: jax.Array, attention) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """The layer with ``attention(h [B, L, D]) -> [B, L, D]`` in place of ``self_attn``:
-        `__call__` passes the layer's own attention, `zoo.generate` one that reads and
+        `__call__` passes the layer's own attention, `zoo.inference` one that reads and
         writes a KV cache."""
         c = self.partitioner.constrain
         with jax.named_scope(f"layer_{self.layer_idx}"):
@@ -200,6 +201,10 @@ class DecoderLayer(nnx.Module):
 
 
 # -- model -----------------------------------------------------------------------------------
+
+# `CausalLM.for_inference`'s structures, by model class, config, partitioner and shape
+_INFERENCE_VIEWS: dict[Any, Any] = {}
+
 
 class CausalLM(nnx.Module):
     """Embedding -> decoder layers -> RMSNorm -> lm_head (or the tied embedding); see the
@@ -221,6 +226,7 @@ class CausalLM(nnx.Module):
     config_cls: ClassVar[type[DecoderConfig]] = DecoderConfig  # set by each family
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ()
+    final_norm_cls: ClassVar[type] = RMSNorm  # the norm before lm_head
     hf_names: ClassVar[dict[str, str]] = {"embed_tokens": "model.embed_tokens",
                                           "norm": "model.norm", "layers": "model.layers"}
 
@@ -257,8 +263,8 @@ class CausalLM(nnx.Module):
             layer_cls(config, layer_idx=first, **kw)
             for first, count, period in layer_cycles(layer_cls, config, scan)
             for j in range(period)])
-        self.norm = RMSNorm(D, eps=config.rms_norm_eps, partitioner=p,
-                            param_dtype=config.param_dtype, rngs=rngs)
+        self.norm = self.final_norm_cls(D, eps=config.rms_norm_eps, partitioner=p,
+                                        param_dtype=config.param_dtype, rngs=rngs)
         # tied: no lm_head, the logits come from the embedding table (`Embed.attend`)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             D, V, in_axes=("embed",), out_axes=("vocab",), partitioner=p, dtype=config.dtype,
@@ -396,6 +402,47 @@ class CausalLM(nnx.Module):
         del keys
         return self.hf_key_map()
 
+    # -- the inference view (zoo.inference) ----------------------------------------------------
+    def inference_config(self, *, unsharded: bool = False):
+        """The config `for_inference` rebuilds with: MoE dropless whatever the training
+        settings (no capacity factor, no buffer factor, ``moe_overflow="auto"``, which is
+        lossless without a buffer factor), the attention's token layout unknown (prompts are
+        not in the training data's order); with `unsharded` also the schemes a model without a
+        mesh takes (``moe_dispatch="auto"``, ``attention_implementation="reference"``), the
+        experts' grouped matmul kept as settled for the mesh's platform (a TPU slice's kernel
+        when compiling for one on a CPU host)."""
+        changes: dict[str, Any] = dict(capacity_factor=None, moe_buffer_factor=None,
+                                       moe_overflow="auto", attention_layout=None)
+        if unsharded:
+            changes.update(moe_dispatch="auto", attention_implementation="reference",
+                           moe_grouped_matmul=choose_grouped_matmul(
+                               self.config.moe_grouped_matmul, self.partitioner.platform))
+        return dataclasses.replace(self.config, **changes)
+
+    def for_inference(self, *, unsharded: bool = False) -> CausalLM:
+        """A copy of this model configured for generation (`zoo.inference`), sharing its
+        parameters: rebuilt under `inference_config` (dropless MoE), with the same class,
+        decoder layer class, partitioner and inputs shape. With `unsharded`, every module's
+        partitioner is the unsharded one: the layers run their unsharded code on the
+        (sharded) parameters and XLA partitions the program from the arguments' shardings
+        (decode). The structure is built once per configuration (`nnx.eval_shape`); each call
+        merges this model's current state into it."""
+        key = (type(self), type(self.layers[0]) if len(self.layers) else None,
+               repr(self.config), self.partitioner, self.inputs_shape, bool(unsharded))
+        graphdef = _INFERENCE_VIEWS.get(key)
+        if graphdef is None:
+            config = self.inference_config(unsharded=unsharded)
+            kw = {} if key[1] is None else dict(decoder_layer_cls=key[1])
+            view = nnx.eval_shape(lambda: type(self)(
+                config, inputs_shape=self.inputs_shape,
+                partitioner=None if unsharded else self.partitioner, rngs=abstract_rngs(),
+                **kw))
+            graphdef = nnx.graphdef(view)
+            if len(_INFERENCE_VIEWS) >= 16:
+                _INFERENCE_VIEWS.clear()
+            _INFERENCE_VIEWS[key] = graphdef
+        return nnx.merge(graphdef, nnx.state(self))
+
     @classmethod
     def abstract(cls, config, *, inputs_shape: Sequence[int] | None = None,
                  partitioner: Partitioner | None = None,
@@ -436,10 +483,15 @@ class CausalLM(nnx.Module):
         initial = initial_values(lambda: make(abstract_rngs()), zoo_only) if zoo_only else {}
         return hf.load_into(model, table, reader, what=what, initial=initial)
 
-    def to_hf(self, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-        """Write ``config.json`` + safetensors that transformers' ``from_pretrained`` loads."""
+    def to_hf(self, path, *, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> None:
+        """Write ``config.json`` + safetensors that transformers' ``from_pretrained`` loads.
+
+        The folder is replaced whole (an earlier export's shards never linger); a folder
+        holding other files is refused unless ``overwrite=True`` (`zoo.models.hf.save_checkpoint`).
+        """
         hf.save_checkpoint(path, hf.export_tensors(self, self.hf_key_map()),
-                           self.config.to_hf_config(), max_shard_bytes=max_shard_bytes)
+                           self.config.to_hf_config(), max_shard_bytes=max_shard_bytes,
+                           overwrite=overwrite)
 
 
 def family_io(model_cls: type[CausalLM], name: str, layout: str):
@@ -457,8 +509,9 @@ def family_io(model_cls: type[CausalLM], name: str, layout: str):
                                  config_overrides=config_overrides,
                                  decoder_layer_cls=decoder_layer_cls)
 
-    def to_hf(model: CausalLM, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-        model.to_hf(path, max_shard_bytes=max_shard_bytes)
+    def to_hf(model: CausalLM, path, *, max_shard_bytes: int = 5 * 2**30,
+              overwrite: bool = False) -> None:
+        model.to_hf(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
     from_hf.__doc__ = f"""Load a local {name} checkpoint folder (config.json + *.safetensors).
 
@@ -473,7 +526,8 @@ def family_io(model_cls: type[CausalLM], name: str, layout: str):
         names its key in its ``hf_keys`` or declares it ``hf_zoo_only``).
     """
     to_hf.__doc__ = (f"Write a {name} model as a Hugging Face checkpoint folder (safetensors + "
-                     f"config.json).")
+                     f"config.json), replacing an earlier export there whole; a folder holding "
+                     f"other files is refused unless overwrite=True.")
     module = model_cls.__module__
     for fn in (from_hf, to_hf):
         fn.__module__, fn.__qualname__ = module, fn.__name__

@@ -66,7 +66,8 @@ from zoo.models import registry
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 from zoo.models.stacks import run_layers
 
-__all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "MTP", "from_hf", "to_hf"]
+__all__ = ["DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeek3", "MTP", "from_hf", "to_hf",
+           "update_selection_bias"]
 
 
 # DeepSeek-V3's context extension: 4k pre-training context stretched 40x (YaRN is frozen, so
@@ -305,7 +306,7 @@ class MTP(nnx.Module):
         self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
         self.eh_proj = Linear(2 * D, D, in_axes=("embed",), out_axes=(None,),
                               partitioner=partitioner, dtype=config.dtype, param_dtype=pd,
-                              rngs=rngs)
+                              fp8=config.fp8, rngs=rngs)
         self.layer = layer_cls(config, layer_idx=config.num_hidden_layers + depth - 1,
                                inputs_shape=inputs_shape, partitioner=partitioner, rngs=rngs)
 
@@ -322,7 +323,7 @@ class MTP(nnx.Module):
 
     def combine(self, h, embedded):
         """The decoder layer's input: ``eh_proj([enorm(embedded); hnorm(h)])`` [B, L, D]
-        (`zoo.speculative` runs the layer with a KV cache on it)."""
+        (`zoo.inference.speculative` runs the layer with a KV cache on it)."""
         x = jnp.concatenate([self.enorm(embedded), self.hnorm(h).astype(embedded.dtype)], -1)
         return self.eh_proj(x)
 
@@ -426,7 +427,7 @@ from_hf, to_hf = family_io(DeepSeek3, "DeepSeek-V3",
                            "Hub layout, bf16/fp32 or block-FP8; either rope spelling")
 
 
-def _after_step(model, aux, *, expert_bias_rate: float = 0.0) -> None:
+def update_selection_bias(model, aux, *, expert_bias_rate: float = 0.0) -> None:
     """DeepSeek-V3's aux-loss-free balancing after each update: the sigmoid routers' selection
     bias moves by ``rate * sign(mean - counts)`` (`zoo.layers.moe.update_expert_bias`)."""
     counts = aux.get("expert_counts")
@@ -440,4 +441,4 @@ registry.register(registry.Family(
     name="deepseek3", config_cls=DeepSeek3Config, model_cls=DeepSeek3,
     presets={"deepseek_v3": DeepSeek3Config.deepseek_v3, "kimi_k2": DeepSeek3Config.kimi_k2,
              "mini": DeepSeek3Config.mini},
-    after_step=_after_step))
+    after_step=update_selection_bias))

@@ -222,4 +222,4 @@ registry.register(registry.Family(
     name="glm4_moe", config_cls=Glm4MoeConfig, model_cls=Glm4Moe,
     presets={"glm4_5": Glm4MoeConfig.glm4_5, "glm4_5_air": Glm4MoeConfig.glm4_5_air,
              "mini": Glm4MoeConfig.mini},
-    after_step=deepseek3._after_step))  # the selection-bias update, as DeepSeek-V3's
+    after_step=deepseek3.update_selection_bias))  # the selection-bias update, as DeepSeek-V3's

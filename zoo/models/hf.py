@@ -8,7 +8,7 @@
   single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
   ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly,
   and so are MXFP4 tensors (gpt-oss's experts: ``X_blocks`` + ``X_scales`` read as ``X``,
-  see `dequantize_mxfp4`).
+  see `dequantize_mxfp4`). A tensor holding NaN or Inf is refused (`BadCheckpoint`, naming it).
 * `Tensor` -- one row of a model's key map (`zoo.layers.hf_keys`, re-exported here with its
   helpers `linear`, `copy`, `stacked_linear`, `zoo_only`): a zoo variable path, its Hugging Face
   key (or one key per expert, stacked on the leading axis, or none: zoo-only) and the layout
@@ -24,7 +24,9 @@
   receiving only its shard (a stacked expert tensor reads only the experts a shard holds), so
   the model is never materialised whole on one device.
 * `save_checkpoint` -- writes ``config.json`` and safetensors shards (+ index) tensor by tensor,
-  flushing a shard every ``max_shard_bytes``.
+  flushing a shard every ``max_shard_bytes``, into a temporary folder beside the target that
+  then replaces it whole: an earlier export's shards and index never linger. A folder holding
+  anything else than such an export is refused unless ``overwrite=True`` (`export_files`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import glob
 import json
 import math
 import os
+import re
+import shutil
 import struct
+import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -48,13 +53,20 @@ from jax.sharding import NamedSharding
 from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
-__all__ = ["CheckpointReader", "LayerStack", "Tensor", "check_checkpoint", "check_tensors",
-           "copy", "dequantize_mxfp4", "expected_shapes", "export_tensors", "linear",
-           "load_into", "read_config", "rope_from_hf", "rope_to_hf", "save_checkpoint",
-           "stacked_linear", "zoo_only"]
+__all__ = ["BadCheckpoint", "CheckpointReader", "LayerStack", "Tensor", "check_checkpoint",
+           "check_tensors", "copy", "dequantize_mxfp4", "expected_shapes", "export_files",
+           "export_tensors", "linear", "load_into", "read_config", "rope_from_hf", "rope_to_hf",
+           "save_checkpoint", "stacked_linear", "zoo_only"]
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
+# the files of an export `save_checkpoint` writes (one file, or numbered shards + index)
+_EXPORT_FILE = re.compile(r"(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                          r"model-\d{5}-of-\d{5}\.safetensors)")
+
+
+class BadCheckpoint(ValueError):
+    """A checkpoint whose tensor values zoo refuses to load (NaN or Inf weights)."""
 
 
 # -- config.json -----------------------------------------------------------------------------
@@ -95,6 +107,11 @@ def _read_json(name: str, what: str) -> dict[str, Any]:
     return value
 
 
+_ROPE_NUMBERS = frozenset({"rope_theta", "factor", "original_max_position_embeddings",
+                           "max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                           "mscale_all_dim", "attention_factor"})
+
+
 def rope_from_hf(cfg: dict[str, Any], *, default_theta: float,
                  what: str) -> tuple[float, YaRN | None]:
     """``(rope_theta, YaRN or None)`` from either spelling of a config's rotary settings.
@@ -108,6 +125,15 @@ def rope_from_hf(cfg: dict[str, Any], *, default_theta: float,
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"{what}: rope settings {params!r} must be a JSON object")
+    for name, value in [*params.items(), ("rope_theta", cfg.get("rope_theta")),
+                        ("max_position_embeddings", cfg.get("max_position_embeddings"))]:
+        if name not in _ROPE_NUMBERS or value is None or (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value)):
+            continue
+        raise ValueError(f"{what}: config.json has rope setting {name}={value!r} "
+                         f"({type(value).__name__}), which must be a finite JSON number; write "
+                         f"it without quotes, e.g. \"{name}\": 10000.0")
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"{what}: per-layer-type rope_parameters {params!r} are not supported "
                          f"(these families use one rotary setting for every layer)")
@@ -173,6 +199,8 @@ _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e
                "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
                "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16,
                "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ML_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
+                                             ml_dtypes.float8_e5m2))
 
 
 class CheckpointReader:
@@ -240,13 +268,28 @@ class CheckpointReader:
     def get(self, key: str) -> np.ndarray:
         if key in self._mxfp4:
             w = dequantize_mxfp4(self._read(key + "_blocks"), self._read(key + "_scales"))
-            return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+            return self._finite(key, np.ascontiguousarray(np.swapaxes(w, -1, -2)))
         if key not in self._file:
             raise KeyError(f"checkpoint {self.path!r} has no tensor {key!r}")
         arr = self._read(key)
         if key + "_scale_inv" in self._file:  # block-quantised FP8 weight
             arr = _dequantize(arr, self._read(key + "_scale_inv"), self.block_size)
-        return arr
+        return self._finite(key, arr)
+
+    def _finite(self, key: str, arr: np.ndarray) -> np.ndarray:
+        """`arr`, unless a floating tensor holds NaN or Inf: then `BadCheckpoint` naming it."""
+        if arr.dtype.kind != "f" and arr.dtype not in _ML_FLOATS:
+            return arr
+        finite = np.isfinite(arr)
+        if finite.all():
+            return arr
+        bad = np.argwhere(~finite)
+        first = tuple(int(i) for i in bad[0])
+        raise BadCheckpoint(
+            f"checkpoint {self.path!r}: tensor {key!r} {tuple(arr.shape)} holds {len(bad)} "
+            f"non-finite value(s) (NaN or Inf), the first {arr[first]} at index {list(first)}; "
+            f"zoo loads finite weights only: download the checkpoint again, or export it "
+            f"again from a good one")
 
     def _read(self, key: str) -> np.ndarray:
         name = self._file[key]
@@ -576,29 +619,124 @@ def _export_row(row: Tensor, z: np.ndarray) -> Iterable[tuple[str, np.ndarray]]:
         yield row.keys[0], row.to_hf(z)
 
 
+def export_files(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """``(export files, other entries)`` of folder `path`: the names `save_checkpoint` writes
+    (``config.json``, ``model.safetensors``, ``model-NNNNN-of-NNNNN.safetensors`` and the
+    index) and everything else in it, each sorted."""
+    names = sorted(os.listdir(path))
+    ours = [n for n in names if _EXPORT_FILE.fullmatch(n)
+            and os.path.isfile(os.path.join(path, n))]
+    return ours, [n for n in names if n not in ours]
+
+
+def _refusal(path: str, overwrite: bool) -> str | None:
+    """Why `save_checkpoint` may not replace `path` (None: it may)."""
+    if overwrite or not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return (f"to_hf: {path} exists and is not a folder; pass overwrite=True to replace it, "
+                f"or choose another path")
+    others = export_files(path)[1]
+    if not others:
+        return None
+    shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+    return (f"to_hf: {path} holds {len(others)} file(s) that are not part of a Hugging Face "
+            f"export zoo writes ({shown}); to_hf replaces the folder whole, so pass "
+            f"overwrite=True to delete them, or choose another folder")
+
+
+def _agree_on_refusal(problem: str | None) -> None:
+    """Raise `problem` (process 0's verdict on the folder) on every process, before any
+    process starts the collective gathers of the export."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        refused = multihost_utils.broadcast_one_to_all(np.int32(problem is not None))
+        if int(refused) and problem is None:
+            problem = "to_hf: process 0 refused the folder (see its message)"
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _temporary_folder(path: str) -> str:
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        name = os.path.join(parent, f".{os.path.basename(os.path.abspath(path))}."
+                                    f"{os.getpid()}-{uuid.uuid4().hex[:8]}.zoo-tmp")
+        os.mkdir(name)  # (not mkdtemp: the export gets the umask's permissions, not 0700)
+        return name
+    except OSError as e:
+        raise ValueError(f"to_hf: cannot create a temporary folder beside {path} in {parent} "
+                         f"({type(e).__name__}: {e}); make {parent} writable or choose "
+                         f"another path") from None
+
+
+def _replace(path: str, new: str) -> None:
+    """Put the finished export `new` (a folder beside `path`) in `path`'s place."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.remove(path)
+        os.rename(new, path)
+        return
+    old = new[:-len(".zoo-tmp")] + ".zoo-old"
+    try:
+        os.rename(path, old)
+    except OSError:  # a mount point or a folder in use: replace its files one by one instead
+        for name in os.listdir(path):
+            target = os.path.join(path, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            else:
+                os.remove(target)
+        for name in sorted(os.listdir(new), key=lambda n: n == CONFIG_NAME):  # config last
+            os.replace(os.path.join(new, name), os.path.join(path, name))
+        os.rmdir(new)
+        return
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]],
-                    config: dict[str, Any], *, max_shard_bytes: int = 5 * 2**30) -> None:
+                    config: dict[str, Any], *, max_shard_bytes: int = 5 * 2**30,
+                    overwrite: bool = False) -> None:
     """Write ``config.json`` and the tensors as safetensors shards (+ index when > 1 shard).
 
+    The files are written into a temporary folder beside `path`, which then takes `path`'s
+    place: an earlier export there is replaced whole (no stale shard or index remains), and a
+    failure midway leaves it as it was. A `path` holding anything else than such an export
+    (see `export_files`) is a `ValueError` naming the files, unless ``overwrite=True``.
     Only process 0 writes (all processes must call it: gathering a sharded array is collective).
     """
-    from safetensors.numpy import save_file
     path = os.fspath(path)
     writer = jax.process_index() == 0
-    if writer:
-        os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, str]] = []
+    _agree_on_refusal(_refusal(path, overwrite) if writer else None)
+    tmp = _temporary_folder(path) if writer else ""
+    try:
+        _write(tmp, tensors, config, max_shard_bytes, writer)
+        if writer:
+            _replace(path, tmp)
+    finally:
+        if writer and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(folder: str, tensors: Iterable[tuple[str, np.ndarray]], config: dict[str, Any],
+           max_shard_bytes: int, writer: bool) -> None:
+    """The export's files in `folder` (process 0; the others only take part in the gathers)."""
+    from safetensors.numpy import save_file
+    shards: list[list[str]] = []
     pending: dict[str, np.ndarray] = {}
     size = total = 0
 
     def flush():
         nonlocal pending, size
         if pending and writer:
-            name = f"part-{len(shards):05d}.safetensors"
-            save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
-            shards.append({k: name for k in pending})
-        elif pending:
-            shards.append({k: "" for k in pending})
+            save_file(pending, os.path.join(folder, f"part-{len(shards):05d}.safetensors"),
+                      metadata={"format": "pt"})
+        if pending:
+            shards.append(list(pending))
         pending, size = {}, 0
 
     for key, arr in tensors:
@@ -615,12 +753,11 @@ def save_checkpoint(path: str | os.PathLike, tensors: Iterable[tuple[str, np.nda
     weight_map = {}
     for i, shard in enumerate(shards):
         final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        os.replace(os.path.join(path, f"part-{i:05d}.safetensors"), os.path.join(path, final))
+        os.replace(os.path.join(folder, f"part-{i:05d}.safetensors"),
+                   os.path.join(folder, final))
         weight_map.update({k: final for k in shard})
     if n > 1:
-        with open(os.path.join(path, INDEX_NAME), "w") as f:
+        with open(os.path.join(folder, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    elif os.path.exists(os.path.join(path, INDEX_NAME)):
-        os.remove(os.path.join(path, INDEX_NAME))  # a stale index would point at old shards
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["Family", "register", "get", "names", "families", "family_of", "resolve",
-           "preset_names"]
+           "preset_names", "model_types", "for_model_type"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,3 +108,19 @@ def resolve(preset: str | tuple[str, str], **overrides) -> tuple[Family, Any]:
                 return family, family.preset(name, **overrides)
     raise ValueError(f"unknown preset {preset!r}; valid presets are "
                      f"{', '.join(preset_names())} (or pass a config)")
+
+
+def model_types() -> dict[str, Family]:
+    """Every Hugging Face ``model_type`` a registered family reads (its model class's
+    ``hf_model_types``) -> that family."""
+    return {t: f for f in families() for t in f.model_cls.hf_model_types}
+
+
+def for_model_type(model_type: Any, *, where: str = "config.json") -> Family:
+    """The family that reads checkpoints of `model_type`, as transformers' AutoModelForCausalLM
+    dispatches; an unknown one is an error listing the supported ones."""
+    known = model_types()
+    if model_type not in known:
+        raise ValueError(f"{where}: model_type={model_type!r} is not one zoo reads; zoo reads "
+                         f"{', '.join(map(repr, sorted(known)))}")
+    return known[model_type]

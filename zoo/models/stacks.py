@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +22,9 @@ from flax.nnx import spmd
 from zoo.models.config import REMAT_POLICIES
 from zoo.partitioning import COMPUTE_DTYPE, Partitioner, mesh_platform
 
-if TYPE_CHECKING:
-    from zoo.models.decoder import DecoderLayer
+# A decoder layer (`zoo.models.decoder.DecoderLayer`, which builds on this module): any
+# nnx.Module with its `layer_kind` and `__call__`; named here without importing it.
+DecoderLayer = nnx.Module
 
 __all__ = ["LAYER_OUTPUT_NAMES", "MAX_CYCLE", "STACK_METADATA", "build_stack",
            "cast_before_scan", "interleave_aux", "layer_cycles", "layer_groups", "remat_policy",

@@ -11,11 +11,14 @@ text (executions, collective bytes, FLOPs: the rehearsal's counter).
 
 from zoo.ops.attention import (IMPLEMENTATIONS, KV_WIRES, attention, choose_implementation,
                                choose_mla_wire, dot_product_attention, mla_attention)
+from zoo.ops import fp8 as fp8  # blockwise-scaled FP8: fp8.quantize, fp8.dot, fp8.ragged_dot
 from zoo.ops.flash import FlashKernel
+from zoo.ops.gated_delta import causal_conv1d, gated_delta_rule
 from zoo.ops.kernels import (BlockKernel, ScoreMod, Scores, TokamaxKernel, get_kernel,
                              register_kernel)
 from zoo.ops.masks import (Causal, Chunked, Document, Mask, MaskFn, PrefixLM, SlidingWindow,
                            attention_mask, block_may_attend)
+from zoo.ops.sparse_attention import TopK, choose_sparse_implementation, sparse_attention
 
 __all__ = ["IMPLEMENTATIONS", "KV_WIRES", "BlockKernel", "Causal", "Chunked", "Document",
            "FlashKernel", "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow",
@@ -24,3 +27,5 @@ __all__ = ["IMPLEMENTATIONS", "KV_WIRES", "BlockKernel", "Causal", "Chunked", "D
            "choose_implementation", "choose_mla_wire", "dot_product_attention", "get_kernel",
            "mla_attention",
            "register_kernel"]
+__all__ += ["TopK", "choose_sparse_implementation", "sparse_attention"]
+__all__ += ["causal_conv1d", "gated_delta_rule"]

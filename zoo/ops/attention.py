@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zoo.ops import fp8 as fp8_ops
 from zoo.ops import flash as _flash  # noqa: F401  (registers the "flash" kernel)
 from zoo.ops import pallas_tpu as _pallas_tpu  # noqa: F401  (registers "pallas_tpu")
 from zoo.ops import ring as _ring
@@ -267,7 +268,8 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
                   sinks: jax.Array | None = None, score_mod: ScoreMod | None = None,
                   partitioner: Partitioner | None = None, implementation: str = "auto",
                   kernel: str | BlockKernel = "auto", split: int = 2,
-                  layout: str | None = None, rounds: int | None = None) -> jax.Array:
+                  layout: str | None = None, rounds: int | None = None,
+                  fp8: str | None = None) -> jax.Array:
     """Multi-head latent attention with the latent on the wire.
 
     q [B,L,N,Hn+Hr] (rotated), latent [B,S,R] (normalised), k_pe [B,S,Hr] (rotated, shared by
@@ -276,6 +278,7 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     context parallelism only (latent, k_pe) -- R + Hr values per token instead of
     N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
     ``layout``, ``rounds``: as in `attention` (the ring's static hop plan, its rounds).
+    ``fp8="blockwise"``: the expansion is `zoo.ops.fp8.dot` (the scores do not change).
     """
     _, _, N, Hqk = q.shape
     R = latent.shape[-1]
@@ -285,7 +288,8 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
         raise ValueError(f"mla_attention expects q [B,L,N,Hn+Hr], latent [B,S,R], k_pe "
                          f"[B,S,Hr], kv_up [R,N,Hn+Hv] with Hn=qk_nope_head_dim={Hn}; got "
                          f"{q.shape}, {latent.shape}, {k_pe.shape}, {kv_up.shape}")
-    expand = functools.partial(_mla_expand, Hn)
+    fp8 = fp8_ops.check_mode(fp8, what="mla_attention(fp8=)")
+    expand = functools.partial(_mla_expand, Hn, fp8)
     k, v = jax.eval_shape(expand, (kv_up,), (latent, k_pe))
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   sliding_window, logits_soft_cap, sinks, score_mod)
@@ -304,10 +308,15 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
                 head_dim=Hqk, v_head_dim=v.shape[-1])
 
 
-def _mla_expand(qk_nope_head_dim, params, payload):
+def _mla_expand(qk_nope_head_dim, fp8, params, payload):
     """(kv_up,), (latent [B,S,R], k_pe [B,S,Hr]) -> k [B,S,N,Hn+Hr], v [B,S,N,Hv]."""
     (kv_up,), (latent, k_pe) = params, payload
-    kv = jnp.einsum("bsr,rnd->bsnd", latent, kv_up.astype(latent.dtype))
+    if fp8 == "blockwise":
+        r, n, d = kv_up.shape
+        kv = fp8_ops.dot(latent, kv_up.reshape(r, n * d)).astype(latent.dtype)
+        kv = kv.reshape(*latent.shape[:2], n, d)
+    else:
+        kv = jnp.einsum("bsr,rnd->bsnd", latent, kv_up.astype(latent.dtype))
     k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
     k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], k_pe.shape[-1]))
     return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v

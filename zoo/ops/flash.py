@@ -81,11 +81,13 @@ def loop(trips: int, body, init):
     return lax.while_loop(lambda c: c[0] < trips, step, (jnp.int32(0), init))[1]
 
 
-def _slice(x, i, size, axis=1):
+def slice_block(x, i, size, axis=1):
+    """Block `i` of `size` along `axis` (traced `i`)."""
     return lax.dynamic_slice_in_dim(x, i * size, size, axis)
 
 
-def _put(x, update, i, size, axis=1):
+def put_block(x, update, i, size, axis=1):
+    """`x` with block `i` of `size` along `axis` replaced by `update` (cast to `x`'s dtype)."""
     return lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), i * size, axis)
 
 
@@ -220,8 +222,8 @@ class FlashKernel(BlockKernel):
             i, j, ok = pair(t)
             r0 = q0 + i * tq
             s, _ = _tile_logits(scores, masked, qt(q, i, tq), kt(k, j, tk),
-                                _slice(q_pos, i, tq), _slice(kv_pos, j, tk),
-                                _slice(q_seg, i, tq), _slice(kv_seg, j, tk), head, ok)
+                                slice_block(q_pos, i, tq), slice_block(kv_pos, j, tk),
+                                slice_block(q_seg, i, tq), slice_block(kv_seg, j, tk), head, ok)
             li = lax.dynamic_slice_in_dim(lse, r0, tq, 2).reshape(B, K, G, tq)
             oi = lax.dynamic_slice_in_dim(out, r0, tq, 1).reshape(B, tq, K, G, V)
             m = jnp.maximum(li, jnp.max(s, axis=-1))
@@ -264,11 +266,11 @@ class FlashKernel(BlockKernel):
             dq, dk, dv = carry
             i, j, ok = pair(t)
             qi, doi = qt(q, i, tq), qt(dout, i, tq).astype(q.dtype)
-            qpi, qsi = _slice(q_pos, i, tq), _slice(q_seg, i, tq)
-            lse_i, delta_i = (_slice(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
+            qpi, qsi = slice_block(q_pos, i, tq), slice_block(q_seg, i, tq)
+            lse_i, delta_i = (slice_block(x, i, tq, axis=2).reshape(B, K, G, tq, 1)
                               for x in (lse, delta))
             kj, vj = kt(k, j, tk), kt(v, j, tk)
-            kpj, ksj = _slice(kv_pos, j, tk), _slice(kv_seg, j, tk)
+            kpj, ksj = slice_block(kv_pos, j, tk), slice_block(kv_seg, j, tk)
             s, mod_vjp = _tile_logits(scores, masked, qi, kj, qpi, kpj, qsi, ksj, head, ok)
             p = jnp.exp(s - lse_i)  # exp(-inf) = 0 on masked entries
             dvj = jnp.einsum("bkgqc,bqkgv->bckv", p.astype(doi.dtype), doi,

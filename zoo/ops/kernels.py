@@ -203,8 +203,10 @@ class TokamaxKernel(BlockKernel):
 
     ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
     then XLA). ``device``: a device of the target mesh when it is not of the process's default
-    platform; the ops are traced with it as the default device, which is where tokamax looks
-    for the platform (its Mosaic kernels refuse a CPU default device even for a TPU mesh).
+    platform (`zoo.Partitioner.target_device`, as `zoo.ops.moe.MoEExecution.device` for the
+    MoE's kernels: a static field, so the backward, traced later, sees it too); the ops are
+    traced with it as the default device, which is where tokamax looks for the platform (its
+    Mosaic kernels refuse a CPU default device even for a TPU mesh).
     The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.
 
     ``pad_to``: block lengths are padded to a multiple of it with keys and queries the mask
@@ -234,12 +236,14 @@ class TokamaxKernel(BlockKernel):
 
     def _ops(self):
         from absl import flags
-        from tokamax._src.ops.attention import api  # imported lazily: optional at import time
+
+        from zoo._jax_compat import tokamax_attention_implementations
         if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; the host program may not
             flags.FLAGS.mark_as_parsed()  # use absl (pytest's own -q would be "unknown")
         from zoo.partitioning import mesh_platform
         names = self.implementation or self.for_platform(mesh_platform(None)).implementation
-        return [api.IMPLEMENTATIONS[n] for n in names]
+        implementations = tokamax_attention_implementations()  # imported lazily: optional
+        return [implementations[n] for n in names]
 
     def _kwargs(self, scores, masked, q_pos, kv_pos, q_seg, kv_seg):
         if scores.score_mod is not None:

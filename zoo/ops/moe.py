@@ -27,6 +27,10 @@ dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exc
   copies beyond the capacity are dropped, first choices before second choices.
 * `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
   compares).
+* `MoEExecution` -- how a layer runs, as one frozen value: dispatch scheme, capacity and
+  buffer factors, overflow, grouped-matmul kernel (and why, where it falls back to XLA's) and
+  the target device its kernels are traced for; resolved from the mesh and validated in one
+  place (`MoEExecution.resolve`), ``dropless()`` for generation.
 * `GLU` -- the experts' gated activation (a value): ``silu(gate) * up`` by default;
   gpt-oss's clamped form ``GLU(alpha=1.702, limit=7.0, up_offset=1.0)``. The expert functions
   take it as ``activation=`` and optional per-expert ``bias=(gate_bias, up_bias)`` ``[E_local,
@@ -38,15 +42,16 @@ this device), F mlp, C capacity per expert (or per peer), R receive rows, EP exp
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from zoo.ops import fp8
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -153,7 +158,7 @@ def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int
 
 
 # -- grouped matmul ------------------------------------------------------------------------------
-GROUPED_MATMULS = ("auto", "blocked", "ragged_dot", "tokamax")
+GROUPED_MATMULS = ("auto", "blocked", "ragged_dot", "tokamax", "fp8_blockwise")
 # "auto" by the platform a program is built for (`grouped_swiglu`'s docstring says why)
 GROUPED_MATMUL_BY_PLATFORM = {"cpu": "blocked", "tpu": "ragged_dot", "gpu": "tokamax"}
 
@@ -166,6 +171,170 @@ def choose_grouped_matmul(impl: str, platform: str) -> str:
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
     return GROUPED_MATMUL_BY_PLATFORM.get(platform, "tokamax") if impl == "auto" else impl
+
+
+# -- execution -----------------------------------------------------------------------------------
+DISPATCHES = ("auto", "all_to_all", "all_gather")
+OVERFLOWS = ("auto", "drop", "exact")
+# overflow="auto" on a dropless all_to_all: receive buffers of this multiple of the balanced
+# share, overflow in further rounds (`zoo.ops.moe_rounds`), when that is under half the
+# worst-case buffers of one round
+ROUNDS_BUFFER_FACTOR = 1.25
+# why a grouped-matmul choice falls back to XLA's ragged dot (`MoEExecution.kernel_reason`)
+TRITON_FP32_REASON = ("tokamax's float32 ragged dot on GPU is its Triton kernel, whose "
+                      "pallas_call cannot state its output's shard_map varying axes (check_vma "
+                      "refuses it); XLA's ragged dot runs instead (bfloat16 keeps tokamax)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEExecution:
+    """How a MoE layer runs, as one value (like the `zoo.Partitioner`): chosen once from the
+    mesh at construction (`MoEExecution.resolve`), validated there, passed down as a static
+    value (the kernels, the exchange and their backward passes read it; nothing global) and
+    recorded in ``run.json`` (`as_dict`).
+
+    * ``dispatch``: ``"all_gather"`` or ``"all_to_all"`` (`zoo.layers.moe`'s docstring).
+    * ``capacity_factor``: all_gather's slots per expert (None: dropless).
+    * ``buffer_factor``: the all_to_all receive buffers asked for (None: dropless);
+      ``exchange_buffer_factor`` the ones the exchange runs with (the rounds' buffers when
+      ``overflow="auto"`` chose them; None: one round of worst-case buffers).
+    * ``overflow``: ``"drop"`` (copies beyond the buffers are dropped; with no buffer factor
+      and no capacity nothing is) or ``"exact"`` (they travel in further rounds).
+    * ``grouped_matmul``: the experts' kernel (`grouped_swiglu`'s ``impl``), settled for
+      ``platform``; ``kernel_reason``: why it is not the platform's default (a kernel that
+      cannot run in this configuration falls back to XLA's path), else None.
+    * ``platform``: ``"cpu"``/``"gpu"``/``"tpu"`` of the mesh's devices; ``device``: one of
+      them when tokamax's kernels must be traced for it (a GPU mesh on another host's
+      platform, `zoo.Partitioner.target_device`), else None.
+    * ``requested_dispatch``, ``requested_overflow``: what was asked (``"auto"`` or a scheme).
+
+    ``dropless()`` is the same execution with nothing dropped (what generation runs).
+    """
+    dispatch: str = "all_gather"
+    capacity_factor: float | None = None
+    buffer_factor: float | None = None
+    overflow: str = "drop"
+    exchange_buffer_factor: float | None = None
+    grouped_matmul: str = "blocked"
+    kernel_reason: str | None = None
+    platform: str = "cpu"
+    device: Any = None
+    requested_dispatch: str = "auto"
+    requested_overflow: str = "auto"
+
+    @staticmethod
+    def check(*, dispatch: str = "auto", capacity_factor: float | None = None,
+              buffer_factor: float | None = None, overflow: str = "auto",
+              grouped_matmul: str = "auto", plain: bool = True) -> None:
+        """The requested options and the rules between them, with the fix in each message
+        (``plain``: the experts are SwiGLU without biases, which the rounds need)."""
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for "
+                             f"dropless dispatch")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch={dispatch!r} must be one of {DISPATCHES}")
+        if grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"grouped_matmul={grouped_matmul!r} must be one of "
+                             f"{GROUPED_MATMULS}")
+        if buffer_factor is not None and not buffer_factor > 0:
+            raise ValueError(f"buffer_factor={buffer_factor} must be > 0, or None for dropless "
+                             f"all-to-all buffers")
+        if buffer_factor is not None and dispatch == "all_gather":
+            raise ValueError(f"buffer_factor={buffer_factor} sizes all_to_all receive buffers; "
+                             f"dispatch='all_gather' has none (use capacity_factor there)")
+        if overflow not in OVERFLOWS:
+            raise ValueError(f"overflow={overflow!r} must be one of {OVERFLOWS}: 'drop' drops "
+                             f"the copies beyond the all_to_all buffers, 'exact' sends them in "
+                             f"further rounds, 'auto' picks (see zoo.layers.moe)")
+        if overflow == "exact" and dispatch == "all_gather":
+            raise ValueError("overflow='exact' runs all_to_all in rounds; dispatch='all_gather' "
+                             "has no buffers to overflow (pass dispatch='all_to_all' with a "
+                             "buffer_factor)")
+        if capacity_factor is not None and dispatch == "all_to_all":
+            raise ValueError("capacity_factor belongs to dispatch='all_gather' (per-expert "
+                             "capacity after the gather); with dispatch='all_to_all' bound the "
+                             "buffers with buffer_factor instead")
+        if overflow == "exact" and not plain:
+            raise ValueError("overflow='exact' runs the plain SwiGLU experts; expert_bias and a "
+                             "clamped activation need overflow='drop' (with buffer_factor=None "
+                             "nothing is dropped)")
+
+    @classmethod
+    def resolve(cls, *, dispatch: str = "auto", capacity_factor: float | None = None,
+                buffer_factor: float | None = None, overflow: str = "auto",
+                grouped_matmul: str = "auto", plain: bool = True, dtype: Any = None,
+                platform: str = "cpu", device: Any = None, sharded: bool = False,
+                expert_shards: int = 1, unsharded_token_axes: tuple = (),
+                tokens_per_device: int = 1, num_experts: int = 1, k: int = 1,
+                embed: int = 1) -> MoEExecution:
+        """The execution the requested options stand for on a mesh: `check`, then ``"auto"``
+        settled (dispatch by `dispatch_bytes`; overflow by the rounds' buffers, see
+        `zoo.layers.moe`; the grouped matmul by ``platform``, falling back to XLA's ragged dot
+        where tokamax's kernel cannot run). ``sharded``: a mesh is given; ``expert_shards``:
+        the expert axes' size; ``unsharded_token_axes``: expert axes that shard no token
+        dimension (all_to_all needs each device's own tokens); ``tokens_per_device``,
+        ``num_experts``, ``k``, ``embed``: the sizes "auto" weighs; ``dtype``: the experts'
+        computation dtype (None: the input's)."""
+        cls.check(dispatch=dispatch, capacity_factor=capacity_factor,
+                  buffer_factor=buffer_factor, overflow=overflow,
+                  grouped_matmul=grouped_matmul, plain=plain)
+        scheme = dispatch
+        if not sharded:
+            scheme = "all_gather" if dispatch == "auto" else dispatch
+        elif unsharded_token_axes:
+            if dispatch == "all_to_all":
+                raise ValueError(f"dispatch='all_to_all' needs the tokens sharded over every "
+                                 f"expert axis, but {unsharded_token_axes} shards none of them; "
+                                 f"use dispatch='all_gather' or a strategy that shards tokens "
+                                 f"over 'expert'")
+            scheme = "all_gather"
+        elif dispatch == "auto":
+            if expert_shards == 1 or capacity_factor is not None:
+                scheme = "all_gather"
+            else:
+                dims = dict(tokens=tokens_per_device, k=k, embed=embed, num_shards=expert_shards)
+                a2a, ag = (dispatch_bytes(s, **dims) for s in ("all_to_all", "all_gather"))
+                scheme = "all_to_all" if a2a < ag else "all_gather"
+        flow, exchange = overflow, buffer_factor
+        if overflow == "auto":
+            flow = "drop"
+            if buffer_factor is None and scheme == "all_to_all" and plain:
+                args = (tokens_per_device, k, num_experts // expert_shards, expert_shards)
+                if 2 * a2a_capacity(*args, ROUNDS_BUFFER_FACTOR) < a2a_capacity(*args, None):
+                    flow, exchange = "exact", ROUNDS_BUFFER_FACTOR
+        kernel = choose_grouped_matmul(grouped_matmul, platform)
+        reason = None
+        floating = None if dtype is None else jnp.dtype(dtype)
+        if (platform == "gpu" and sharded and kernel == "tokamax"
+                and floating != jnp.dtype(jnp.bfloat16)):
+            kernel, reason = "ragged_dot", TRITON_FP32_REASON
+        return cls(dispatch=scheme, capacity_factor=capacity_factor,
+                   buffer_factor=buffer_factor, overflow=flow, exchange_buffer_factor=exchange,
+                   grouped_matmul=kernel, kernel_reason=reason, platform=platform,
+                   device=device if platform == "gpu" else None, requested_dispatch=dispatch,
+                   requested_overflow=overflow)
+
+    @property
+    def drops(self) -> bool:
+        """Whether copies can be dropped (a capacity, or all_to_all buffers with overflow
+        dropped)."""
+        if self.dispatch == "all_gather":
+            return self.capacity_factor is not None
+        return self.overflow == "drop" and self.exchange_buffer_factor is not None
+
+    def dropless(self) -> MoEExecution:
+        """This execution with nothing dropped: no capacity, and all_to_all in one round of
+        worst-case buffers (its exchange, kernel and device kept). What generation runs,
+        whatever the training settings."""
+        return dataclasses.replace(self, capacity_factor=None, buffer_factor=None,
+                                   overflow="drop", exchange_buffer_factor=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as ``run.json`` records them (the device by its kind)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["device"] = None if self.device is None else str(
+            getattr(self.device, "device_kind", self.device))
+        return d
 
 
 def _local_keys(expert_ids: jax.Array, expert_offset, num_local: int) -> jax.Array:
@@ -183,23 +352,23 @@ def block_size(rows: int, num_local: int) -> int:
     return int(min(128, max(8, 2 ** math.floor(math.log2(quarter)))))
 
 
-def _varying(v: jax.Array) -> frozenset:
+def varying_axes(v: jax.Array) -> frozenset:
     """The `jax.shard_map` axes `v` varies over (empty outside a shard_map)."""
     return jax.typeof(v).manual_axis_type.varying
 
 
-def _vary(v: jax.Array, axes) -> jax.Array:
+def mark_varying(v: jax.Array, axes) -> jax.Array:
     """`v` marked as varying over `axes` too (inside `jax.shard_map`; a no-op outside)."""
-    missing = tuple(sorted(set(axes) - _varying(v)))
+    missing = tuple(sorted(set(axes) - varying_axes(v)))
     return jax.lax.pcast(v, missing, to="varying") if missing else v
 
 
-def _as_varying(v: jax.Array, axes) -> jax.Array:
+def as_varying(v: jax.Array, axes) -> jax.Array:
     """A cotangent given the type of an input that varies over exactly `axes`: summed over the
     axes it varies over and the input does not (the transpose of the implicit broadcast),
     marked varying over those it lacks."""
-    extra = tuple(sorted(_varying(v) - set(axes)))
-    return _vary(jax.lax.psum(v, extra) if extra else v, axes)
+    extra = tuple(sorted(varying_axes(v) - set(axes)))
+    return mark_varying(jax.lax.psum(v, extra) if extra else v, axes)
 
 
 def take_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
@@ -208,7 +377,7 @@ def take_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
     as well: ``inv [c * R]`` says where copy ``q`` of row ``q % R`` sits in the result
     (``idx[inv[q]] == q % R``), so ``dx = sum over copies of g[inv]`` -- not the scatter-add
     (and, on TPU, the sort of the indices) that autodiff makes of a gather."""
-    return _take_rows(x, idx, inv, x.shape[0], _varying(x))
+    return _take_rows(x, idx, inv, x.shape[0], varying_axes(x))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -225,7 +394,7 @@ def _take_rows_bwd(rows, axes, res, g):
     copies = g[inv].reshape(-1, rows, *g.shape[1:])
     dx = copies[0] if copies.shape[0] == 1 else jnp.sum(copies, 0, dtype=jnp.float32)
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
-    return _as_varying(dx.astype(g.dtype), axes), zero(idx), zero(inv)
+    return as_varying(dx.astype(g.dtype), axes), zero(idx), zero(inv)
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
@@ -241,8 +410,8 @@ def _block_mm(x: jax.Array, w: jax.Array, experts: jax.Array, active: jax.Array)
     """``x [n, b, K]`` block n times ``w[experts[n]] [K, N]`` -> ``[n, b, N]``; inactive
     blocks give zeros and cost nothing (a `lax.cond` inside a loop). The weight of each block
     is sliced inside the loop, never gathered into an ``[n, K, N]`` temporary."""
-    zeros = _vary(jnp.zeros((x.shape[1], w.shape[-1]), jnp.result_type(x, w)),
-                  _varying(x) | _varying(w))
+    zeros = mark_varying(jnp.zeros((x.shape[1], w.shape[-1]), jnp.result_type(x, w)),
+                  varying_axes(x) | varying_axes(w))
 
     def one(args):
         xb, e, on = args
@@ -270,7 +439,7 @@ def _blocked_bwd(res, dy):
     # dw: an expert's blocks are contiguous, so one float32 [K, N] accumulator runs over them
     # and is written into dw (w's dtype) once per expert -- exact float32 sums without a
     # float32 copy of all the local experts' weights
-    vary = lambda v: _vary(v, _varying(w))
+    vary = lambda v: mark_varying(v, varying_axes(w))
 
     def flush(dw, acc, e):
         return jax.lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), e, 0)
@@ -323,8 +492,8 @@ def _blocked_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.
     active = jnp.arange(blocks) * block < padded_ends[-1]
     # one varying type for blocks and weights, so the custom VJP returns each weight's
     # gradient in its own type (the sum over token shards is the transposed pcast's psum)
-    axes = frozenset().union(*(_varying(v) for v in (xp, be, wi_gate, wi_up, wo)))
-    xp, be, active, wi_gate, wi_up, wo = (_vary(v, axes)
+    axes = frozenset().union(*(varying_axes(v) for v in (xp, be, wi_gate, wi_up, wo)))
+    xp, be, active, wi_gate, wi_up, wo = (mark_varying(v, axes)
                                           for v in (xp, be, active, wi_gate, wi_up, wo))
     gate, up = blocked_matmul(xp, wi_gate, be, active), blocked_matmul(xp, wi_up, be, active)
     if bias is not None:  # one expert per block
@@ -349,27 +518,13 @@ def _ragged_swiglu(dot, x, wi_gate, wi_up, wo, group_sizes, activation=SWIGLU, b
     return dot(activation(gate, up), wo, group_sizes)  # MF,EFD->MD
 
 
-_TARGET_DEVICE: contextvars.ContextVar = contextvars.ContextVar("zoo_moe_target_device",
-                                                                default=None)
-
-
-@contextlib.contextmanager
-def target_device(device):
-    """Trace tokamax's grouped matmuls (``impl="tokamax"``/``"auto"``) for `device`'s platform:
-    a device of the mesh the program is compiled for, when that is not the process's default
-    platform (a GPU or TPU target compiled on a CPU host). tokamax picks and admits its
-    kernels by the default device (on a CPU default it refuses Mosaic GPU and Triton and falls
-    back to `jax.lax.ragged_dot`, which XLA:GPU expands to a dense matmul over every local
-    expert), so forward and backward are traced with `device` as the default. None: no
-    change. `zoo.layers.MoE` sets it for its mesh."""
-    token = _TARGET_DEVICE.set(device)
-    try:
-        yield
-    finally:
-        _TARGET_DEVICE.reset(token)
-
-
-def _tokamax_dot(x, w, group_sizes):
+def tokamax_dot(x, w, group_sizes, device=None):
+    """``tokamax.ragged_dot(x, w, group_sizes)``; `device` (static): a device of the mesh the
+    program is compiled for when that is not the process's default platform (a GPU target
+    compiled on a CPU host). tokamax picks and admits its kernels by the default device (on a
+    CPU default it refuses Mosaic GPU and Triton and falls back to `jax.lax.ragged_dot`), so
+    forward and backward are then traced with `device` as the default (`MoEExecution.device`
+    carries it from the mesh; being a static value, it reaches the backward pass too)."""
     import tokamax  # imported on use: an accelerator kernel library, not needed on CPU
     from absl import flags
     # tokamax 0.0.12 reads its options through absl flags and, if nobody parsed them, parses
@@ -377,10 +532,9 @@ def _tokamax_dot(x, w, group_sizes):
     # defaults instead
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-    device = _TARGET_DEVICE.get()
     if device is None:
         return tokamax.ragged_dot(x, w, group_sizes)
-    return _ragged_dot_for(device)(x, w, group_sizes, _varying(x), _varying(w))
+    return _ragged_dot_for(device)(x, w, group_sizes, varying_axes(x), varying_axes(w))
 
 
 @functools.cache
@@ -397,7 +551,7 @@ def _ragged_dot_for(device):
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def dot(x, w, group_sizes, vx, vw):
         with jax.default_device(device):
-            return _vary(tokamax.ragged_dot(x, w, group_sizes), vx | vw)
+            return mark_varying(tokamax.ragged_dot(x, w, group_sizes), vx | vw)
 
     def fwd(x, w, group_sizes, vx, vw):
         return dot(x, w, group_sizes, vx, vw), (x, w, group_sizes)
@@ -411,7 +565,7 @@ def _ragged_dot_for(device):
             dw = tokamax.ragged_dot_general(
                 x, g, group_sizes, dims((([0], [0]), ([], [])), [0], []),
                 preferred_element_type=w.dtype)
-        return _as_varying(dx, vx), _as_varying(dw, vw), None
+        return as_varying(dx, vx), as_varying(dw, vw), None
 
     dot.defvjp(fwd, bwd)
     return dot
@@ -421,7 +575,7 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
                    group_sizes: jax.Array, impl: str = "auto", *,
                    expected_rows: int | None = None, order: jax.Array | None = None,
                    inverse: jax.Array | None = None, activation: GLU = SWIGLU,
-                   bias=None) -> jax.Array:
+                   bias=None, device=None) -> jax.Array:
     """SwiGLU of rows sorted by expert: ``[R, D] -> [R, D]``; rows past ``sum(group_sizes)``
     are undefined (callers mask them).
 
@@ -442,6 +596,8 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
         than XLA's ragged dot for one ``[65536, 7168] x [4, 7168, 2048]`` product on v5p),
         and on a v5e chip XLA's ragged dot ran a SwiGLU's forward and backward about 10x
         faster than the Mosaic kernel at its default tiles (docs/benchmarks.md).
+      * ``"fp8_blockwise"``: `zoo.ops.fp8.ragged_dot`, blockwise-scaled FP8 operands (XLA's
+        ragged dot per 128-block of D or F), forward and backward (docs/fp8.md).
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
@@ -449,16 +605,21 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
     permutation when the caller has it (else computed); the sorted forms move rows with
     `take_rows`, whose gradients are gathers too.
     ``activation``: a `GLU`; ``bias``: None or ``(gate_bias, up_bias)`` ``[E_local, F]``.
+    ``device``: the target device tokamax's kernels are traced for (`tokamax_dot`).
     """
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
     with jax.named_scope("grouped_matmul"):  # profiles and HLO read the experts' matmuls by it
         return _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order,
-                               inverse, activation, bias)
+                               inverse, activation, bias, device)
+
+
+def _fp8_ragged_dot(x, w, group_sizes):
+    return fp8.ragged_dot(x, w, group_sizes).astype(x.dtype)
 
 
 def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order, inverse,
-                    activation, bias):
+                    activation, bias, device):
     block = block_size(expected_rows or x.shape[0], wi_gate.shape[0])
     args = (x, wi_gate, wi_up, wo, group_sizes)
     blocked = lambda *a: _blocked_swiglu(*a, block, order, activation, bias)
@@ -475,7 +636,9 @@ def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, ord
         return blocked(*args)
     if impl == "ragged_dot":
         return sorted_rows(jax.lax.ragged_dot)(*args)
-    tok = sorted_rows(_tokamax_dot)
+    if impl == "fp8_blockwise":
+        return sorted_rows(_fp8_ragged_dot)(*args)
+    tok = sorted_rows(functools.partial(tokamax_dot, device=device))
     if impl == "tokamax":
         return tok(*args)
     return jax.lax.platform_dependent(*args, cpu=blocked, tpu=sorted_rows(jax.lax.ragged_dot),
@@ -483,7 +646,7 @@ def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, ord
 
 
 # -- dispatch ----------------------------------------------------------------------------------
-def _combine(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
+def combine_copies(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
     """``out [k, T, D]`` (copy ``j*T + t``) weighted by ``weights [T, k]`` and summed over k,
     as one dot in the compute dtype (so its transpose is one too; GPU/TPU matmul units
     accumulate it in float32), returned as float32."""
@@ -494,14 +657,15 @@ def _combine(out_copies: jax.Array, weights: jax.Array) -> jax.Array:
 def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_gate: jax.Array,
                      wi_up: jax.Array, wo: jax.Array, *, expert_offset=0, impl: str = "auto",
                      expected_rows: int | None = None, activation: GLU = SWIGLU,
-                     bias=None) -> tuple[jax.Array, jax.Array]:
+                     bias=None, device=None) -> tuple[jax.Array, jax.Array]:
     """Weighted sum of the local experts' SwiGLU outputs for each token; nothing dropped.
 
     Args:
       x: ``[T, D]`` tokens; indices, weights: ``[T, k]`` from `route`.
       wi_gate, wi_up: ``[E_local, D, F]``; wo: ``[E_local, F, D]`` (experts
         ``expert_offset ..``; the offset may be traced, e.g. from `jax.lax.axis_index`).
-      impl, expected_rows, activation, bias: the grouped matmul, see `grouped_swiglu`.
+      impl, expected_rows, activation, bias, device: the grouped matmul, see
+        `grouped_swiglu`.
     Returns:
       ``(y [T, D] float32, dropped)`` with ``dropped`` an int32 zero (nothing is dropped).
     """
@@ -513,12 +677,13 @@ def dropless_experts(x: jax.Array, indices: jax.Array, weights: jax.Array, wi_ga
     inverse = inverse_permutation(order)
     x_sorted = take_rows(x.astype(wi_gate.dtype), order % num_tokens, inverse)  # [M, D]
     out = grouped_swiglu(x_sorted, wi_gate, wi_up, wo, group_sizes, impl,
-                         expected_rows=expected_rows, activation=activation, bias=bias)
+                         expected_rows=expected_rows, activation=activation, bias=bias,
+                         device=device)
     # rows past the local groups belong to other shards' experts: zero them explicitly, since
     # a grouped-matmul kernel need not define them
     valid = jnp.arange(order.shape[0]) < group_sizes.sum()
     out = jnp.where(valid[:, None], out, 0)
-    y = _combine(take_rows(out, inverse, order).reshape(k, num_tokens, -1), weights)
+    y = combine_copies(take_rows(out, inverse, order).reshape(k, num_tokens, -1), weights)
     return y, jnp.zeros((), jnp.int32)
 
 
@@ -538,7 +703,7 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
                        wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *,
                        axis_name, num_shards: int, capacity: int, impl: str = "auto",
                        transport: str = "auto", activation: GLU = SWIGLU,
-                       bias=None) -> tuple[jax.Array, jax.Array]:
+                       bias=None, device=None) -> tuple[jax.Array, jax.Array]:
     """Expert-parallel dispatch by all-to-all, inside `jax.shard_map` over `axis_name`.
 
     Each device holds its own tokens ``x [T, D]`` (with ``indices/weights [T, k]``) and the
@@ -568,7 +733,7 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     recv_counts = jax.lax.all_to_all(plan.per_expert, axis_name, 0, 0, tiled=True)  # [EP, E_l]
     recv_sizes = recv_counts.sum(1)
     their_offsets = jax.lax.all_to_all(plan.offsets, axis_name, 0, 0, tiled=True)
-    vary = lambda v, like: _vary(v, _varying(like))
+    vary = lambda v, like: mark_varying(v, varying_axes(like))
 
     def ragged_go(x):
         xs = take_rows(x, plan.order % num_tokens, plan.pos)  # copies in send order [M, D]
@@ -593,7 +758,7 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     arrival, order2, valid, group_sizes = _arrival_layout(recv_counts, cap)
     out = grouped_swiglu(recv_x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows=copies,
                          order=order2, inverse=arrival, activation=activation,
-                         bias=bias)  # in arrival order
+                         bias=bias, device=device)  # in arrival order
     out = jnp.where(valid[:, None], out, 0)
 
     def ragged_back(out):
@@ -612,7 +777,7 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     else:
         got = back[transport](out)
     got = jnp.where(plan.kept[:, None], got, 0).reshape(k, num_tokens, -1)
-    return _combine(got, weights), (copies - plan.sent.sum()).astype(jnp.int32)
+    return combine_copies(got, weights), (copies - plan.sent.sum()).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

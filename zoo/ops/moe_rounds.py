@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo.ops.moe import _TARGET_DEVICE, _combine, _vary, _varying, grouped_swiglu, target_device
+from zoo.ops.moe import combine_copies, grouped_swiglu, mark_varying, varying_axes
 
 __all__ = ["all_to_all_rounds"]
 
@@ -38,21 +38,22 @@ __all__ = ["all_to_all_rounds"]
 def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
                       wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *, axis_name,
                       num_shards: int, capacity: int, impl: str = "auto",
-                      transport: str = "auto") -> tuple[jax.Array, jax.Array]:
+                      transport: str = "auto", device=None) -> tuple[jax.Array, jax.Array]:
     """Exact expert-parallel dispatch by all-to-all in rounds of ``capacity`` rows per peer,
-    inside `jax.shard_map` over `axis_name` (arguments as `zoo.ops.moe.all_to_all_experts`).
+    inside `jax.shard_map` over `axis_name` (arguments as `zoo.ops.moe.all_to_all_experts`;
+    ``device``, static, reaches the backward's kernels too).
 
     Returns ``(y [T, D] float32, rounds int32)``: ``rounds`` is the number of rounds this
     expert group ran (the same on each of its devices); nothing is dropped.
     """
     x = x.astype(wi_gate.dtype)
-    axes = frozenset().union(*(_varying(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
-    x, wi_gate, wi_up, wo = (_vary(v, axes) for v in (x, wi_gate, wi_up, wo))
-    indices = _vary(indices, axes)
-    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, _TARGET_DEVICE.get())
+    axes = frozenset().union(*(varying_axes(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
+    x, wi_gate, wi_up, wo = (mark_varying(v, axes) for v in (x, wi_gate, wi_up, wo))
+    indices = mark_varying(indices, axes)
+    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, device)
     got, rounds = _exchange(cfg, x, wi_gate, wi_up, wo, indices)
     num_tokens, k = indices.shape
-    return _combine(got.reshape(k, num_tokens, -1), weights), rounds
+    return combine_copies(got.reshape(k, num_tokens, -1), weights), rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class _Cfg:
     cap: int
     impl: str
     transport: str
-    device: Any = None  # `zoo.ops.moe.target_device` at the forward: the backward traces later
+    device: Any = None  # the kernels' target device (`zoo.ops.moe.tokamax_dot`)
 
 
 class _Plan:
@@ -117,7 +118,7 @@ def _go(cfg: _Cfg, plan: _Plan, r, rows, tags):
         xs, ts = rows[plan.order], tags[plan.order]
         at = jnp.full((n,), plan.me * cap, jnp.int32)
         offsets = plan.starts + r * cap
-        vary = lambda v, like: _vary(v, _varying(like))
+        vary = lambda v, like: mark_varying(v, varying_axes(like))
         rx = jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, xs.shape[-1]), xs.dtype), xs),
                                        offsets, sent, at, recv, axis_name=name)
         rt = jax.lax.ragged_all_to_all(ts, vary(jnp.full((n * cap,), -1, ts.dtype), ts),
@@ -137,7 +138,7 @@ def _back(cfg: _Cfg, plan: _Plan, r, out, acc):
         return back[plan.dest, jnp.clip(plan.rank - r * cap, 0, cap - 1)]
 
     def ragged(out):
-        dst = _vary(jnp.zeros((plan.copies, out.shape[-1]), out.dtype), _varying(out))
+        dst = mark_varying(jnp.zeros((plan.copies, out.shape[-1]), out.dtype), varying_axes(out))
         back = jax.lax.ragged_all_to_all(out, dst, jnp.arange(n) * cap, recv,
                                          plan.their_starts + r * cap, sent, axis_name=name)
         return back[plan.pos]
@@ -159,7 +160,8 @@ def _expert_rows(cfg: _Cfg, recv_x, recv_e, wg, wu, wo, copies: int):
     keys = jnp.where(recv_e < 0, num_local, recv_e)
     order = jnp.argsort(keys, stable=True)
     sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
-    out = grouped_swiglu(recv_x, wg, wu, wo, sizes, cfg.impl, expected_rows=copies, order=order)
+    out = grouped_swiglu(recv_x, wg, wu, wo, sizes, cfg.impl, expected_rows=copies, order=order,
+                         device=cfg.device)
     return jnp.where((keys < num_local)[:, None], out, 0)
 
 
@@ -177,8 +179,8 @@ def _forward(cfg: _Cfg, x, wg, wu, wo, indices):
         out = _expert_rows(cfg, recv_x, recv_e, wg, wu, wo, plan.copies)
         return r + 1, _back(cfg, plan, r, out, acc)
 
-    acc = _vary(jnp.zeros((plan.copies, x.shape[-1]), x.dtype), _varying(x))
-    zero = _vary(jnp.zeros((), jnp.int32), _varying(plan.rounds))
+    acc = mark_varying(jnp.zeros((plan.copies, x.shape[-1]), x.dtype), varying_axes(x))
+    zero = mark_varying(jnp.zeros((), jnp.int32), varying_axes(plan.rounds))
     _, acc = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, (zero, acc))
     return acc, plan.rounds
 
@@ -194,13 +196,8 @@ def _exchange_fwd(cfg, x, wg, wu, wo, indices):
 
 
 def _exchange_bwd(cfg, res, cotangents):
-    # the grouped matmuls' kernels are traced for the target again (tokamax's own backward,
-    # traced without it, fails its varying-axes check inside the shard_map)
-    with target_device(cfg.device):
-        return _exchange_bwd_for_target(cfg, res, cotangents)
-
-
-def _exchange_bwd_for_target(cfg, res, cotangents):
+    # the grouped matmuls' kernels are traced for ``cfg.device`` again (a static value: the
+    # backward is traced after the forward's scope has closed)
     x, wg, wu, wo, indices = res
     d_got = cotangents[0].astype(x.dtype)
     plan = _Plan(cfg, indices, wg.shape[0])
@@ -221,9 +218,9 @@ def _exchange_bwd_for_target(cfg, res, cotangents):
             dwo + d_o.astype(dwo.dtype)
 
     def zeros(v, dtype=None):
-        return _vary(jnp.zeros(v.shape, dtype or v.dtype), _varying(v))
-    zero = _vary(jnp.zeros((), jnp.int32), _varying(plan.rounds))
-    dx0 = _vary(jnp.zeros((plan.copies, width), x.dtype), _varying(x))
+        return mark_varying(jnp.zeros(v.shape, dtype or v.dtype), varying_axes(v))
+    zero = mark_varying(jnp.zeros((), jnp.int32), varying_axes(plan.rounds))
+    dx0 = mark_varying(jnp.zeros((plan.copies, width), x.dtype), varying_axes(x))
     init = (zero, dx0, zeros(wg, jnp.float32), zeros(wu, jnp.float32), zeros(wo, jnp.float32))
     _, dx_copies, dwg, dwu, dwo = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
     k = plan.copies // plan.num_tokens

@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zoo.ops.flash import _put, _slice, loop
+from zoo.ops.flash import loop, put_block, slice_block
 from zoo.ops.kernels import BlockKernel, Scores
 from zoo.ops.masks import PARTIAL, block_kind, bounds
 
@@ -306,7 +306,7 @@ def _rounds(cfg, q, params, payload) -> tuple[int, int]:
 
 def _piece(xs, h, n):
     """Piece h (traced) of n equal pieces along axis 1 of every array in the tree xs."""
-    return jax.tree.map(lambda x: _slice(x, h, x.shape[1] // n), xs)
+    return jax.tree.map(lambda x: slice_block(x, h, x.shape[1] // n), xs)
 
 
 def _merge(out, lse, o, o_lse):
@@ -349,8 +349,8 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
 
     def pair(idx, state):
         a, b = idx // nk, idx % nk
-        qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
-        kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
+        qpa, qsa = slice_block(qp, a, lq), slice_block(qs, a, lq)
+        kpb, ksb = slice_block(kp, b, lk), slice_block(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
         branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
         if into:  # the kernel merges into the running (out, lse) in place
@@ -361,13 +361,13 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
             return _one_of(branch, (run_into(False), *map(run_into, plans)), state)
 
         def kv():
-            return _slice(k, b, lk), _slice(v, b, lk)
+            return slice_block(k, b, lk), slice_block(v, b, lk)
 
         def run(masked):
             if windowed:  # whole arrays, no sub-block copies (see `BlockKernel`)
                 return lambda: cfg.kernel.forward(q, k, v, qp, kp, qs, ks, scores=cfg.scores,
                                                   masked=masked, window=(a * lq, lq, b * lk, lk))
-            return lambda: cfg.kernel.forward(_slice(q, a, lq), *kv(), qpa, kpb, qsa, ksb,
+            return lambda: cfg.kernel.forward(slice_block(q, a, lq), *kv(), qpa, kpb, qsa, ksb,
                                               scores=cfg.scores, masked=masked)
 
         def skip():
@@ -376,8 +376,8 @@ def _forward_block(cfg, q, qp, qs, k, v, kp, ks, state, kv_groups=1, kv_split=No
         o, o_lse = (run(True)() if whole
                     else lax.switch(branch, (skip, run(False), *map(run, plans))))
         out, lse = state
-        oa, la = _merge(_slice(out, a, lq), _slice(lse, a, lq, axis=2), o, o_lse)
-        return _put(out, oa, a, lq), _put(lse, la, a, lq, axis=2)
+        oa, la = _merge(slice_block(out, a, lq), slice_block(lse, a, lq, axis=2), o, o_lse)
+        return put_block(out, oa, a, lq), put_block(lse, la, a, lq, axis=2)
 
     return pair(jnp.int32(0), state) if whole else loop(nq * nk, pair, state)
 
@@ -396,8 +396,8 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
 
     def pair(idx, acc):
         a, b = idx // nk, idx % nk
-        qpa, qsa = _slice(qp, a, lq), _slice(qs, a, lq)
-        kpb, ksb = _slice(kp, b, lk), _slice(ks, b, lk)
+        qpa, qsa = slice_block(qp, a, lq), slice_block(qs, a, lq)
+        kpb, ksb = slice_block(kp, b, lk), slice_block(ks, b, lk)
         kind = block_kind(cfg.scores.mask, bounds(qpa, qsa), bounds(kpb, ksb))
         branch = _branch(cfg, kind, plans, qpa, kpb, qsa, ksb)
         if into:  # the kernel adds into the accumulators in place, one loop per way to run
@@ -412,11 +412,12 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
                 return lambda: cfg.kernel.backward(
                     q, k, v, qp, kp, qs, ks, out, lse, dout, scores=cfg.scores, masked=masked,
                     window=(a * lq, lq, b * lk, lk), **rows)
-            sub = {n: _slice(x, a, lq, axis=2) for n, x in rows.items()}
+            sub = {n: slice_block(x, a, lq, axis=2) for n, x in rows.items()}
             return lambda: cfg.kernel.backward(
-                _slice(q, a, lq), _slice(k, b, lk), _slice(v, b, lk), qpa, kpb, qsa, ksb,
-                None if out is None else _slice(out, a, lq), _slice(lse, a, lq, axis=2),
-                _slice(dout, a, lq), scores=cfg.scores, masked=masked, **sub)
+                slice_block(q, a, lq), slice_block(k, b, lk), slice_block(v, b, lk),
+                qpa, kpb, qsa, ksb,
+                None if out is None else slice_block(out, a, lq), slice_block(lse, a, lq, axis=2),
+                slice_block(dout, a, lq), scores=cfg.scores, masked=masked, **sub)
 
         def skip():
             return (jnp.zeros((*q.shape[:1], lq, *q.shape[2:]), F32),
@@ -426,8 +427,9 @@ def _backward_block(cfg, q, qp, qs, out, lse, dout, dq, k, v, kp, ks, kv_groups=
         gq, gk, gv = (run(True)() if whole
                       else lax.switch(branch, (skip, run(False), *map(run, plans))))
         dq, dk, dv = acc
-        return (_put(dq, _slice(dq, a, lq) + gq, a, lq), _put(dk, _slice(dk, b, lk) + gk, b, lk),
-                _put(dv, _slice(dv, b, lk) + gv, b, lk))
+        return (put_block(dq, slice_block(dq, a, lq) + gq, a, lq),
+                put_block(dk, slice_block(dk, b, lk) + gk, b, lk),
+                put_block(dv, slice_block(dv, b, lk) + gv, b, lk))
 
     # plain zeros: inside the backward's loops they cannot be hoisted into the forward
     init = (dq, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
@@ -510,7 +512,7 @@ def _blocks(cfg, home):
 
 def _gathered(cfg, t, c, xs):
     """Slice t of every shard's arrays, gathered: [B, cp*c, ...] in shard order."""
-    return tuple(_gather(_slice(x, t, c), cfg) for x in xs)
+    return tuple(_gather(slice_block(x, t, c), cfg) for x in xs)
 
 
 def _slices(cfg, q, params, payload):
@@ -626,7 +628,7 @@ def _attend_bwd(cfg, res, dout):
                 with jax.named_scope("reduce_scatter_dkv"):
                     dpl = tuple(lax.psum_scatter(x, cfg.axes, scatter_dimension=1, tiled=True)
                                 for x in dpl)
-            dpayload = tuple(_put(d, x, t, c) for d, x in zip(dpayload, dpl))
+            dpayload = tuple(put_block(d, x, t, c) for d, x in zip(dpayload, dpl))
             return dq, jax.tree.map(jnp.add, dparams, dparams_b), dpayload
 
         dq, dparams, dpayload = loop(m, gather_step, (dq, dparams, zeros(payload)))
@@ -649,7 +651,7 @@ def _attend_bwd(cfg, res, dout):
             init = (pl, kpb, ksb, zeros(pl), dq, dparams)
             (*_, acc, dq, dparams), _ = lax.scan(ring_step, init, None, length=_cp(cfg))
             c = kpos.shape[1] // n
-            return dq, dparams, tuple(_put(d, a, h, c) for d, a in zip(dpayload, acc))
+            return dq, dparams, tuple(put_block(d, a, h, c) for d, a in zip(dpayload, acc))
 
         def full(dq, dparams):
             return loop(n, ring_round, (dq, dparams, zeros(payload)))

@@ -16,8 +16,8 @@
   `create_sharded`, `abstract_state`, `make_global_batch`, `BATCH_KEYS`.
 * `zoo.train.checkpoint` -- `Checkpointer` (Orbax, corrupt-checkpoint fallback).
 * `zoo.train.rehearse` -- `rehearse` / `Rehearsal`: the train step compiled ahead of time for
-  a (virtual) mesh at full size; per-device memory, HLO FLOPs, collective bytes;
-  `rehearse_decode`: one decode step against a KV cache, the same way.
+  a (virtual) mesh at full size; per-device memory, HLO FLOPs, collective bytes (one decode
+  step against a KV cache: `zoo.inference.rehearsal.rehearse_decode`, the same way).
 * `zoo.train.cli` -- the recipes' `Recipe` and `main`.
 * `zoo.train.launch`, `validate`, `lock`, `guard`, `fields` -- devices and processes, input
   checks, the run-dir lock, NaN/divergence/stop agreement, typed values from text.
@@ -29,7 +29,6 @@ from zoo.train.config import TrainConfig
 from zoo.train.hooks import Hook, plot_loss, read_metrics
 from zoo.train.launch import set_cpu_devices
 from zoo.train.load import Loaded, load
-from zoo.train.decode_rehearsal import rehearse_decode
 from zoo.train.rehearse import Rehearsal, rehearse
 from zoo.targets import target_devices
 from zoo.train.step import (BATCH_KEYS, abstract_state, create_sharded, loss_fn, lr_schedule,
@@ -41,5 +40,5 @@ __all__ = ["BATCH_KEYS", "Built", "Checkpointer", "CompileInterrupted", "Hook",
            "IncompatibleCheckpoint", "Loaded", "Rehearsal", "Summary", "TrainConfig", "Trainer",
            "TrainingDiverged", "abstract_state", "build", "create_sharded", "load", "loss_fn",
            "lr_schedule", "make_global_batch", "make_train_step", "make_tx", "plot_loss",
-           "read_metrics", "rehearse", "rehearse_decode", "set_cpu_devices",
+           "read_metrics", "rehearse", "set_cpu_devices",
            "target_devices"]

@@ -29,7 +29,7 @@ from zoo.models import registry
 from zoo.train.config import TrainConfig
 from zoo.train.fields import apply_overrides, config_to_json, config_to_python
 
-__all__ = ["Built", "build", "resolve_model_config", "LOAD_BALANCE_LAYOUT"]
+__all__ = ["Built", "build", "resolve_model_config", "class_path", "LOAD_BALANCE_LAYOUT"]
 
 # --load-balance -> the token layout on the context shards (`zoo.ops.attention(layout=)`): "row"
 # deals each row's 2*cp chunks as r, 2cp-1-r; "auto"/"document" permute per row, so no static
@@ -306,16 +306,20 @@ def _from_hf(config: TrainConfig, model_cls, model_config, partitioner, tx, kwar
     return create
 
 
+def class_path(cls: type | None) -> str | None:
+    """``module:QualName``, how run.json names a class so `zoo.train.load` can import it
+    again (None for None)."""
+    return None if cls is None else f"{cls.__module__}:{cls.__qualname__}"
+
+
 def _record(family, model_cls, decoder_layer_cls, model_config, partitioner, abstract, data,
             custom_tx: bool, processes: int) -> dict[str, Any]:
     """What run.json and each checkpoint record beside the settings."""
     from zoo.layers.moe import moe_modules  # the MoE kernels as resolved for this mesh
-    moe = next((dict(dispatch=m.dispatch, requested=m.dispatch_requested,
-                     grouped_matmul=m.grouped_matmul, buffer_factor=m.buffer_factor,
-                     overflow=m.overflow, exchange_buffer_factor=m.exchange_buffer_factor)
-                for m in moe_modules(abstract, with_bias=False)), None)
-    return dict(family=family.name, model_cls=model_cls.__qualname__,
-                decoder_layer_cls=getattr(decoder_layer_cls, "__qualname__", None),
+    # the first MoE layer's `zoo.ops.moe.MoEExecution` (kernel and the reason for a fallback)
+    moe = next((m.execution.as_dict() for m in moe_modules(abstract, with_bias=False)), None)
+    return dict(family=family.name, model_cls=class_path(model_cls),
+                decoder_layer_cls=class_path(decoder_layer_cls),
                 model=config_to_json(model_config),
                 context_parallel=partitioner.context_size("attention"), moe=moe,
                 optimizer="custom" if custom_tx else "zoo.train.step.make_tx",

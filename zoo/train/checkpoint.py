@@ -15,6 +15,25 @@ temporary folder and renames it when complete, so a half-written save never look
 A step that exists but cannot be read (truncated or missing files) is skipped by `restore` with
 a warning, moved aside to ``checkpoints/corrupt-<step>`` and the previous one is used.
 
+Integrity: once Orbax has renamed a step's folder, process 0 records the size and SHA-256 of
+every file in it in ``<step>/zoo-digests.json`` (`DIGESTS`), in the background thread that
+waits for the save. `restore` checks a step's files against that record before reading them
+(the files split over the processes); a step whose bytes differ (bit rot that keeps the size,
+a truncated or missing file) is corrupt, and handled as an unreadable one. A *verified* step
+has a record its files match; "the last good checkpoint" in messages is the newest step with
+a record (`verified_steps`). A step with no record -- the run stopped between Orbax's rename
+and the record's write, or the checkpoint predates records -- is used only when no older step
+has one (an older run: it is read unverified, with a warning); otherwise it is skipped, and a
+writer moves it to ``unverified-<step>``. Cost: one more read of each saved byte on process 0
+(SHA-256 on a pool of up to 8 threads: about 1-2 GB/s per thread, so milliseconds for a mini
+run and minutes per TB, overlapping training until the next save waits for it), and one more
+read of each restored byte at load.
+
+Readers (`zoo.train.load`, generation, evaluation) open the folder with ``read_only=True``:
+Orbax creates nothing, deletes no temporary folder (a live trainer's save in flight is left
+alone), and nothing is moved aside; a step that fails is skipped with a warning, and the
+listing is read again before each try, so a step rotated out by a live trainer is passed over.
+
 Rotation keeps the newest `max_to_keep` checkpoints plus any step passed to `protect` (the
 loop protects the last checkpoint saved before the loss rose past its divergence bound, so
 saves after a recovered rise never rotate it out). `move_aside` takes a step out of the
@@ -25,7 +44,9 @@ manager without deleting it (the loop moves the checkpoints a divergence made su
 from __future__ import annotations
 
 import dataclasses
+import concurrent.futures
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -43,9 +64,12 @@ from flax import nnx
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 __all__ = ["Checkpointer", "Restored", "shape_differences", "all_processes_agree",
-           "CheckpointSaveFailed", "SAVE_TIMEOUT_S"]
+           "CheckpointSaveFailed", "SAVE_TIMEOUT_S", "DIGESTS", "record_digests",
+           "check_digests"]
 
 SAVE_TIMEOUT_S = 600.0  # the longest wait for one checkpoint save before it counts as failed
+DIGESTS = "zoo-digests.json"  # in each step's folder: every file's size and SHA-256
+_HASH_THREADS = 8
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -76,10 +100,13 @@ class _QuietSaveTracebacks(logging.Filter):
     `CheckpointSaveFailed` says it in one paragraph, so those records lose their traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.levelno >= logging.ERROR and \
-                f"{os.sep}orbax{os.sep}" in (record.pathname or ""):
+        if f"{os.sep}orbax{os.sep}" not in (record.pathname or ""):
+            return True
+        if record.exc_info and record.levelno >= logging.ERROR:
             record.exc_info, record.exc_text = None, None
-        return True
+        # a reader's manager is read-only on purpose: not news
+        return not str(record.msg).startswith(("Given directory is read only",
+                                               "CheckpointManagerOptions.read_only=True"))
 
 
 _QUIET = _QuietSaveTracebacks()
@@ -107,6 +134,68 @@ def save_failure_reason(e: BaseException) -> str:
         if isinstance(x, OSError) and x.errno in _ERRNO_WORDS:
             return f"{_ERRNO_WORDS[x.errno]} ({type(x).__name__}: {x})"
     return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+# -- digests: what each step's files held when saved ------------------------------------------
+
+def _files(step_dir: str) -> list[str]:
+    """Every file under `step_dir` but the digest record, as sorted relative paths."""
+    out = []
+    for root, _, names in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names
+                if not n.startswith(DIGESTS)]
+    return sorted(out)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _digests(step_dir: str, names: list[str]) -> list[str]:
+    with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(names) or 1)) as pool:
+        return list(pool.map(lambda n: _sha256(os.path.join(step_dir, n)), names))
+
+
+def record_digests(step_dir: str | os.PathLike) -> None:
+    """Write `step_dir`'s ``zoo-digests.json``: every file's size and SHA-256 (atomically)."""
+    step_dir = os.fspath(step_dir)
+    names = _files(step_dir)
+    files = {n: {"bytes": os.path.getsize(os.path.join(step_dir, n)), "sha256": d}
+             for n, d in zip(names, _digests(step_dir, names))}
+    path = os.path.join(step_dir, DIGESTS)
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+
+
+def check_digests(step_dir: str | os.PathLike, share: tuple[int, int] = (0, 1),
+                  item: str | None = None) -> str | None:
+    """None when the files of `step_dir` match its digest record, else what differs. ``share``
+    ``(i, n)`` checks every n-th recorded file from the i-th (each process its share); `item`
+    only the files of that item (e.g. ``"config"``). A missing or unreadable record is
+    reported as such (see `Checkpointer.has_digests`)."""
+    step_dir = os.fspath(step_dir)
+    try:
+        with open(os.path.join(step_dir, DIGESTS)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its digest record {DIGESTS} cannot be read ({type(e).__name__}: {e})"
+    names = [n for n in sorted(files) if item is None or n.startswith(item + os.sep)]
+    names = names[share[0]::share[1]]
+    for n in names:
+        path = os.path.join(step_dir, n)
+        if not os.path.isfile(path):
+            return f"{n} is missing"
+        if os.path.getsize(path) != files[n]["bytes"]:
+            return f"{n} holds {os.path.getsize(path)} bytes, {files[n]['bytes']} when saved"
+    for n, digest in zip(names, _digests(step_dir, names)):
+        if digest != files[n]["sha256"]:
+            return (f"{n} does not match the SHA-256 recorded when it was saved (same size: "
+                    f"its bytes changed on disk)")
+    return None
 
 
 # -- per-process JSON item (the data iterators) ------------------------------------------------
@@ -198,23 +287,35 @@ class Restored:
 # -- the manager -------------------------------------------------------------------------------
 
 class Checkpointer:
-    """`ocp.CheckpointManager` over ``directory`` keeping the last `max_to_keep` checkpoints."""
+    """`ocp.CheckpointManager` over ``directory`` keeping the last `max_to_keep` checkpoints.
+
+    ``read_only=True`` (every reader of a run: `zoo.train.load`, generation, evaluation):
+    nothing in ``directory`` is created, cleaned up, moved or deleted, and `save` refuses.
+    """
 
     ITEMS = ("state", "data", "config")
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
-                 async_save: bool = True, save_timeout_s: float = SAVE_TIMEOUT_S):
+                 async_save: bool = True, save_timeout_s: float = SAVE_TIMEOUT_S,
+                 read_only: bool = False):
         self.directory = os.path.abspath(os.fspath(directory))
+        self.read_only = bool(read_only)
         self.save_timeout_s = float(save_timeout_s)
         self.failed: CheckpointSaveFailed | None = None
         self._waiter: tuple[int, threading.Thread, dict[str, Any]] | None = None
+        self._bad: set[int] = set()  # steps a read-only look found corrupt
         if _QUIET not in logging.getLogger("absl").filters:
             logging.getLogger("absl").addFilter(_QUIET)
         self._protected = _Protected()
-        policy = pp.AnyPreservationPolicy([pp.LatestN(max_to_keep), self._protected])
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, create=True, cleanup_tmp_directories=True,
-            enable_async_checkpointing=async_save)
+        if self.read_only:
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, create=False, cleanup_tmp_directories=False,
+                save_interval_steps=0, enable_async_checkpointing=False)
+        else:
+            policy = pp.AnyPreservationPolicy([pp.LatestN(max_to_keep), self._protected])
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policy, create=True, cleanup_tmp_directories=True,
+                enable_async_checkpointing=async_save)
         handlers = dict(state=ocp.StandardCheckpointHandler(), data=ProcessJsonHandler(),
                         config=ocp.JsonCheckpointHandler())
         self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -236,7 +337,37 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def read_config(self, step: int) -> dict[str, Any]:
+    def has_digests(self, step: int) -> bool:
+        """Whether `step`'s folder holds its digest record (see the module docstring)."""
+        return os.path.isfile(os.path.join(self.directory, str(step), DIGESTS))
+
+    def verified_steps(self) -> list[int]:
+        """The complete steps on disk with a digest record, less any this manager found
+        corrupt: the checkpoints "the last good checkpoint" may name."""
+        return [s for s in self.steps_on_disk() if s not in self._bad and self.has_digests(s)]
+
+    def intact(self, step: int) -> bool:
+        """Whether `restore` would take `step` as it is: its files match its digest record
+        (every process checks its share), or it has no record and no older step has one (an
+        older run). Reads every byte of the step once."""
+        if not all_processes_agree(self.has_digests(step)):
+            return all_processes_agree(not any(self.has_digests(s) for s in self.steps()
+                                               if s < step))
+        return self._verify(step) is None
+
+    @property
+    def saving(self) -> int | None:
+        """The step whose save is in flight (its digests are recorded when it finishes)."""
+        return self._waiter[0] if self._waiter is not None else None
+
+    def read_config(self, step: int, *, verify: bool = False) -> dict[str, Any]:
+        """The ``config`` item of `step`; ``verify`` first checks its files against the
+        step's digest record (when it has one), raising ValueError if they differ."""
+        where = os.path.join(self.directory, str(step))
+        problem = check_digests(where, item="config") if verify and self.has_digests(step) \
+            else None
+        if problem:
+            raise ValueError(f"checkpoint {where}: {problem}")
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
             "config"]
 
@@ -248,7 +379,10 @@ class Checkpointer:
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *, data_state: Any,
              config: Mapping[str, Any]) -> None:
         """Start saving `step` (asynchronous; see `check` and `wait`) once the previous save is
-        known to have succeeded (`CheckpointSaveFailed` otherwise). All processes call it."""
+        known to have succeeded (`CheckpointSaveFailed` otherwise). All processes call it;
+        once the save is whole, process 0 records its digests (in the waiting thread)."""
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} is open read-only; a reader never saves")
         self.wait()
         args = ocp.args.Composite(state=ocp.args.StandardSave(to_pure(model, optimizer)),
                                   data=DataStateSave(data_state),
@@ -257,7 +391,12 @@ class Checkpointer:
             self.manager.save(step, args=args, force=True)
         except Exception as e:
             raise self._failure(step, save_failure_reason(e)) from None
-        self._waiter = (step, *_watch(self.manager.wait_until_finished, f"zoo-save-{step}"))
+        def finish():
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                record_digests(os.path.join(self.directory, str(step)))
+
+        self._waiter = (step, *_watch(finish, f"zoo-save-{step}"))
 
     def check(self, timeout_s: float = 0.0) -> None:
         """Raise `CheckpointSaveFailed` if the save in flight failed, or (``timeout_s > 0``)
@@ -279,7 +418,7 @@ class Checkpointer:
             raise self._failure(step, save_failure_reason(out["error"]))
 
     def _failure(self, step: int, reason: str) -> CheckpointSaveFailed:
-        done = self.steps_on_disk()
+        done = [s for s in self.verified_steps() if s != step]
         last = (f"the last good checkpoint is step {done[-1]} in {self.directory}" if done
                 else f"there is no checkpoint in {self.directory} yet")
         self.failed = CheckpointSaveFailed(
@@ -292,56 +431,123 @@ class Checkpointer:
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None, *,
                 check: Callable[[int, dict[str, Any]], None] | None = None,
                 step: int | None = None, move_bad: bool = True) -> Restored | None:
-        """Restore the newest readable checkpoint into copies of `model` and `optimizer`.
+        """Restore the newest good checkpoint into copies of `model` and `optimizer`.
 
         `model`/`optimizer` may be abstract (`zoo.train.step.abstract_state`): their
         `jax.ShapeDtypeStruct` leaves give the shapes, dtypes and shardings to restore onto.
-        ``check(step, config)`` runs on the saved config before the arrays are read; an
-        exception from it (e.g. the model shape changed) propagates. A checkpoint that fails
-        to read is moved aside with a warning and the previous one is tried. Returns None when
-        there is no readable checkpoint; else `Restored` with the new model and optimizer.
-        ``optimizer=None`` restores the model alone (`Restored.optimizer` is None); ``step``
-        restores that step only; ``move_bad=False`` leaves unreadable checkpoints where they
-        are (a read-only look, as `zoo.train.load` takes).
+        Each step tried is first checked against its digest record (the module docstring
+        says what a step without one gets); ``check(step, config)`` runs on the saved config
+        before the arrays are read, and an exception from it (e.g. the model shape changed)
+        propagates. A checkpoint that is corrupt or fails to read is moved aside with a
+        warning and the previous one is tried. Returns None when there is no good checkpoint;
+        else `Restored` with the new model and optimizer. ``optimizer=None`` restores the
+        model alone (`Restored.optimizer` is None); ``step`` restores that step only;
+        ``move_bad=False`` (and a read-only manager) leaves bad checkpoints where they are.
         """
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             to_pure(model, optimizer))
-        for step in ([step] if step is not None else reversed(self.steps())):  # noqa: B020
-            error = None
-            try:
-                config = self.read_config(step)
-            except Exception as e:
-                config, error = None, e
+        move_bad = move_bad and not self.read_only
+        for s in self._candidates(step):
+            where = os.path.join(self.directory, str(s))
+            if self.read_only and step is None and jax.process_count() == 1 and \
+                    not os.path.isdir(where):
+                continue  # rotated out by a live trainer since the listing
+            skip = self._unverified(s, asked=step is not None)
+            if skip is not None:
+                if move_bad:
+                    warnings.warn(f"checkpoint {where} {skip}; moving it to unverified-{s} and "
+                                  f"trying the previous one", stacklevel=2)
+                    self._move_aside(s, "unverified")
+                else:
+                    warnings.warn(f"checkpoint {where} {skip}; skipping it", stacklevel=2)
+                continue
+            error = self._verify(s)
+            config = None
+            if error is None:
+                try:
+                    config = self.read_config(s)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
             if all_processes_agree(config is not None):
                 if check is not None:
-                    check(step, config)
+                    check(s, config)
+                out = None
                 try:
-                    out = self._read(step, target, partial=optimizer is None)
+                    out = self._read(s, target, partial=optimizer is None)
                 except Exception as e:
-                    out, error = None, e
+                    error = f"{type(e).__name__}: {e}"
                 if all_processes_agree(out is not None):
-                    # copies: the abstract originals may be in use elsewhere (e.g. compiling)
-                    model = nnx.clone(model)
-                    optimizer = None if optimizer is None else nnx.clone(optimizer)
-                    for module, key in ((model, "model"), (optimizer, "optimizer")):
-                        if module is None:
-                            continue
-                        state = nnx.state(module)
-                        nnx.replace_by_pure_dict(state, out["state"][key])  # in place
-                        nnx.update(module, state)
-                    return Restored(step, model, optimizer, out["data"], config)
-            reason = f"{type(error).__name__}: {error}" if error is not None else (
-                "unreadable on another process")
-            where = os.path.join(self.directory, str(step))
+                    return self._restored(s, model, optimizer, out, config)
+            if self.read_only and not os.path.isdir(where):
+                continue  # rotated out by a live trainer while being read: try the newest
+            reason = error if error is not None else "unreadable on another process"
+            self._bad.add(s)
             if not move_bad:
-                warnings.warn(f"checkpoint {where} cannot be read ({reason[:500]})",
-                              stacklevel=2)
+                warnings.warn(f"checkpoint {where} cannot be read ({reason[:500]}); trying the "
+                              f"previous one", stacklevel=2)
                 continue
             warnings.warn(f"checkpoint {where} cannot be read ({reason[:500]}); moving it to "
-                          f"corrupt-{step} and trying the previous one", stacklevel=2)
-            self._move_aside(step)
+                          f"corrupt-{s} and trying the previous one", stacklevel=2)
+            self._move_aside(s)
         return None
+
+    def _candidates(self, step: int | None):
+        """The steps to try, newest first, each once; a read-only manager of one process lists
+        the folder again before each (a live trainer saves and rotates meanwhile)."""
+        if step is not None:
+            yield step
+            return
+        tried: set[int] = set()
+        while True:
+            if self.read_only and jax.process_count() == 1:
+                self.manager.reload()
+            left = [s for s in self.steps() if s not in tried and s not in self._bad]
+            if not left:
+                return
+            tried.add(left[-1])
+            yield left[-1]
+
+    def _unverified(self, step: int, *, asked: bool) -> str | None:
+        """Why `step` (without a digest record) is passed over for an older step that has
+        one; None when it has a record, was asked for, or no older step has a record."""
+        if all_processes_agree(self.has_digests(step)):
+            return None
+        if not asked:
+            older = any(self.has_digests(s) for s in self.steps()
+                        if s < step and s not in self._bad)
+            if not all_processes_agree(not older):
+                return ("has no digest record (its run stopped between the save and the "
+                        "record, or is writing it now), and an older checkpoint has one")
+        warnings.warn(f"checkpoint {os.path.join(self.directory, str(step))} has no digest "
+                      f"record (saved before checkpoints recorded digests, or asked for by "
+                      f"step): reading it unverified", stacklevel=3)
+        return None
+
+    def _verify(self, step: int) -> str | None:
+        """What differs from `step`'s digest record (this process's share of its files, then
+        agreed by all), or None; None also for a step without a record (`_unverified`)."""
+        if not all_processes_agree(self.has_digests(step)):
+            return None
+        problem = check_digests(os.path.join(self.directory, str(step)),
+                                (jax.process_index(), jax.process_count()))
+        if all_processes_agree(problem is None):
+            return None
+        return (f"its files differ from the digests recorded when it was saved: {problem}"
+                if problem else "its files differ from their digests on another process")
+
+    def _restored(self, step: int, model, optimizer, out: dict[str, Any],
+                  config: dict[str, Any]) -> Restored:
+        # copies: the abstract originals may be in use elsewhere (e.g. compiling)
+        model = nnx.clone(model)
+        optimizer = None if optimizer is None else nnx.clone(optimizer)
+        for module, key in ((model, "model"), (optimizer, "optimizer")):
+            if module is None:
+                continue
+            state = nnx.state(module)
+            nnx.replace_by_pure_dict(state, out["state"][key])  # in place
+            nnx.update(module, state)
+        return Restored(step, model, optimizer, out["data"], config)
 
     def _read(self, step: int, target: dict[str, Any], *, partial: bool) -> dict[str, Any]:
         """The state (onto `target`'s shardings) and data items of `step`; ``partial``
@@ -364,6 +570,8 @@ class Checkpointer:
     def move_aside(self, step: int, prefix: str) -> str:
         """Rename checkpoint `step` to ``<prefix>-<step>`` (replacing an older one of that
         name) after pending saves finish; all processes call it. Returns the new path."""
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} is open read-only; a reader moves nothing")
         self.wait()
         self._move_aside(step, prefix)
         return os.path.join(self.directory, f"{prefix}-{step}")

@@ -8,24 +8,33 @@ description. ``main``
 2. sets the virtual CPU device count (``--devices``, default 8 unless the environment names a
    count) and joins a multi-process job when asked (``--coordinator/--num-processes/
    --process-id``, the ``JAX_*`` variables, or ``--distributed``);
-3. checks the inputs before anything is built or compiled (`zoo.train.validate`): the run dir
-   is created and probed, then locked (process 0), then ``--data`` and ``--tokenizer``; with
-   several processes they agree, so all start or all stop;
-4. builds everything with `zoo.train.build` (shape and mesh errors are flag errors) and trains
-   with a `zoo.train.Trainer`, which compares the run dir's checkpoint with this run before
-   compiling; or, with ``--rehearse``, compiles the step and prints the `Rehearsal`.
+3. checks the inputs before anything is built or compiled (`zoo.train.validate`): that the
+   run dir can be written (without creating or touching it), ``--data`` and ``--tokenizer``;
+   with several processes they agree, so all start or all stop;
+4. builds everything with `zoo.train.build` (shape and mesh errors are flag errors); with
+   several processes, each one's resolved settings (flags, mesh, model config, data digest)
+   are compared (`job_settings`, `zoo.train.peers.exchange_settings`): a difference is exit 2
+   on every process; only then is the run dir created, probed and locked (process 0), so a
+   refused run writes nothing;
+5. trains with a `zoo.train.Trainer`, which compares the run dir's checkpoint with this run
+   before compiling (a run already at its last step says so without compiling), prints the
+   run's summary line and a greedy sample (process 0); or, with ``--rehearse``, compiles the
+   step and prints the `Rehearsal`.
 
-A refused input is one line naming the flag, the value and the fix (``--debug`` adds the
-traceback). Exit codes: 0 finished, or stopped by SIGTERM/SIGINT (a checkpoint saved: rerun
-to resume; during the compile: nothing trained); 2 bad flags or inputs, a run dir in use by
-another run, or a checkpoint of other model shapes or other data arguments; 3 the loss (or the
+A refused flag or input is one line naming the flag, the value and the fix, then ``(see
+--help)`` (`FlagParser`; ``--debug`` adds the traceback). Exit codes: 0 finished, or stopped
+by SIGTERM/SIGINT (a checkpoint saved: rerun to resume; during the compile: nothing trained);
+2 bad flags or inputs, a run dir in use by another run, or a checkpoint of other model
+shapes or other data arguments; 3 the loss (or the
 gradient/parameter norm, or an updated state) became NaN/Inf or diverged: the last good
 checkpoint is kept; 4 the data stream failed, stalled (``--data-timeout``) or its files
 vanished or shrank: the state reached is saved first; 5 a checkpoint save failed (no space,
 read-only, permission) or hung: the run stops at that save, the checkpoints on disk are kept;
 6 a process of a multi-process job did not join, or stopped answering, within
 ``--peer-timeout`` seconds (`zoo.train.peers`): the message names it and the last checkpoint
-on disk; restart every process to resume.
+on disk; restart every process to resume; 7 a log could not be written (``metrics.jsonl``,
+``tensorboard/``, ``loss.png``: unwritable, checked before compiling, or the disk full):
+`zoo.train.hooks.LoggingFailed`, the checkpoints on disk are kept.
 """
 
 from __future__ import annotations
@@ -43,16 +52,17 @@ from zoo.train.config import TrainConfig
 from zoo.train.fields import apply_overrides, config_to_json, config_to_python
 from zoo.train.launch import DEFAULT_CPU_DEVICES, default_mesh, set_cpu_devices
 
-__all__ = ["Recipe", "make_parser", "parse", "setup", "main", "run", "apply_overrides",
-           "config_to_json", "config_to_python", "set_cpu_devices", "default_mesh",
-           "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA", "EXIT_SAVE",
-           "EXIT_PEER"]
+__all__ = ["Recipe", "FlagParser", "first_paragraph", "make_parser", "parse", "setup", "main",
+           "run", "apply_overrides", "config_to_json", "config_to_python", "set_cpu_devices",
+           "default_mesh", "DEFAULT_CPU_DEVICES", "EXIT_DIVERGED", "EXIT_USAGE", "EXIT_DATA",
+           "EXIT_SAVE", "EXIT_PEER", "EXIT_LOG", "job_settings"]
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_DATA = 4
 EXIT_SAVE = 5
 EXIT_PEER = 6  # zoo.train.peers.EXIT_PEER
+EXIT_LOG = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +91,21 @@ class Recipe:
 
 # -- flags -------------------------------------------------------------------------------------
 
+class FlagParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose refusals are one line: ``PROG: error: MESSAGE (see
+    --help)`` and exit 2, without the usage block (``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph, its lines joined: a recipe's ``--help`` description."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def make_parser(recipe: Recipe) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog=f"python recipes/{recipe.name}.py", description=recipe.description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     config_lib.add_flags(p, recipe.train)
@@ -131,25 +154,16 @@ def _start_processes(parser, args, train: TrainConfig) -> None:
         os._exit(EXIT_PEER)
 
 
-def _check_inputs(recipe: Recipe, parser, args, train: TrainConfig, lock: bool):
-    """Run dir first (created, probed), then the lock, then data and tokenizer; all processes
-    agree. Returns the lock held (or None)."""
+def _agreed(parser, args, check: Callable[[], Any], undo: Callable[[Any], None] | None = None):
+    """``check()`` on every process; when any process refuses (a `ValueError` or the run dir's
+    lock held elsewhere) all exit 2, this one with its own message. Returns what `check`
+    returned; ``undo(it)`` runs before a refusal."""
     import jax
 
-    from zoo.train import validate
-    from zoo.train.lock import RunDirLocked, RunLock
-    run_lock, problem = None, None
+    from zoo.train.lock import RunDirLocked
+    out, problem = None, None
     try:
-        writable = validate.check_run_dir(train.run_dir)
-        if lock and jax.process_index() == 0:
-            run_lock = RunLock(writable).acquire()
-        files = validate.check_data(train.data_files)
-        if jax.process_index() == 0:
-            validate.warn_small_corpus(files, train.batch_size, train.seq_len)
-        validate.load_tokenizer(train.tokenizer)
-        if train.wandb:
-            from zoo.train.hooks import Wandb
-            Wandb(train.wandb, writable)  # refuses when wandb is not installed
+        out = check()
     except (ValueError, RunDirLocked) as e:
         problem = e
     agreed = problem is None
@@ -157,37 +171,109 @@ def _check_inputs(recipe: Recipe, parser, args, train: TrainConfig, lock: bool):
         from zoo.train.checkpoint import all_processes_agree
         agreed = all_processes_agree(agreed)
     if not agreed:
-        if run_lock is not None:
-            run_lock.release()
+        if undo is not None and problem is None:
+            undo(out)
         _refuse(parser, args.debug, problem or ValueError(
             "another process of this job refused its inputs (see its message)"))
-    return run_lock
+    return out
+
+
+def _check_inputs(train: TrainConfig) -> None:
+    """The run dir (without creating or touching it), then data, tokenizer and W&B."""
+    import jax
+
+    from zoo.train import validate
+    validate.check_run_dir(train.run_dir, create=False)
+    files = validate.check_data(train.data_files)
+    if jax.process_index() == 0:
+        validate.warn_small_corpus(files, train.batch_size, train.seq_len)
+    validate.load_tokenizer(train.tokenizer)
+    if train.wandb:
+        from zoo.train.hooks import Wandb
+        Wandb(train.wandb, train.run_dir)  # refuses when wandb is not installed
+
+
+def _open_run_dir(train: TrainConfig, lock: bool):
+    """The run dir created and probed, then locked (process 0, when `lock`): the lock or None."""
+    import jax
+
+    from zoo.train import validate
+    from zoo.train.lock import RunLock
+    writable = validate.check_run_dir(train.run_dir)
+    return RunLock(writable).acquire() if lock and jax.process_index() == 0 else None
 
 
 def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = False):
-    """Parse `argv`, start devices and processes, check the inputs and `build`; returns
-    ``(built, lock)`` (the run dir's lock when ``lock=True`` on process 0, else None; the
-    caller releases it). Bad flags and inputs exit 2 with one line."""
+    """Parse `argv`, start devices and processes, check the inputs, `build`, then create the
+    run dir (nothing is written for a refused run); returns ``(built, lock)`` (the run dir's
+    lock when ``lock=True`` on process 0, else None; the caller releases it). Bad flags and
+    inputs exit 2 with one line."""
     parser, args, train = parse(recipe, argv)
     _start_processes(parser, args, train)
     train = train.replace(run_dir=train.run_dir or os.path.join("runs", recipe.name))
-    run_lock = _check_inputs(recipe, parser, args, train, lock)
+    _agreed(parser, args, lambda: _check_inputs(train))
+    from zoo.train.build import build
+    from zoo.train.launch import enable_compile_cache
+    enable_compile_cache()
+    built, problem = None, None
     try:
-        from zoo.train.build import build
-        from zoo.train.launch import enable_compile_cache
-        enable_compile_cache()
-        try:
-            built = build(train, model_config=recipe.config, model_cls=recipe.model_cls,
-                          decoder_layer_cls=recipe.decoder_layer_cls, devices=_devices(train))
-            if train.from_hf:
-                _check_hf(built)
-        except ValueError as e:
-            _refuse(parser, args.debug, e)
-        return built, run_lock
-    except BaseException:
-        if run_lock is not None:
-            run_lock.release()
-        raise
+        built = build(train, model_config=recipe.config, model_cls=recipe.model_cls,
+                      decoder_layer_cls=recipe.decoder_layer_cls, devices=_devices(train))
+        if train.from_hf:
+            _check_hf(built)
+    except ValueError as e:
+        problem = e
+    _same_settings(parser, args, train, built, problem)
+    run_lock = _agreed(parser, args, lambda: _open_run_dir(train, lock),
+                       undo=lambda held: held and held.release())
+    return built, run_lock
+
+
+# what may differ between the processes of one job
+_PER_PROCESS = ("process_id", "devices", "coordinator", "distributed", "progress")
+
+
+def job_settings(built) -> dict[str, Any]:
+    """What every process of a job must share, by the name a user knows it by: each setting
+    by its flag (but the per-process ones: --process-id, --devices, ...), the mesh's axes, the
+    model config as resolved, and the data pipeline's arguments (files digest included)."""
+    out: dict[str, Any] = {}
+    for section in dataclasses.fields(built.config):
+        value = getattr(built.config, section.name)
+        for f in dataclasses.fields(value):
+            if f.name not in _PER_PROCESS:
+                out[f.metadata.get("flag") or config_lib.flag_name(f.name)] = getattr(value,
+                                                                                     f.name)
+    out["mesh axes"] = dict(built.mesh.shape)
+    out.update({f"model config {k}": v for k, v in (built.record.get("model") or {}).items()})
+    out.update({f"data {k}": v for k, v in (built.record.get("data_arguments") or {}).items()})
+    return out
+
+
+def _same_settings(parser, args, train: TrainConfig, built, problem: BaseException | None
+                   ) -> None:
+    """Several processes: each publishes its `job_settings` (or its refusal, `problem`) and
+    reads the others' before anything is compiled (`zoo.train.peers.exchange_settings`). A
+    refusal or a difference anywhere exits 2 on every process, naming the fields and values;
+    a peer that reports nothing within --peer-timeout exits 6."""
+    import jax
+
+    from zoo.train import peers
+    if jax.process_count() < 2:
+        if problem is not None:
+            _refuse(parser, args.debug, problem)
+        return
+    mine = {"refused": str(problem)} if problem is not None else job_settings(built)
+    try:
+        everyone = peers.exchange_settings(mine, train.peer_timeout)
+    except peers.PeerLost as e:
+        print(f"zoo: error: {e}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER)  # jax's exit handler would wait for that peer at its barrier
+    if problem is not None:
+        _refuse(parser, args.debug, problem)
+    different = peers.settings_differences(everyone) if everyone else None
+    if different:
+        _refuse(parser, args.debug, peers.SettingsDiffer(different))
 
 
 def _devices(train: TrainConfig):
@@ -244,6 +330,7 @@ def _train(recipe: Recipe, built, on_step) -> int:
     import jax
 
     from zoo.data import PipelineStateMismatch
+    from zoo.models.hf import BadCheckpoint
     from zoo.train import hooks
     from zoo.train.trainer import (CheckpointSaveFailed, CompileInterrupted, DataStreamError,
                                    IncompatibleCheckpoint, NoTrainingData, Trainer,
@@ -259,11 +346,11 @@ def _train(recipe: Recipe, built, on_step) -> int:
     extra = [hooks.OnStep(on_step)] if on_step is not None else []
     trainer = Trainer(built, hooks=extra, name=recipe.name, lock=False)
     try:
-        _train_watched(trainer)
+        summary = _train_watched(trainer)
     except TrainingDiverged as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
-    except (IncompatibleCheckpoint, PipelineStateMismatch, NoTrainingData) as e:
+    except (IncompatibleCheckpoint, PipelineStateMismatch, NoTrainingData, BadCheckpoint) as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except DataStreamError as e:
@@ -272,25 +359,31 @@ def _train(recipe: Recipe, built, on_step) -> int:
     except CheckpointSaveFailed as e:
         print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_SAVE
+    except hooks.LoggingFailed as e:
+        print(f"{recipe.name}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_LOG
     except CompileInterrupted as e:
         print(f"{recipe.name}: {e}", file=sys.stderr, flush=True)
         _abandoned.extend(trainer.abandoned)
         return 0
     finally:
         trainer.close()
+    if jax.process_index() == 0:
+        print(summary.line(), flush=True)
     _print_sample(recipe, built, trainer)
     return 0
 
 
-def _train_watched(trainer) -> None:
-    """`trainer.train`; with several processes, a failure that may come from a lost peer (a
-    failed collective or save) waits for the peer watchdog's verdict first: exit 6 naming the
-    peer (`zoo.train.peers`), or, when the peers are all alive, the failure as it is."""
+def _train_watched(trainer):
+    """`trainer.train`, its `Summary`; with several processes, a failure that may come from a
+    lost peer (a failed collective or save) waits for the peer watchdog's verdict first: exit
+    6 naming the peer (`zoo.train.peers`), or, when the peers are all alive, the failure as it
+    is."""
     import jax
 
     from zoo.train import peers
     try:
-        trainer.train()
+        return trainer.train()
     except Exception as e:
         if jax.process_count() > 1 and peers.caused_by_a_peer(e):
             peers.await_verdict()
@@ -304,11 +397,11 @@ def _print_sample(recipe: Recipe, built, trainer) -> None:
     t = built.config
     if not t.sample_tokens or trainer.model is None or built.tokenizer is None:
         return
-    from zoo import generate
+    from zoo.inference import generate
     prompt = [int(i) for i in built.tokenizer.encode(t.sample_prompt)]
     if not prompt:
         return
-    out = generate.generate(trainer.model, [prompt], max_new_tokens=t.sample_tokens)[0]
+    out = generate(trainer.model, [prompt], max_new_tokens=t.sample_tokens)[0]
     if jax.process_index() == 0:
         text = built.tokenizer.decode(prompt + out)
         print(f"{recipe.name}: sample ({t.sample_tokens} greedy tokens after "

@@ -142,22 +142,28 @@ class StopFlag:
 
 
 def last_checkpoint(ckpt) -> str:
-    """Names the newest checkpoint complete on disk once the save in flight has finished (or
-    failed, or timed out), or says there is none."""
+    """Names the checkpoint a rerun resumes from -- the newest verified one (complete, with
+    its digest record: `Checkpointer.verified_steps`) once the save in flight has finished (or
+    failed, or timed out) -- or says there is none."""
     from zoo.train.checkpoint import CheckpointSaveFailed
     try:
         ckpt.wait()
     except CheckpointSaveFailed:
         pass  # name what is on disk; the failed save was, or is about to be, reported
-    done = ckpt.steps_on_disk()
-    return (f"the last good checkpoint is step {done[-1]} in {ckpt.directory}" if done
-            else f"there is no checkpoint to resume from in {ckpt.directory}")
+    done = ckpt.verified_steps()
+    if done:
+        return f"the last good checkpoint is step {done[-1]} in {ckpt.directory}"
+    if ckpt.steps_on_disk():  # only steps from before digest records: read unverified
+        return (f"the last checkpoint is step {ckpt.steps_on_disk()[-1]} in {ckpt.directory} "
+                f"(unverified: it has no digest record)")
+    return f"there is no checkpoint to resume from in {ckpt.directory}"
 
 
 def last_good(ckpt, first_rise: int) -> int | None:
-    """The newest checkpoint whose state gave a loss within the bound: the state saved at step
-    ``s`` is the one step ``s+1``'s loss was computed on."""
-    good = [s for s in ckpt.steps() if s + 1 < first_rise]
+    """The newest verified checkpoint (or the one being saved) whose state gave a loss within
+    the bound: the state saved at step ``s`` is the one step ``s+1``'s loss was computed on."""
+    verified = {*ckpt.verified_steps(), ckpt.saving}
+    good = [s for s in ckpt.steps() if s + 1 < first_rise and s in verified]
     return good[-1] if good else None
 
 

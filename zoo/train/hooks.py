@@ -2,6 +2,8 @@
 
 A hook is any object with some of these methods (`Hook` has them all, doing nothing):
 
+* ``check(trainer)`` -- before anything is compiled or restored: raise `LoggingFailed` if the
+  hook cannot write where it will (the loggers probe their file or folder);
 * ``on_start(trainer)`` -- the model is created or restored and the step compiled;
   ``trainer.step`` is the step the run starts from;
 * ``on_step(trainer, step, row)`` -- step `step`'s metrics (``row``, the `metrics.jsonl` row)
@@ -20,20 +22,28 @@ loggers write its columns. The loggers users already read are hooks: `MetricsFil
 ``RUN_DIR/tensorboard``), `Wandb` (Weights & Biases, when installed and asked for), `LossPlot`
 (``loss.png``). The loggers write on process 0 only; a hook of one's own runs on every
 process.
+
+A logger that cannot write (its file or folder unwritable, the disk full) raises
+`LoggingFailed` naming the path and the reason, at its ``check`` (before compiling) or at the
+write or flush that failed; the trainer stops the run on it (the recipes exit 7) and the
+checkpoints on disk stay as they are. TensorBoard's events are written in the calling thread
+(no writer thread whose failure would go unseen), flushed at each checkpoint and at the end.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Hook", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot", "OnStep",
-           "default_hooks", "read_metrics", "repair_metrics", "plot_loss", "metrics_row",
-           "SCALARS"]
+__all__ = ["Hook", "LoggingFailed", "MetricsFile", "Progress", "TensorBoard", "Wandb", "LossPlot",
+           "OnStep", "read_metrics", "repair_metrics", "plot_loss",
+           "metrics_row", "SCALARS", "probe_file", "probe_folder"]
 
 # the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
@@ -41,8 +51,21 @@ SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "to
            "expert_max_over_mean", "eval_loss", "eval_ppl", "mtp_loss", "moe_rounds")
 
 
+class LoggingFailed(RuntimeError):
+    """A logger cannot write its file or folder (unwritable, the disk full); the message names
+    the path and the reason, ``hint`` another way out (e.g. turning that logger off). The run
+    stops; the checkpoints on disk are kept."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
 class Hook:
     """The hook interface; subclass and override what you need."""
+
+    def check(self, trainer) -> None:
+        pass
 
     def on_start(self, trainer) -> None:
         pass
@@ -69,6 +92,51 @@ class Hook:
 def _main_process() -> bool:
     import jax
     return jax.process_index() == 0
+
+
+# -- writing, and what stops it ----------------------------------------------------------------
+
+_WORDS = {errno.EISDIR: "it is a folder, not a file", errno.ENOTDIR: "it is not a folder",
+          errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+          errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+          errno.EPERM: "permission denied"}
+
+
+def _failed(what: str, path: str, e: OSError, hint: str = "") -> LoggingFailed:
+    reason = _WORDS.get(e.errno, "")
+    reason = f"{reason} ({type(e).__name__}: {e})" if reason else f"{type(e).__name__}: {e}"
+    return LoggingFailed(f"{what}: cannot write {path}: {reason}", hint)
+
+
+def probe_file(path: str) -> None:
+    """Open `path` for appending, as `MetricsFile` does, and close it: nothing is written, and
+    a file created for the probe is removed. Raises `OSError` (a folder or anything else that
+    is not a regular file, no permission, a read-only file system)."""
+    existed = os.path.lexists(path)
+    if existed and not os.path.isfile(path):
+        code = errno.EISDIR if os.path.isdir(path) else errno.EINVAL
+        raise OSError(code, "not a regular file" if code == errno.EINVAL else
+                      os.strerror(code), path)
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+    if not existed:
+        os.unlink(path)
+
+
+def probe_folder(path: str) -> None:
+    """Create a file in folder `path` (made if missing) and remove it, as `probe_file`; a
+    folder made for the probe is removed too. Raises `OSError`."""
+    made = not os.path.lexists(path)
+    if made:
+        os.makedirs(path)
+    elif not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    probe = os.path.join(path, f".zoo-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        os.unlink(probe)
+    finally:
+        if made:
+            os.rmdir(path)
 
 
 # -- metrics.jsonl -----------------------------------------------------------------------------
@@ -136,24 +204,41 @@ class MetricsFile(Hook):
         self.fsync = fsync
         self._fd: int | None = None
 
+    def check(self, trainer) -> None:
+        if _main_process():
+            try:
+                probe_file(self.path)
+            except OSError as e:
+                raise _failed("metrics.jsonl", self.path, e) from None
+
     def on_start(self, trainer) -> None:
         if _main_process() and self._fd is None:
-            repair_metrics(self.path, trainer.step)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                repair_metrics(self.path, trainer.step)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise _failed("metrics.jsonl", self.path, e) from None
 
     def on_step(self, trainer, step, row) -> None:
         if self._fd is not None:
             data = (json.dumps(row) + "\n").encode()
-            written = os.write(self._fd, data)
-            if written < len(data):  # e.g. the disk filled: finish the row or fail
-                os.write(self._fd, data[written:])
-            if self.fsync:
-                os.fsync(self._fd)
+            try:
+                written = os.write(self._fd, data)
+                if written < len(data):  # e.g. the disk filled: finish the row or fail
+                    os.write(self._fd, data[written:])
+                if self.fsync:
+                    os.fsync(self._fd)
+            except OSError as e:  # a torn row is cut by the resume (`repair_metrics`)
+                self.close()
+                raise _failed("metrics.jsonl", self.path, e) from None
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # every row was written by its own call (or its failure reported)
 
 
 def metrics_row(f, out: Mapping[str, Any], dt: float, tokens_per_step: int,
@@ -237,31 +322,68 @@ def _scalars(row: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoard(Hook):
-    """TensorBoard event files (tensorboardX) under ``RUN_DIR/tensorboard``: one scalar per
-    `metrics.jsonl` column of `SCALARS`, at its step (``tensorboard --logdir RUN_DIR``)."""
+    """TensorBoard event files under ``RUN_DIR/tensorboard``: one scalar per `metrics.jsonl`
+    column of `SCALARS`, at its step (``tensorboard --logdir RUN_DIR``). Written with
+    tensorboardX's event writer in the calling thread, flushed at each checkpoint and at the
+    end; a failed write or flush raises `LoggingFailed`. A resumed run's first event tells
+    TensorBoard to drop the events past the step it resumed from."""
+
+    _HINT = "or leave TensorBoard out (--no-tensorboard)"
 
     def __init__(self, run_dir: str | os.PathLike):
         self.logdir = os.path.join(os.fspath(run_dir), "tensorboard")
-        self._writer = None
+        self._writer = None  # tensorboardX.event_file_writer.EventsWriter
+
+    def check(self, trainer) -> None:
+        if _main_process():
+            try:
+                probe_folder(self.logdir)
+            except OSError as e:
+                raise _failed("TensorBoard", self.logdir, e, self._HINT) from None
 
     def on_start(self, trainer) -> None:
         if _main_process() and self._writer is None:
-            from tensorboardX import SummaryWriter
-            self._writer = SummaryWriter(logdir=self.logdir, purge_step=trainer.step + 1)
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            purge = trainer.step + 1
+            self._write(lambda: os.makedirs(self.logdir, exist_ok=True))
+            self._writer = self._write(lambda: EventsWriter(os.path.join(self.logdir, "events")))
+            self._write(lambda: self._writer.write_event(
+                Event(step=purge, file_version="brain.Event:2")))
+            self._write(lambda: self._writer.write_event(
+                Event(step=purge, session_log=SessionLog(status=SessionLog.START))))
 
     def on_step(self, trainer, step, row) -> None:
         if self._writer is not None:
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+            now = time.time()
             for k, v in _scalars(row).items():
-                self._writer.add_scalar(k, v, global_step=step)
+                self._write(self._writer.write_event,
+                            Event(wall_time=now, step=step, summary=scalar(k, v)))
 
     def on_checkpoint(self, trainer, step) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self._write(self._writer.flush)
+
+    def on_end(self, trainer, summary) -> None:
+        if self._writer is not None:
+            self._write(self._writer.flush)
+
+    def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.close()
+            raise _failed("TensorBoard", self.logdir, e, self._HINT) from None
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError:
+                pass  # the run has failed already, or ended with a flush (`on_end`)
 
 
 def wandb_available() -> bool:
@@ -341,24 +463,7 @@ class LossPlot(Hook):
 
     def on_end(self, trainer, summary) -> None:
         if _main_process():
-            plot_loss(trainer.run_dir)
-
-
-def default_hooks(config, run_dir: str, name: str) -> list[Hook]:
-    """The hooks a run has unless told otherwise: the held-out evaluation (if
-    ``config.eval_every``), metrics.jsonl, the progress bar (if ``config.progress``),
-    TensorBoard (if ``config.tensorboard``), W&B (if ``config.wandb`` names a project) and the
-    loss plot."""
-    hooks: list[Hook] = []
-    if config.eval_every:
-        from zoo.train.evaluation import Evaluate
-        hooks.append(Evaluate(config.eval_every, config.eval_batches))
-    hooks.append(MetricsFile(run_dir))
-    if config.progress:
-        hooks.append(Progress(name))
-    if config.tensorboard:
-        hooks.append(TensorBoard(run_dir))
-    if config.wandb:
-        hooks.append(Wandb(config.wandb, run_dir))
-    hooks.append(LossPlot())
-    return hooks
+            try:
+                plot_loss(trainer.run_dir)
+            except OSError as e:
+                raise _failed("loss.png", os.path.join(trainer.run_dir, "loss.png"), e) from None

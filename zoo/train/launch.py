@@ -114,8 +114,8 @@ def init_distributed(*, coordinator: str | None, num_processes: int | None,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from zoo.train import peers
     peers.join(coordinator, num, pid, peer_timeout)
-    from jax._src import distributed as jax_distributed
-    peers.watch(peer_timeout, coordinator=jax_distributed.global_state.coordinator_address)
+    from zoo import _jax_compat
+    peers.watch(peer_timeout, coordinator=_jax_compat.distributed_state().coordinator_address)
 
 
 def default_mesh(n: int, backend: str) -> str:

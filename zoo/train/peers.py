@@ -20,11 +20,27 @@ this, the client's ``missed_heartbeat_callback``, cannot be given from Python in
   coordinator gone: process 1's error poll fails at once). When the watchdog knows a peer to
   be lost (or process 0's address refuses connections) it prints the message and exits 6;
   any other abort goes on as an abort.
+
+Two mistakes that would otherwise hang or crash a job are caught before anything starts:
+
+* `check_port` -- process 0 binds the coordinator's port before JAX's service does (gRPC
+  crashes the process, exit 139, on a port in use): a port in use is a `ValueError` (exit 2).
+* `exchange_settings` and `settings_differences` -- every process publishes its resolved
+  settings (training flags, mesh, model config, data digest) in the key-value store and reads
+  the others' before anything is compiled; processes started with different settings would
+  otherwise compile different programs and wait on each other's collectives until XLA or gloo
+  aborts minutes later. Every process finds the same differences and raises `SettingsDiffer`.
+
+The watchdog runs from the join to the process's end, so it covers the settings exchange and
+jax's shutdown barrier too (`jax.distributed.shutdown`, at exit); once the process exits, a
+coordinator that leaves after that barrier is no longer taken for a lost peer.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import json
 import math
 import os
 import signal
@@ -34,16 +50,23 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EXIT_PEER", "DEFAULT_PEER_TIMEOUT", "PeerLost", "join", "Watchdog", "watch",
-           "complete_steps", "checkpoint_line"]
+__all__ = ["EXIT_PEER", "DEFAULT_PEER_TIMEOUT", "PeerLost", "SettingsDiffer", "join",
+           "Watchdog", "watch", "complete_steps", "checkpoint_line", "check_port",
+           "exchange_settings", "settings_differences"]
 
 EXIT_PEER = 6
 DEFAULT_PEER_TIMEOUT = 100.0
 _KEY = "zoo/peers/alive/{}"
+_SETTINGS_KEY = "zoo/peers/settings/{}"
 
 
 class PeerLost(RuntimeError):
     """A process of the job died or never joined (the message names it)."""
+
+
+class SettingsDiffer(ValueError):
+    """The processes of a job were started with different settings, or one refused its
+    inputs (the message names the fields and each process's value)."""
 
 
 def complete_steps(directory: str | None) -> list[int]:
@@ -83,6 +106,8 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
     """``jax.distributed.initialize`` bounded by `peer_timeout`; raises `PeerLost` naming the
     peer that did not join (any process but this one for process 0, else process 0)."""
     import jax
+    if process_id == 0 and coordinator:
+        check_port(coordinator)
     wait = max(1, math.ceil(peer_timeout))
     message = _not_joined(coordinator, num_processes, process_id, peer_timeout)
     # a failed join either raises here or aborts in jax's error-polling thread
@@ -91,13 +116,52 @@ def join(coordinator: str | None, num_processes: int | None, process_id: int | N
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=wait,
-                                   heartbeat_timeout_seconds=_jax_heartbeat_s(peer_timeout))
+                                   heartbeat_timeout_seconds=_jax_heartbeat_s(peer_timeout),
+                                   shutdown_timeout_seconds=_jax_heartbeat_s(peer_timeout))
     except Exception as e:  # jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED and the like
         if "DEADLINE_EXCEEDED" not in str(e) and "UNAVAILABLE" not in str(e):
             raise
         raise PeerLost(message) from None
     finally:
         _current.pop("joining", None)
+
+
+def check_port(coordinator: str) -> None:
+    """Bind the port JAX's coordination service will bind (``JAX_COORDINATOR_BIND_ADDRESS``,
+    else every address at the port of `coordinator`) and let it go; a `ValueError` naming the
+    port when something holds it. Process 0 calls it before ``jax.distributed.initialize``."""
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator
+    try:
+        port = int(bind.rpartition(":")[2])
+    except ValueError:
+        raise ValueError(f"--coordinator {coordinator}: expected HOST:PORT, e.g. "
+                         f"127.0.0.1:12355") from None
+    problem = _bind_error(port)
+    if problem is not None:
+        raise ValueError(
+            f"--coordinator {coordinator}: port {port} is already in use on this host "
+            f"({problem}); process 0 starts the job's coordinator there. Pass a free port in "
+            f"--coordinator to every process, or stop what holds port {port}")
+
+
+def _bind_error(port: int) -> str | None:
+    """Why `port` cannot be bound on every address (None: it can). TIME_WAIT remnants of an
+    earlier job do not count (SO_REUSEADDR, as gRPC sets it)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here: try IPv4
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                return os.strerror(e.errno) if e.errno else str(e)
+            return None
+    return None
 
 
 def _not_joined(coordinator, num, pid, timeout: float) -> str:
@@ -117,6 +181,74 @@ def _jax_heartbeat_s(peer_timeout: float) -> int:
     return math.ceil(2 * peer_timeout + 30)
 
 
+# -- the settings every process must share -----------------------------------------------------
+
+def exchange_settings(settings: dict[str, Any], timeout: float) -> list[dict[str, Any]] | None:
+    """Publish this process's `settings` (JSON; a refusal as ``{"refused": message}``) in the
+    distributed key-value store and read every process's, in process order; None with one
+    process. A process that publishes nothing within `timeout` s raises `PeerLost` (the
+    watchdog ends this process sooner when that peer is dead)."""
+    import jax
+
+    from zoo import _jax_compat
+    client = _jax_compat.distributed_state().client
+    if jax.process_count() < 2 or client is None:
+        return None
+    me, count = jax.process_index(), jax.process_count()
+    text = json.dumps(settings, default=str)
+    client.key_value_set(_SETTINGS_KEY.format(me), text, allow_overwrite=True)
+    out = []
+    for p in range(count):
+        got = text if p == me else _await_key(client, _SETTINGS_KEY.format(p), timeout)
+        if got is None:
+            raise PeerLost(
+                f"process {p} of {count} did not report its settings within --peer-timeout "
+                f"{timeout:g} s; nothing was trained. Start every process with the same flags "
+                f"(each its own --process-id), or raise --peer-timeout if they start slowly")
+        out.append(json.loads(got))
+    return out
+
+
+def _await_key(client, key: str, timeout: float) -> str | None:
+    """The value of `key` once set (None after `timeout` s). Polled, so that the watchdog
+    thread keeps running meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.key_value_try_get(key)
+        except Exception as e:  # NOT_FOUND: not published yet
+            if "NOT_FOUND" not in str(e):
+                raise
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+def settings_differences(everyone: list[dict[str, Any]], limit: int = 5) -> str | None:
+    """What `exchange_settings` found, in words, the same on every process: the processes
+    that refused their inputs, else the fields where a process differs from process 0 (at
+    most `limit`, each with both values); None when all agree."""
+    refused = [(p, s["refused"]) for p, s in enumerate(everyone) if "refused" in s]
+    if refused:
+        return "; ".join(f"process {p} refused its inputs: {why}" for p, why in refused)
+    first, diffs = everyone[0], []
+    for p, other in enumerate(everyone[1:], 1):
+        for key in [*first, *(k for k in other if k not in first)]:
+            if first.get(key) != other.get(key):
+                diffs.append(f"{key} is {_shown(first, key)} on process 0 but "
+                             f"{_shown(other, key)} on process {p}")
+    if not diffs:
+        return None
+    more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return (f"the processes of this job were started with different settings: "
+            f"{'; '.join(diffs[:limit])}{more}. Start every process with the same flags and "
+            f"data (only --process-id differs)")
+
+
+def _shown(settings: dict[str, Any], key: str) -> str:
+    return json.dumps(settings[key]) if key in settings else "not set"
+
+
 # -- watching ----------------------------------------------------------------------------------
 
 class Watchdog:
@@ -133,6 +265,7 @@ class Watchdog:
         self._seen: dict[int, tuple[str | None, float]] = {
             p: (None, now) for p in range(count) if p != me}
         self._unreachable_since: float | None = None
+        self.exiting = False  # past jax's shutdown barrier, the coordinator may leave
         self._beat = 0
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -163,8 +296,10 @@ class Watchdog:
         store has failed that long or its address refuses connections."""
         timeout = self.timeout if timeout is None else timeout
         now = time.monotonic()
-        gone = [p for p, (_, since) in self._seen.items() if now - since >= timeout]
         since = self._unreachable_since
+        if self.exiting and since is not None:
+            return []  # past jax's shutdown barrier the coordinator, and its store, may be gone
+        gone = [p for p, (_, seen) in self._seen.items() if now - seen >= timeout]
         if self.me != 0 and 0 not in gone and (
                 (since is not None and now - since >= timeout) or self._refused()):
             gone.append(0)
@@ -237,14 +372,23 @@ _ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 def watch(peer_timeout: float, *, coordinator: str | None, name: str = "zoo") -> Watchdog | None:
     """Start this process's `Watchdog` and `catch_abort` (once; None with one process)."""
     import jax
-    from jax._src import distributed
-    if jax.process_count() < 2 or distributed.global_state.client is None:
+
+    from zoo import _jax_compat
+    state = _jax_compat.distributed_state()
+    if jax.process_count() < 2 or state.client is None:
         return None
     if "dog" not in _current:
-        dog = Watchdog(distributed.global_state.client, jax.process_index(),
+        dog = Watchdog(state.client, jax.process_index(),
                        jax.process_count(), peer_timeout, coordinator=coordinator, name=name)
         _current["dog"] = dog.start()
+        atexit.register(_exiting, dog)  # runs before jax's own exit handler (registered first)
     return _current["dog"]
+
+
+def _exiting(dog: Watchdog) -> None:
+    """At exit: the watchdog still judges silent peers (a peer dead at jax's shutdown barrier
+    ends this process with exit 6), but no longer a coordinator gone after that barrier."""
+    dog.exiting = True
 
 
 # what a peer gone mid-collective or mid-save looks like in an exception's text

@@ -26,12 +26,21 @@ class Summary:
     stopped_by: str | None   # "SIGTERM"/"SIGINT"/a hook when the run stopped early
     first_loss: float | None
     last_loss: float | None
-    tokens_per_s: float | None  # median over this call's steps
+    tokens_per_s: float | None  # median over this call's steps after its first (None: fewer
+    #                             than two of them)
     compile_s: float
     wall_s: float
     name: str = "train"
+    target: int | None = None  # the step this call trained to (default `steps`)
 
     def line(self, name: str | None = None) -> str:
+        """The run's closing line (what the recipes print)."""
+        name = name or self.name
+        target = self.steps if self.target is None else self.target
+        if self.step == self.start_step and not self.stopped_by and self.step >= target:
+            return (f"{name}: the checkpoint is already at step {self.step} of the planned "
+                    f"{target}: nothing to train (raise --steps to train further); run dir "
+                    f"{self.run_dir}")
         if self.stopped_by:
             state = (f"stopped by {self.stopped_by} at step {self.step}/{self.steps} (rerun to "
                      f"resume)")
@@ -39,8 +48,10 @@ class Summary:
             state = f"finished {self.step}/{self.steps} steps"
         loss = (f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.last_loss is not None
                 else "no steps run")
-        tps = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else ""
-        return (f"{name or self.name}: {state}; {loss}{tps}; compile {self.compile_s:.1f}s, "
+        tps = (f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else
+               ", tokens/s n/a (too few steps past the first)" if self.last_loss is not None
+               else "")
+        return (f"{name}: {state}; {loss}{tps}; compile {self.compile_s:.1f}s, "
                 f"wall {self.wall_s:.1f}s; run dir {self.run_dir}")
 
 

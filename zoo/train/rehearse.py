@@ -9,10 +9,8 @@ run compiles, lowered and compiled here for as many virtual CPU devices as the m
 * `rehearse(model, ...)` -- a preset name (``"deepseek_v3"``, ``"mixtral_8x7b"``, ...) or a
   config, a mesh, strategy, batch, sequence length, dtypes, remat policy and config overrides
   -> a `Rehearsal`; `rehearse_step` does the same from a recipe's pieces (``--rehearse``).
-* `rehearse_decode(model, ...)` -- one `zoo.generate` decode step (a token per row against a
-  donated KV cache of ``context`` slots, bf16 parameters by default) compiled the same way: a
-  `Rehearsal` with ``step="decode"`` and the cache's bytes per device
-  (`zoo.train.decode_rehearsal`, also reached here).
+* `build_for_rehearsal`, `measure`, `sharded_bytes` -- the pieces other rehearsals reuse
+  (`zoo.inference.rehearsal.rehearse_decode` compiles one decode step the same way).
 * `Rehearsal` -- compile seconds, HLO instruction count, per-device bytes (parameters and
   optimizer state from the shardings; temporaries, arguments and outputs from XLA's memory
   analysis), HLO FLOPs per device against the model's own training FLOPs, bytes per
@@ -40,7 +38,8 @@ from typing import Any
 from zoo.ops.hlo import HloStats, hlo_stats  # the HLO counter, re-exported
 
 __all__ = ["Rehearsal", "rehearse", "rehearse_step", "hlo_stats", "HloStats",
-           "set_virtual_devices", "presets"]  # PRESETS, rehearse_decode: on access
+           "set_virtual_devices", "presets", "build_for_rehearsal", "measure",
+           "sharded_bytes", "dtype_name"]  # PRESETS: on access
 
 
 # -- virtual devices -------------------------------------------------------------------------------
@@ -230,7 +229,9 @@ class Rehearsal:
         return "\n".join(lines)
 
 
-def _sharded_bytes(tree) -> int:
+def sharded_bytes(tree) -> int:
+    """Bytes per device of the arrays (or `jax.ShapeDtypeStruct` s) in `tree`, from their
+    shardings (a leaf without one counts whole)."""
     import jax
     total = 0
     for x in jax.tree.leaves(tree):
@@ -267,22 +268,23 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), dtypes[k], sharding=sharding)
              for k in step_lib.BATCH_KEYS}
     lr = jax.ShapeDtypeStruct((), jnp.float32)
-    param_b, opt_b = _sharded_bytes(nnx.state(model)), _sharded_bytes(nnx.state(optimizer))
-    return _measure(
+    param_b, opt_b = sharded_bytes(nnx.state(model)), sharded_bytes(nnx.state(optimizer))
+    return measure(
         lambda: train_step.lower(model, optimizer, batch, lr), partitioner,
         state_bytes=param_b + opt_b, label=label, mesh=mesh_text, strategy=partitioner.strategy,
-        batch_size=batch_size, seq_len=seq_len, dtype=_dtype_name(dtype),
-        param_dtype=_dtype_name(param_dtype), remat=remat, param_bytes=param_b,
+        batch_size=batch_size, seq_len=seq_len, dtype=dtype_name(dtype),
+        param_dtype=dtype_name(param_dtype), remat=remat, param_bytes=param_b,
         optimizer_bytes=opt_b,
         model_flops=(flops_per_token or 0.0) * batch_size * seq_len / mesh.devices.size)
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """The dtype's name, ``"?"`` for None."""
     import numpy as np
     return np.dtype(dtype).name if dtype is not None else "?"
 
 
-def _measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
+def measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
              **fields: Any) -> Rehearsal:
     """Lower (``lower()``) and compile a program for `partitioner`'s mesh and read what the
     compiler says into a `Rehearsal` (`fields`: the ones that describe the program; compile
@@ -389,9 +391,6 @@ def model_config(model: str | Any) -> tuple[str, Any]:
 def __getattr__(name: str) -> Any:
     if name == "PRESETS":  # computed on access: the families register when zoo.models loads
         return presets()
-    if name == "rehearse_decode":  # its own module (zoo.train.decode_rehearsal) imports this one
-        from zoo.train.decode_rehearsal import rehearse_decode
-        return rehearse_decode
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -423,16 +422,17 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
         ``"tpu-v5p-256"`` / ``"tpu:v5p:4x8x8"`` (`zoo.targets.target_devices`): compiled by
         the TPU compiler here, with its memory verdict.
     """
-    label, built = _build(model, mesh=mesh, strategy=strategy, batch_size=batch_size,
-                          seq_len=seq_len, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                          overrides=overrides, aux_loss_weight=aux_loss_weight,
-                          expert_bias_rate=expert_bias_rate, target=target)
+    label, built = build_for_rehearsal(
+        model, mesh=mesh, strategy=strategy, batch_size=batch_size, seq_len=seq_len,
+        dtype=dtype, param_dtype=param_dtype, remat=remat, overrides=overrides,
+        aux_loss_weight=aux_loss_weight, expert_bias_rate=expert_bias_rate, target=target)
     return rehearse_built(built, label=label)
 
 
-def _build(model: str | Any, *, mesh, strategy: str, batch_size: int, seq_len: int, dtype: Any,
-           param_dtype: Any, remat: Any = _KEEP, overrides=None, aux_loss_weight=None,
-           expert_bias_rate=None, target: str = "cpu"):
+def build_for_rehearsal(model: str | Any, *, mesh, strategy: str, batch_size: int,
+                        seq_len: int, dtype: Any, param_dtype: Any, remat: Any = _KEEP,
+                        overrides=None, aux_loss_weight=None, expert_bias_rate=None,
+                        target: str = "cpu"):
     """``(label, zoo.train.build result)`` of `rehearse`'s arguments (``donate=True``, no
     data), on `target`'s devices."""
     import jax.numpy as jnp

@@ -2,7 +2,10 @@
 
 ``Trainer(config)`` builds everything with `zoo.train.build` (or takes a `Built`), and
 ``trainer.train(steps=None)`` trains until ``steps`` updates are done (default: the planned
-``config.steps``), returning a `Summary`. Calling `train` again continues from there.
+``config.steps``), returning a `Summary` (``summary.line()`` is the closing line the recipes
+print; the trainer itself prints only progress to stderr). Calling `train` again continues
+from there; a run dir whose checkpoint is already there returns at once, nothing compiled or
+restored (``trainer.model`` stays None; `zoo.train.load` gives that model).
 
 * **checks first** -- the run dir is created, probed and locked (process 0); an existing
   checkpoint's model shapes and data-pipeline arguments are compared with this run's before
@@ -23,9 +26,14 @@
 * **hooks** -- (`zoo.train.hooks`) the held-out loss (``eval_every``), metrics.jsonl, progress
   bar, TensorBoard, W&B and loss plot, plus ``hooks=``; a step some hook ``needs_model`` for is
   finished before the next is dispatched, so its ``on_step`` sees that step's model.
+  A logger that cannot write (its file or folder unwritable, checked before compiling; the
+  disk full) raises `zoo.train.hooks.LoggingFailed`: the save in flight is awaited (its own
+  failure, `CheckpointSaveFailed`, comes first), the message names the last good checkpoint.
 * **checkpoints** -- every ``checkpoint_every`` steps, at the end of each `train`, and when
-  SIGTERM/SIGINT (or a hook's ``should_stop``) arrives: the step in flight finishes and is
-  saved; several processes agree through a flag reduced on the devices with the step. Each
+  SIGTERM/SIGINT arrives: the step in flight finishes and is saved; several processes agree
+  through a flag reduced on the devices with the step. A hook with a ``should_stop`` of its
+  own has each step finished before the next is dispatched, so the run ends (and saves) after
+  the very step whose metrics made it true. Each
   asynchronous save's result is checked at every step after it and before the next save
   starts: a failed one (no space, read-only, permission) or one past the save timeout raises
   `CheckpointSaveFailed`, naming the last good checkpoint on disk.
@@ -53,13 +61,15 @@ from zoo.train.build import Built, build
 from zoo.train.checkpoint import (CheckpointSaveFailed, Checkpointer, shape_differences,
                                   to_pure)
 from zoo.train.config import TrainConfig
+from zoo.train.evaluation import Evaluate
 from zoo.train.feed import DataStreamError, Feed, NoTrainingData
 from zoo.train.records import Summary, changes, normalise, versions, write_json
 
-__all__ = ["Trainer", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
+__all__ = ["Trainer", "standard_hooks", "Summary", "TrainingDiverged", "IncompatibleCheckpoint",
            "CompileInterrupted", "DataStreamError", "NoTrainingData", "CheckpointSaveFailed"]
 
 _HISTORY_KEY = "loss_history"  # saved beside the run config in each checkpoint
+MIN_TIMED_STEPS = 2  # steps past a run's first that the summary's tokens/s needs
 
 
 class TrainingDiverged(RuntimeError):
@@ -106,6 +116,26 @@ def _as_built(settings: TrainConfig | Built, **kwargs) -> Built:
 
 # -- the trainer -------------------------------------------------------------------------------
 
+
+def standard_hooks(config, run_dir: str, name: str) -> list[hooks_lib.Hook]:
+    """The hooks a run has unless told otherwise: the held-out evaluation (if
+    ``config.eval_every``), metrics.jsonl, the progress bar (if ``config.progress``),
+    TensorBoard (if ``config.tensorboard``), W&B (if ``config.wandb`` names a project) and the
+    loss plot."""
+    hooks: list[hooks_lib.Hook] = []
+    if config.eval_every:
+        hooks.append(Evaluate(config.eval_every, config.eval_batches))
+    hooks.append(hooks_lib.MetricsFile(run_dir))
+    if config.progress:
+        hooks.append(hooks_lib.Progress(name))
+    if config.tensorboard:
+        hooks.append(hooks_lib.TensorBoard(run_dir))
+    if config.wandb:
+        hooks.append(hooks_lib.Wandb(config.wandb, run_dir))
+    hooks.append(hooks_lib.LossPlot())
+    return hooks
+
+
 class Trainer:
     """Runs training for a `TrainConfig` (see the module docstring).
 
@@ -135,7 +165,7 @@ class Trainer:
         self.run_dir = os.path.abspath(self.config.run_dir)
         self.record = normalise(dict(self.built.record, recipe=self.name,
                                      train=dataclasses.asdict(self.config)))
-        self.hooks = [*(hooks_lib.default_hooks(self.config, self.run_dir, self.name)
+        self.hooks = [*(standard_hooks(self.config, self.run_dir, self.name)
                         if default_hooks else []), *hooks]
         self.model = self.optimizer = None
         self.step = 0
@@ -154,25 +184,24 @@ class Trainer:
     def train(self, steps: int | None = None) -> Summary:
         """Train until `steps` updates are done (default ``config.steps``); see the module
         docstring. Raises `TrainingDiverged`, `IncompatibleCheckpoint`, `NoTrainingData`,
-        `zoo.data.PipelineStateMismatch`, `DataStreamError`, `CheckpointSaveFailed` or
-        `CompileInterrupted`."""
+        `zoo.data.PipelineStateMismatch`, `DataStreamError`, `CheckpointSaveFailed`,
+        `zoo.train.hooks.LoggingFailed` or `CompileInterrupted`."""
         t_start = time.perf_counter()
         target = self.config.steps if steps is None else int(steps)
         with guard.StopFlag() as stop:
-            self._prepare(stop)
+            if not self._prepare(stop, target) or self.step >= target:
+                return self._already_done(self.step, target, t_start)
             start = self.step
-            if start >= target:
-                return self._already_done(start, target, t_start)
             self._hooks("on_start")
             stopped_by, losses, speeds = self._run(target, stop)
+        timed = speeds[1:]  # the first step of a run or resume carries first-call costs
         summary = Summary(self.run_dir, start, self.step, self.config.steps, stopped_by,
                           losses[0] if losses else None, losses[-1] if losses else None,
-                          statistics.median(speeds[1:] or speeds) if speeds else None,
-                          self.compile_s, time.perf_counter() - t_start, self.name)
+                          statistics.median(timed) if len(timed) >= MIN_TIMED_STEPS else None,
+                          self.compile_s, time.perf_counter() - t_start, self.name,
+                          target=target)
         self._ckpt.wait()
         self._hooks("on_end", summary)
-        if jax.process_index() == 0:
-            print(summary.line(), flush=True)
         return summary
 
     def save(self) -> None:
@@ -207,22 +236,63 @@ class Trainer:
         for hook in self.hooks:
             fn = getattr(hook, method, None)
             if fn is not None:
-                fn(*((self, *args) if pass_trainer else args))
+                try:
+                    fn(*((self, *args) if pass_trainer else args))
+                except hooks_lib.LoggingFailed as e:
+                    raise self._logging_failed(e) from None
+
+    def _logging_failed(self, e: hooks_lib.LoggingFailed) -> Exception:
+        """A logger cannot write: the save in flight is awaited first (when it failed too, as
+        on a full disk, its `CheckpointSaveFailed` is the error), then the run stops here."""
+        hint = f" ({e.hint})" if e.hint else ""
+        if self._ckpt is None or self._step_fn is None:
+            return hooks_lib.LoggingFailed(
+                f"{e}. Nothing was trained (checked before compiling). Make that path "
+                f"writable or free space{hint}, then rerun the same command")
+        self._ckpt.wait()  # raises CheckpointSaveFailed
+        return hooks_lib.LoggingFailed(
+            f"{e}. Training stopped at step {self.step}; {guard.last_checkpoint(self._ckpt)}. "
+            f"Free space or make that path writable{hint}, then rerun the same command to "
+            f"resume")
+
+    def _check_loggers(self) -> None:
+        """Every hook's ``check`` (the loggers probe their files) before anything is compiled;
+        with several processes they agree, so that all stop or none."""
+        problem = None
+        try:
+            self._hooks("check")
+        except hooks_lib.LoggingFailed as e:
+            problem = e
+        if jax.process_count() > 1:
+            from zoo.train.checkpoint import all_processes_agree
+            if not all_processes_agree(problem is None) and problem is None:
+                problem = hooks_lib.LoggingFailed(
+                    "another process of this job cannot write its logs (see its message)")
+        if problem is not None:
+            raise problem
 
     # -- preparation ---------------------------------------------------------------------------
-    def _prepare(self, stop: guard.StopFlag) -> None:
-        """Once: lock, checks against the run dir, compile beside restore/create, run.json."""
+    def _prepare(self, stop: guard.StopFlag, target: int) -> bool:
+        """Once: lock, checks against the run dir, compile beside restore/create, run.json.
+        False, with nothing compiled or restored: the run dir's checkpoint is already at
+        `target` (``self.step`` is its step)."""
         if self._step_fn is not None:
-            return
+            return True
         from zoo.train import validate
         from zoo.train.lock import RunLock
         validate.check_run_dir(self.run_dir)
         if self._take_lock and jax.process_index() == 0 and self._lock is None:
             self._lock = RunLock(self.run_dir).acquire()
-        self._ckpt = Checkpointer(os.path.join(self.run_dir, "checkpoints"),
-                                  max_to_keep=self.config.max_to_keep)
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(os.path.join(self.run_dir, "checkpoints"),
+                                      max_to_keep=self.config.max_to_keep)
         model, optimizer = self.built.abstract_state()
         self._check_run_dir(model, optimizer)
+        done = self._finished_step(target)
+        if done is not None:
+            self.step = done
+            return False
+        self._check_loggers()
         self._feed = Feed(self.built.data, files=self.built.data_files,
                           timeout_s=self.config.data_timeout)
         self._feed.probe(stop)  # a first batch with a target, before anything is compiled
@@ -252,6 +322,21 @@ class Trainer:
         if jax.process_index() == 0:
             print(f"{self.name}: compiled in {self.compile_s:.1f}s", file=sys.stderr, flush=True)
             self._write_run_info()
+        return True
+
+    def _finished_step(self, target: int) -> int | None:
+        """The latest checkpoint's step when it is intact (its digests match), readable and
+        at or past `target`."""
+        step = self._ckpt.latest_step()
+        if step is None or step < target:
+            return None
+        if not self._ckpt.intact(step):
+            return None  # corrupt or unverified: the restore sets it aside and falls back
+        try:
+            self._ckpt.read_config(step)
+        except Exception:
+            return None  # unreadable: the restore falls back to an older one
+        return step
 
     def _compile(self, model, optimizer, out: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -292,8 +377,10 @@ class Trainer:
         now = self.record.get("data_arguments")
         if not saved or not now or saved == now:
             return
-        diffs = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items()
-                 if saved.get(k) != v]
+        from zoo.data import argument_changes
+        diffs = argument_changes(saved, now)
+        if not diffs:
+            return
         if self.config.data_changed == "restart":
             self._data_restart = dict(step=step, changes=diffs)
             return
@@ -361,11 +448,9 @@ class Trainer:
         return 6.0 * count_params(self.built.abstract_state()[0])
 
     def _already_done(self, start: int, target: int, t_start: float) -> Summary:
-        if jax.process_index() == 0:
-            print(f"{self.name}: the checkpoint is already at step {start} of the planned "
-                  f"{target}; raise --steps to train further", file=sys.stderr, flush=True)
+        """Nothing to train: the summary says so (`Summary.line`)."""
         return Summary(self.run_dir, start, start, self.config.steps, None, None, None, None,
-                       self.compile_s, time.perf_counter() - t_start, self.name)
+                       self.compile_s, time.perf_counter() - t_start, self.name, target=target)
 
     # -- the steps -----------------------------------------------------------------------------
     def _run(self, target: int, stop: guard.StopFlag) -> tuple[str | None, list, list]:
@@ -389,9 +474,13 @@ class Trainer:
                 pending = flight
                 stopping = self._stopping(stop)
                 save = self.step % self.config.checkpoint_every == 0 or self.step == target
-                if save or stopping or self._model_needed(self.step):  # this step's state
-                    pending = None
+                stop_hooks = self._stop_hooks()
+                if save or stopping or stop_hooks or self._model_needed(self.step):
+                    pending = None  # this step's state: finished before the next is dispatched
                     self._finish(flight)
+                    if stop_hooks and self._agree is not None:  # all processes, this step
+                        want = stop.signal is not None or self._hook_stop is not None
+                        self._stop_agreed |= bool(int(jax.device_get(self._agree(want))))
                     stopping = self._stopping(stop)
                     held_back = self._checkpoint(held_back) if save or stopping else held_back
                 if self._monitor.rising and self._monitor.first_rise is not None:
@@ -413,6 +502,12 @@ class Trainer:
         return DataStreamError(f"{e}. Training stopped at step {self.step}; "
                                f"{guard.last_checkpoint(self._ckpt)}. Fix the data, then rerun "
                                f"to resume (or start over on new files with another --run-dir)")
+
+    def _stop_hooks(self) -> bool:
+        """Whether a hook has a ``should_stop`` of its own: the run then finishes each step
+        before dispatching the next, so it ends after the step whose metrics asked."""
+        return any(getattr(type(h), "should_stop", None) not in (None, hooks_lib.Hook.should_stop)
+                   for h in self.hooks)
 
     def _model_needed(self, step: int) -> bool:
         """A hook's ``needs_model``: its ``on_step`` reads `model` as of this step."""

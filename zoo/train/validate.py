@@ -48,13 +48,16 @@ def check_warmup(warmup: int | None, steps: int) -> None:
 
 # -- run dir -----------------------------------------------------------------------------------
 
-def check_run_dir(path: str | os.PathLike) -> str:
+def check_run_dir(path: str | os.PathLike, *, create: bool = True) -> str:
     """Create ``path`` if needed and prove it writable (a probe file, removed again); returns
-    the absolute path. Nothing else in the folder is touched."""
+    the absolute path. Nothing else in the folder is touched. ``create=False`` writes nothing:
+    the folder, or the nearest one above it that exists, must be writable (`os.access`)."""
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"--run-dir {path}: is a file, not a folder; pass a folder (new or "
                          f"holding an earlier run)")
+    if not create:
+        return _check_writable(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -68,6 +71,23 @@ def check_run_dir(path: str | os.PathLike) -> str:
     except OSError as e:
         raise ValueError(f"--run-dir {path}: is not writable ({e.strerror or e}); pass a folder "
                          f"you can write to, or fix its permissions") from None
+    return path
+
+
+def _check_writable(path: str) -> str:
+    """`path`, or the nearest folder above it that exists, is a folder this process can
+    write to (nothing is created)."""
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--run-dir {path}: cannot be created, {existing} is a file; pass a "
+                         f"folder under a writable parent")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created ({existing} is " \
+                                                          f"not writable)"
+        raise ValueError(f"--run-dir {path}: {what}; pass a folder you can write to, or fix its "
+                         f"permissions")
     return path
 
 

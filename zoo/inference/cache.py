@@ -1,14 +1,18 @@
-"""The KV cache of `zoo.generate`: a pytree the decoder layers read and return.
+"""The KV cache of `zoo.inference`: a pytree the decoder layers read and return.
 
-* `KVCache` -- per-layer K/V (or MLA's latent and rotary key), each slot's position and
-  segment id, the slots written; `KVCache.shapes` for a model (abstract models too).
-* `cache_slots` -- a layer's slots: all of them, or a ring of the window for a mask whose
-  reach back is bounded; `cache_bytes_per_token` at a context.
-* `cache_axes` / `_constrain_cache` -- the cache sharded as the attention shards its
-  activations (batch, kv heads over ``tensor``, slots over the context axes).
-* `_fill`, `_write`, `_ring_view` -- how prefill and decode put tokens in and read them out.
+* `KVCache` -- per layer the arrays its attention keeps (`AttentionBlock.cache_shape`: K/V
+  per kv head for `zoo.layers.Attention`, MLA's latent and rotary key), each slot's position
+  and segment id, the slots written; `KVCache.shapes` for a model (abstract models too).
+* `cache_slots` -- a layer's slots (`AttentionBlock.cache_slots`): all of them, or a ring of
+  the window for a mask whose reach back is bounded; `cache_bytes_per_token` at a context.
+* `cache_axes` / `constrain_cache` -- the cache sharded as the attention shards its
+  activations (batch, kv heads over ``tensor``, slots over the context axes), each array by
+  the logical axes its layer declares (`AttentionBlock.cache_axes`).
+* `fill`, `write`, `put`, `ring_view` -- how prefill and decode put tokens in and read them
+  out.
 
-`zoo.generate` re-exports the public names; prefill, decode and sampling live there.
+The cache knows no layer kind: a new attention-like layer brings its own arrays through
+``cache_axes``, ``cache_shape``, ``cache_entry``, ``prefill_cache`` and ``decode_step``.
 """
 
 from __future__ import annotations
@@ -21,30 +25,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.layers.attention import SCOPE
-from zoo.layers.mla import MLA
-from zoo.ops.masks import default_mask
+from zoo.layers.attention import SCOPE, splittable_axes
 from zoo.partitioning import Partitioner
 
-__all__ = ["CACHE_AXES", "KVCache", "cache_axes", "cache_bytes_per_token", "cache_slots"]
+__all__ = ["SLOTS", "KVCache", "cache_axes", "cache_bytes_per_token", "cache_slots",
+           "constrain_cache", "fill", "layer_axes", "put", "ring_view", "write"]
+
+SLOTS = 3  # the slot axis of an entry's arrays [n, B, K, S, F]
 
 
 def cache_slots(attn, max_length: int) -> int:
-    """Slots layer `attn`'s cache keeps for a sequence of `max_length`: all of them, or for a
-    mask whose reach back is bounded (``sliding_window=W``: a query sees keys less than W
-    positions back, itself included, so W keys; ``Chunked(c)``: c) that many, as a ring
-    written at ``slot % slots``. Cache rows hold one sequence at consecutive positions, so
-    a bound in positions is one in slots."""
-    mask = attn.mask if attn.mask is not None else default_mask(
-        None, getattr(attn, "sliding_window", None), None)
-    back = mask.reach().back
-    return max_length if back is None else min(back + 1, max_length)
+    """Slots layer `attn`'s cache keeps for a sequence of `max_length`
+    (`AttentionBlock.cache_slots`): all of them, or a ring of a bounded mask's reach."""
+    return attn.cache_slots(max_length)
+
+
+def layer_axes(attn) -> tuple[tuple[str, tuple[str | None, ...]], ...]:
+    """The logical axes of each array of `attn`'s cache entry ``[n, B, K, S, F]`` (the layer's
+    `cache_axes` after the stack axis ``layers``), as `KVCache.axes` keeps them."""
+    return tuple((name, ("layers", *axes)) for name, axes in attn.cache_axes.items())
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer K/V (or MLA latents) for a batch, plus each slot's position and segment id.
+    """Per-layer cache arrays for a batch, plus each slot's position and segment id.
 
     Attributes:
       layers: one dict per entry of ``model.layers``, arrays ``[n, B, K, S_l, F]`` (``n``
@@ -55,8 +60,10 @@ class KVCache:
         ``r`` holds the newest global slot ``g`` with ``g % S_l == r`` (`cache_slots`).
       positions: [B, S] int32, the position of the token in each (global) slot.
       segment_ids: [B, S] int32, 1 where a slot holds a token, 0 where empty or padding.
-      length: int32 scalar, slots written (the next one decode writes).
+      length: int32 scalar (or [B] while decoding speculatively), slots written (the next
+        one decode writes).
       next_positions: [B] int32, the position of each row's next token.
+      axes: static, per entry of ``layers``, each array's logical axes (`layer_axes`).
     """
 
     layers: tuple[dict[str, jax.Array], ...]
@@ -64,6 +71,8 @@ class KVCache:
     segment_ids: jax.Array
     length: jax.Array
     next_positions: jax.Array
+    axes: tuple[tuple[tuple[str, tuple[str | None, ...]], ...], ...] = dataclasses.field(
+        default=(), metadata=dict(static=True))
 
     @property
     def batch(self) -> int:
@@ -90,19 +99,13 @@ class KVCache:
         layers = []
         for layer in model.layers:
             n = layer.stack_size or 1
-            attn = layer.self_attn
-            S = cache_slots(attn, max_length)
-            if isinstance(attn, MLA):
-                width = attn.kv_lora_rank + attn.qk_rope_head_dim
-                entry = {"latent_pe": (n, batch, 1, S, width)}
-            else:
-                kv = (n, batch, attn.num_kv_heads, S, attn.head_dim)
-                entry = {"k": kv, "v": kv}
-            layers.append({k: jax.ShapeDtypeStruct(s, dtype) for k, s in entry.items()})
+            shapes = layer.self_attn.cache_shape(batch, max_length)
+            layers.append({k: jax.ShapeDtypeStruct((n, *s), dtype) for k, s in shapes.items()})
         i32 = jnp.int32
         return cls(tuple(layers), jax.ShapeDtypeStruct((batch, max_length), i32),
                    jax.ShapeDtypeStruct((batch, max_length), i32),
-                   jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32))
+                   jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((batch,), i32),
+                   axes=tuple(layer_axes(layer.self_attn) for layer in model.layers))
 
 
 def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
@@ -110,34 +113,21 @@ def cache_bytes_per_token(model, dtype=None, *, context: int = 1) -> int:
     be abstract): `KVCache.bytes_per_token` of a cache of `context` slots. The default, 1,
     counts every layer's bytes for each token (no window full yet); at a context longer than
     a layer's window W that layer holds W tokens, amortised over the context."""
-    if not isinstance(context, int) or context < 1:
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"cache_bytes_per_token: context={context!r} must be an int >= 1")
     return KVCache.shapes(model, 1, context, dtype).bytes_per_token()
 
 
-# logical axes of the cache's arrays: the attention's activation names, so each strategy's
-# rules apply (kv heads over ``tensor``; the length over the context axes under cp/ep_as_cp)
-CACHE_AXES = {"k": ("layers", "batch", "act_kv_heads", "length", "act_head_dim"),
-              "latent_pe": ("layers", "batch", None, "length", None)}
-SLOTS = 3  # the slot axis of an entry's arrays [n, B, K, S, F]
-CACHE_AXES["v"] = CACHE_AXES["k"]
+def cache_axes(p: Partitioner, axes: Sequence[str | None],
+               shape: Sequence[int]) -> tuple[str | None, ...]:
+    """The logical axes `constrain_cache` shards a cache array of `shape` by: its layer's
+    `axes` (`layer_axes`), less any whose dimension does not split over its mesh axes -- a
+    ring of W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads
+    than the tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
+    return splittable_axes(p, axes, shape)
 
 
-def cache_axes(p: Partitioner, name: str, shape: Sequence[int]) -> tuple[str | None, ...]:
-    """The logical axes `_constrain_cache` shards the cache array `name` of `shape` by: those
-    of `CACHE_AXES`, less any whose dimension does not split over its mesh axes -- a ring of
-    W slots (`cache_slots`) that the context axes do not divide, or fewer kv heads than the
-    tensor axis (then each tensor shard needs every kv head) -- kept whole instead."""
-    return _splittable(p, CACHE_AXES[name], shape)
-
-
-def _splittable(p: Partitioner, axes, shape) -> tuple[str | None, ...]:
-    """`axes` with None for each dimension of `shape` that its mesh axes do not divide."""
-    return tuple(None if logical is None or size % p.size(logical, SCOPE) else logical
-                 for logical, size in zip(axes, shape, strict=True))
-
-
-def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
+def constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
     """The cache sharded as the attention shards its activations (`cache_axes`): batch over
     the batch axes, K/V heads over ``tensor``, and under context parallelism (``cp``,
     ``ep_as_cp``) the slots over the context axes, as prefill computed them.
@@ -146,16 +136,17 @@ def _constrain_cache(cache: KVCache, p: Partitioner) -> KVCache:
     device holds 1/context of every cache array for the whole generation (the memory that
     makes long contexts fit), and a step's collectives are per-query reductions of the scores
     and the output ([B, 1, N, ...], not the cache). Positions and segment ids are small and
-    shard over the batch only, which keeps a ring's `_ring_view` gather local."""
-    layers = tuple({k: p.constrain(a, cache_axes(p, k, a.shape), SCOPE) for k, a in e.items()}
-                   for e in cache.layers)
+    shard over the batch only, which keeps a ring's `ring_view` gather local."""
+    layers = tuple({k: p.constrain(a, cache_axes(p, dict(axes)[k], a.shape), SCOPE)
+                    for k, a in entry.items()}
+                   for entry, axes in zip(cache.layers, cache.axes, strict=True))
     return dataclasses.replace(
         cache, layers=layers, positions=p.constrain(cache.positions, ("batch", None), SCOPE),
         segment_ids=p.constrain(cache.segment_ids, ("batch", None), SCOPE),
         next_positions=p.constrain(cache.next_positions, ("batch",), SCOPE))
 
 
-def _fill(a, slots: int):
+def fill(a, slots: int):
     """A prompt's entry ``[n, B, K, L, F]`` -> ``[n, B, K, slots, F]``: padded when it fits,
     else the last ``slots`` of it as a ring (global slot ``g`` at ``g % slots``)."""
     L = a.shape[SLOTS]
@@ -165,19 +156,19 @@ def _fill(a, slots: int):
     return a[:, :, :, (L - 1) - (L - 1 - ring) % slots]
 
 
-def _write(cache_array, new, slot, axis: int = 1):
+def write(cache_array, new, slot, axis: int = 1):
     """Write ``new`` into slots ``slot ... slot + T - 1`` of ``cache_array``, its slots on
     `axis` (``[B, S]`` positions: 1; ``[B, K, S, F]`` one layer's keys: 2) and rows first;
     ``slot`` a scalar, or one per row ``[B]`` (speculative decoding's rows advance apart)."""
     new = new.astype(cache_array.dtype)
     if jnp.ndim(slot) == 1:
-        return jax.vmap(lambda c, n, s: _write(c, n, s, axis - 1))(cache_array, new, slot)
+        return jax.vmap(lambda c, n, s: write(c, n, s, axis - 1))(cache_array, new, slot)
     at = [0] * new.ndim
     at[axis] = slot
     return jax.lax.dynamic_update_slice(cache_array, new, tuple(at))
 
 
-def _put(stack, new, layer, slot):
+def put(stack, new, layer, slot):
     """Layer ``layer``'s ``new [B, K, T, F]`` written at ``slot`` (scalar or ``[B]``) into an
     entry's stack ``[n, B, K, S, F]`` (in place when the stack is the decode loop's carry):
     (the stack, that layer's ``[B, K, S, F]`` to attend over)."""
@@ -191,7 +182,7 @@ def _put(stack, new, layer, slot):
     return stack, jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
 
 
-def _ring_view(kv_pos, kv_seg, slot, slots: int):
+def ring_view(kv_pos, kv_seg, slot, slots: int):
     """The positions and segment ids ``[B, slots]`` of a ring of `slots` after global slot
     ``slot`` (scalar or ``[B]``) is written: ring slot ``r`` holds the newest global slot ``g
     <= slot`` with ``g % slots == r``; none yet (``g < 0``): segment 0."""

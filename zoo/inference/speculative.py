@@ -1,0 +1,221 @@
+"""Speculative decoding with DeepSeek-V3's multi-token-prediction (MTP) module.
+
+* The MTP module at position ``i`` reads the trunk's hidden state ``h_i`` (before the final
+  norm) and the embedding of token ``i + 1``, and predicts token ``i + 2``: after the model has
+  chosen token ``p + 1`` from position ``p``, the module drafts token ``p + 2`` for free.
+* Prefill runs the prompts through the trunk, takes the greedy first token ``t``, then runs
+  the MTP layer over the prompt's hidden states with the shifted embeddings (the prompt's
+  next tokens, ``t`` last), filling the MTP layer's own KV cache and drafting ``d``.
+* Each step (one compiled program) verifies: the model runs over 2 positions from its cache,
+  the last accepted token ``t`` at ``p`` and the draft ``d`` at ``p + 1``; its greedy choices
+  ``g1`` (for ``p + 1``) and ``g2`` (for ``p + 2``). ``d == g1``: both are kept (2 tokens),
+  else ``g1`` alone (1 token). The MTP layer runs over the same 2 positions with the
+  embeddings of ``[g1, g2]`` and drafts the next token from the last accepted position.
+* Rows advance apart: the cache's ``length`` is per row ``[B]``; each step writes its 2 slots
+  at the row's length, the row's length and positions advance by the tokens accepted, and a
+  rejected slot's segment id is set to 0 (invisible to every later query; the next step
+  overwrites it). Finished rows stop advancing.
+* Greedy only: ``temperature > 0`` is refused (rejection sampling is not implemented).
+  Only the first MTP module drafts (one token ahead) when the model has more.
+* `generate_speculative(model, prompts, ...) -> (tokens, SpeculativeStats)`;
+  `zoo.inference.generate`'s ``generate(..., speculative="mtp")`` returns the tokens alone.
+
+Legend: B batch, L prompt length, S cache length, D embed, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zoo.inference.cache import KVCache, constrain_cache, write
+from zoo.inference.engine import (cached_layers, compiled, filled_cache, final_logits,
+                                  inference_split, prefill_layers, prefill_positions)
+from zoo.inference.prompts import checked_prompts, decoded, pad_prompts
+from zoo.partitioning import Partitioner
+
+__all__ = ["SpeculativeStats", "check_speculative", "generate_speculative", "verify_jit"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+    """What speculative decoding did for one batch.
+
+    Attributes:
+      rows: prompts in the batch.
+      steps: verify steps (one model forward over 2 positions, plus the MTP layer).
+      drafted: drafts checked (one per unfinished row per step).
+      accepted: drafts the model's greedy choice agreed with.
+      tokens: new tokens returned, all rows (``rows + drafted + accepted - discarded``).
+      discarded: tokens produced past a row's end (``max_new_tokens`` or a stop id).
+      plain_forward_passes: model forward passes plain greedy decoding needs for the same
+        tokens (the prefill, then one decode step per token after the first).
+    """
+
+    rows: int
+    steps: int
+    drafted: int
+    accepted: int
+    tokens: int
+    discarded: int
+    plain_forward_passes: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def forward_passes(self) -> int:
+        """The prefill and the verify steps."""
+        return 1 + self.steps
+
+    @property
+    def speedup(self) -> float:
+        """Plain greedy decoding's forward passes over these."""
+        return self.plain_forward_passes / self.forward_passes
+
+    def __str__(self) -> str:
+        return (f"speculative (mtp): {self.accepted}/{self.drafted} drafts accepted "
+                f"({self.acceptance_rate:.1%}); {self.forward_passes} forward passes against "
+                f"{self.plain_forward_passes} ({self.speedup:.2f}x fewer)")
+
+
+def check_speculative(model, speculative, temperature) -> None:
+    """Refuse what speculative decoding cannot do, naming the fix."""
+    if speculative != "mtp":
+        raise ValueError(f"generate: speculative={speculative!r} is not a drafting method; "
+                         f"pass speculative='mtp' or None")
+    if not len(getattr(model, "mtp", ())):
+        name = type(model).__name__
+        raise ValueError(
+            f"generate: speculative='mtp' needs multi-token-prediction modules, and this "
+            f"{name} has none (only DeepSeek-V3 has them, with num_nextn_predict_layers >= 1); "
+            f"build DeepSeek3 with num_nextn_predict_layers=1 or pass speculative=None")
+    if temperature != 0:
+        raise ValueError(f"generate: speculative='mtp' is greedy only (temperature="
+                         f"{temperature!r}; rejection sampling is not implemented); pass "
+                         f"temperature=0 or speculative=None")
+
+
+def _per_row(cache: KVCache, p: Partitioner) -> KVCache:
+    length = jnp.full((cache.batch,), cache.length, jnp.int32)
+    return dataclasses.replace(cache, length=p.constrain(length, ("batch",)))
+
+
+def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
+    """-> (first tokens [B], drafts [B], model cache, MTP cache), both caches per-row."""
+    segment_ids = segment_ids.astype(jnp.int32)
+    positions = prefill_positions(segment_ids)
+    kw = dict(dtype=jnp.dtype(model.config.dtype), max_length=max_length)
+    h, layers = prefill_layers(model.layers, model.embed_tokens(tokens), positions,
+                               segment_ids, **kw)
+    first = jnp.argmax(final_logits(model, h[:, -1]), -1).astype(jnp.int32)
+    ahead = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)  # token i + 1 at i
+    mtp = model.mtp[0]
+    x = mtp.combine(h, model.embed_tokens(ahead))
+    hm, mtp_layers = prefill_layers([mtp.layer], x, positions, segment_ids, **kw)
+    draft = jnp.argmax(final_logits(model, hm[:, -1], mtp.norm), -1).astype(jnp.int32)
+    caches = [_per_row(constrain_cache(filled_cache(owners, e, positions, segment_ids,
+                                                    max_length), p), p)
+              for owners, e in ((model.layers, layers), ([mtp.layer], mtp_layers))]
+    return first, draft, *caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "p", "max_length"))
+def _prefill_jit(state, tokens, segment_ids, *, graphdef, p, max_length):
+    return _prefill(nnx.merge(graphdef, state), p, tokens, segment_ids, max_length)
+
+
+def _verify(model, p: Partitioner, cache: KVCache, mtp_cache: KVCache, tokens, drafts,
+            active):
+    """tokens, drafts, active [B] -> (greedy choices [B, 2], accepted [B], next tokens [B],
+    next drafts [B], model cache, MTP cache)."""
+    slot = cache.length  # [B]
+    q_pos = cache.next_positions[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
+    kv_pos = write(cache.positions, q_pos, slot)
+    kv_seg = write(cache.segment_ids, jnp.ones_like(q_pos), slot)
+    x = model.embed_tokens(jnp.stack([tokens, drafts], axis=1))
+    h, layers = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot, p)
+    choice = jnp.argmax(final_logits(model, h), -1).astype(jnp.int32)  # [B, 2]
+    accept = (choice[:, 0] == drafts) & active
+    mtp = model.mtp[0]
+    xm = mtp.combine(h, model.embed_tokens(choice))
+    hm, mtp_layers = cached_layers([mtp.layer], mtp_cache.layers, xm, q_pos, kv_pos,
+                                   kv_seg, slot, p)
+    guess = jnp.argmax(final_logits(model, hm, mtp.norm), -1).astype(jnp.int32)  # [B, 2]
+    advance = jnp.where(active, 1 + accept.astype(jnp.int32), 0)
+    seen = (jnp.arange(2)[None] < advance[:, None]).astype(jnp.int32)  # rejected: segment 0
+    kv_seg = write(cache.segment_ids, seen, slot)
+
+    def new(c, entries):
+        c = KVCache(entries, kv_pos, kv_seg, slot + advance, cache.next_positions + advance,
+                    axes=c.axes)
+        c = constrain_cache(c, p)
+        return dataclasses.replace(c, length=p.constrain(c.length, ("batch",)))
+
+    nxt = jnp.where(accept, choice[:, 1], choice[:, 0])
+    draft = jnp.where(accept, guess[:, 1], guess[:, 0])
+    return choice, accept, nxt, draft, new(cache, layers), new(mtp_cache, mtp_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "p"),
+                   donate_argnames=("cache", "mtp_cache"))
+def verify_jit(state, cache, mtp_cache, tokens, drafts, active, *, graphdef, p):
+    """The compiled verify step (`_verify`) on a split inference view."""
+    return _verify(nnx.merge(graphdef, state), p, cache, mtp_cache, tokens, drafts, active)
+
+
+def generate_speculative(model, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                         stop: int | Sequence[int] | None = None, tokenizer=None,
+                         speculative: str = "mtp"
+                         ) -> tuple[list[list[int]], SpeculativeStats]:
+    """`zoo.inference.generate`'s greedy continuations (the same tokens, the same arguments;
+    text with a tokenizer) through MTP drafts verified by the model, and the
+    `SpeculativeStats`. Refuses models without MTP and ``temperature > 0``."""
+    ids, stops = checked_prompts(model, prompts, tokenizer, max_new_tokens, temperature,
+                                 None, None, stop)
+    check_speculative(model, speculative, temperature)
+    n = len(ids)
+    if max_new_tokens == 0:
+        empty = SpeculativeStats(n, 0, 0, 0, 0, 0, 0)
+        return decoded([[] for _ in ids], prompts, tokenizer), empty
+    tokens, segs = pad_prompts(model, ids)
+    B, L = tokens.shape
+    p = model.partitioner
+    graphdef, state = inference_split(model, unsharded=False)
+    first, draft, cache, mtp_cache = compiled(
+        _prefill_jit, dict(graphdef=graphdef, p=p, max_length=L + max_new_tokens + 1), state,
+        jnp.asarray(tokens), jnp.asarray(segs))
+    graphdef, state = inference_split(model, unsharded=True)
+    out = [[int(t)] for t in np.asarray(first)[:n]]
+    done = np.array([len(row) >= max_new_tokens or row[-1] in stops for row in out] +
+                    [True] * (B - n))
+    token, draft = np.asarray(first), np.asarray(draft)
+    steps = drafted = accepted = discarded = 0
+    while not done.all():
+        active = ~done
+        choice, accept, token, draft, cache, mtp_cache = compiled(
+            verify_jit, dict(graphdef=graphdef, p=p), state, cache, mtp_cache, token, draft,
+            active)
+        choice, accept = np.asarray(choice), np.asarray(accept)
+        token, draft = np.asarray(token), np.asarray(draft)
+        steps += 1
+        for i in np.flatnonzero(active):
+            drafted += 1
+            accepted += int(accept[i])
+            for t in choice[i, :1 + int(accept[i])]:
+                if done[i]:
+                    discarded += 1
+                    continue
+                out[i].append(int(t))
+                done[i] = len(out[i]) >= max_new_tokens or int(t) in stops
+    stats = SpeculativeStats(rows=n, steps=steps, drafted=drafted, accepted=accepted,
+                             tokens=sum(map(len, out)), discarded=discarded,
+                             plain_forward_passes=max(map(len, out)))
+    return decoded(out, prompts, tokenizer), stats

@@ -1,0 +1,185 @@
+"""`Indexer`: DeepSeek-V3.2's lightning indexer, which scores every key for every query.
+
+Follows Hugging Face ``DeepseekV32Indexer`` (attribute names match its checkpoint keys, so the
+module sits under ``indexer`` in MLA's keys):
+
+* queries from MLA's query latent (``q_a_layernorm(q_a_proj(x))``): ``wq_b`` Rq -> (N, H);
+* one key per token shared by all index heads: ``wk`` D -> H, then ``k_norm`` (a `LayerNorm`
+  with bias, eps 1e-6);
+* RoPE on the *leading* Hr dims of each query and key head, in the half-split
+  (non-interleaved) layout -- unlike MLA, which rotates its trailing Hr dims interleaved; the
+  angles (and YaRN's frequencies and cos/sin factor) are MLA's;
+* per-head weights ``weights_proj`` D -> N, times ``N**-0.5``;
+* ``score[b, l, s] = sum_n w[b, l, n] * relu(H**-0.5 * q[b, l, n] . k[b, s])`` in float32,
+  ``-inf`` where the mask (default ``Causal() & Document()``, padding excluded) hides the key.
+
+`topk` turns scores into the selection (array indices, ``-1`` for an empty slot) that
+`zoo.ops.sparse_attention` reads. Hugging Face's Hadamard rotation and FP8 scoring are omitted
+as transformers omits them (an orthogonal rotation preserves the dot products).
+
+Legend: B batch, L queries, S keys, D embed, Rq q_lora_rank, N index heads, H index head dim,
+Hr rotary dims, k selected keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers import hf_keys as hfk
+from zoo.layers.linear import Linear
+from zoo.layers.rope import RoPE
+from zoo.ops.masks import Causal, Document, Mask, attention_mask
+from zoo.partitioning import Partitioner, resolve
+
+
+class LayerNorm(nnx.Module):
+    """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, in float32, cast to
+    the input dtype (``torch.nn.LayerNorm``; Hugging Face keys ``weight`` and ``bias``)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, partitioner: Partitioner | None = None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dim, self.eps = dim, eps
+        p = resolve(partitioner)
+        self.scale = nnx.Param(p.param(nnx.initializers.ones_init(), ("norm",))(
+            rngs.params(), (dim,), param_dtype))
+        self.bias = nnx.Param(p.param(nnx.initializers.zeros_init(), ("norm",))(
+            rngs.params(), (dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"LayerNorm of dim {self.dim} got input of shape {x.shape}")
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)
+                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return [hfk.copy(("scale",), f"{prefix}.weight"), hfk.copy(("bias",), f"{prefix}.bias")]
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer (module docstring): ``indexer(x, q_latent, positions=...,
+    segment_ids=...)`` -> index scores [B, L, L]; ``topk(scores, k, kv_positions)`` -> indices.
+
+    Args:
+      num_heads: N, index heads (``index_n_heads``).
+      head_dim: H (``index_head_dim``).
+      rope_head_dim: Hr, the leading dims of each head that rotate (``qk_rope_head_dim``).
+      q_lora_rank: Rq, the width of MLA's query latent.
+      inputs_shape: ``(batch, length, embed)`` the layer will see.
+      partitioner: how the mesh cuts parameters (None: unsharded).
+      rope: MLA's `RoPE`; the indexer uses its frequencies in the half-split layout
+        (``interleaved`` is overridden to False, as transformers does). None: theta 10000.
+      mask: which keys a query may select (default ``Causal() & Document()``).
+      dtype: computation dtype of the projections (None: the input's); param_dtype: storage.
+    """
+
+    def __init__(self, *, num_heads: int, head_dim: int, rope_head_dim: int, q_lora_rank: int,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 rope: RoPE | None = None, mask: Mask | None = None, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        if len(tuple(inputs_shape)) != 3:
+            raise ValueError(f"Indexer: inputs_shape={tuple(inputs_shape)} must be (batch, "
+                             f"length, embed)")
+        _, _, embed = (int(v) for v in inputs_shape)
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
+                            ("q_lora_rank", q_lora_rank)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Indexer: {name}={value!r} must be a positive int")
+        if not isinstance(rope_head_dim, int) or rope_head_dim < 2 or rope_head_dim % 2 \
+                or rope_head_dim > head_dim:
+            raise ValueError(f"Indexer: rope_head_dim={rope_head_dim!r} must be an even int in "
+                             f"2..head_dim={head_dim} (RoPE rotates pairs of the leading dims)")
+        if mask is not None and not isinstance(mask, Mask):
+            raise TypeError(f"Indexer: mask={mask!r} must be a zoo.ops.masks.Mask")
+        self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
+        self.q_lora_rank = q_lora_rank
+        self.inputs_shape = tuple(inputs_shape)
+        self.partitioner = p
+        base = RoPE(theta=10000.0) if rope is None else rope
+        self.rope = dataclasses.replace(base, interleaved=False, partial_rotary_factor=1.0)
+        self.mask = Causal() & Document() if mask is None else mask
+        self.softmax_scale = head_dim ** -0.5
+        kw = dict(partitioner=p, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.wq_b = Linear(q_lora_rank, (num_heads, head_dim), in_axes=("q_lora",),
+                           out_axes=(None, None), **kw)
+        self.wk = Linear(embed, head_dim, in_axes=("embed",), out_axes=(None,), **kw)
+        self.k_norm = LayerNorm(head_dim, eps=1e-6, partitioner=p, param_dtype=param_dtype,
+                                rngs=rngs)
+        self.weights_proj = Linear(embed, num_heads, in_axes=("embed",), out_axes=(None,), **kw)
+
+    def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE on the leading Hr dims of ``x [B, L, N, H]`` (half-split layout)."""
+        r = self.rope_head_dim
+        return jnp.concatenate([self.rope.apply(x[..., :r], positions), x[..., r:]], axis=-1)
+
+    def queries(self, x: jax.Array, q_latent: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, L, D], q_latent [B, L, Rq] -> rotated q [B, L, N, H] and float32 head
+        weights [B, L, N] (``weights_proj(x) * N**-0.5``)."""
+        q = self.rotate(self.wq_b(q_latent), positions)
+        w = self.weights_proj(x).astype(jnp.float32) * self.num_heads ** -0.5
+        return q, w
+
+    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, S, D] -> rotated index keys [B, S, H] (what a cache or a ring would carry)."""
+        k = self.k_norm(self.wk(x))
+        return self.rotate(k[:, :, None], positions)[:, :, 0]
+
+    def score(self, q: jax.Array, w: jax.Array, k: jax.Array, *, q_positions: jax.Array,
+              kv_positions: jax.Array, q_segment_ids: jax.Array | None = None,
+              kv_segment_ids: jax.Array | None = None) -> jax.Array:
+        """Index scores [B, L, S] in float32, ``-inf`` where ``self.mask`` (or padding) hides
+        the key."""
+        s = jnp.einsum("blnh,bsh->blns", q.astype(jnp.float32), k.astype(jnp.float32))
+        s = jnp.einsum("blns,bln->bls", jax.nn.relu(s * self.softmax_scale), w)
+        visible = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                                 mask=self.mask)
+        return jnp.where(visible, s, -jnp.inf)
+
+    def __call__(self, x: jax.Array, q_latent: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Self-attention index scores [B, L, L] of the tokens ``x`` (keys = queries)."""
+        if x.shape[:2] != q_latent.shape[:2] or q_latent.shape[-1] != self.q_lora_rank:
+            raise ValueError(f"Indexer: x {x.shape} and q_latent {q_latent.shape} must be "
+                             f"[B, L, D] and [B, L, q_lora_rank={self.q_lora_rank}]")
+        with jax.named_scope("indexer"):
+            q, w = self.queries(x, q_latent, positions)
+            k = self.keys(x, positions)
+            return self.score(q, w, k, q_positions=positions, kv_positions=positions,
+                              q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+
+    @staticmethod
+    def topk(scores: jax.Array, k: int, kv_positions: jax.Array) -> jax.Array:
+        """The ``k`` best keys of each query: int32 array indices [B, L, min(k, S)], best first.
+
+        Tie rule: among equal scores, the key with the larger position comes first (the more
+        recent key); positions are distinct among a query's visible keys (one document), so
+        the order is total and does not depend on where the keys sit in the arrays. Slots
+        whose score is ``-inf`` (fewer than ``k`` visible keys) hold ``-1``.
+        """
+        B, L, S = scores.shape
+        if kv_positions.shape != (B, S):
+            raise ValueError(f"Indexer.topk: kv_positions {kv_positions.shape} must be [B, S] = "
+                             f"[{B}, {S}] as the scores {scores.shape}")
+        k = min(int(k), S)
+        s = jax.lax.stop_gradient(scores).astype(jnp.float32) + 0.0  # -0.0 ties with 0.0
+        pos = jnp.broadcast_to(kv_positions[:, None, :], (B, L, S)).astype(jnp.int32)
+        idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, L, S))
+        # ascending sort of (-score, -position): best score first, then the larger position
+        neg, _, order = jax.lax.sort((-s, -pos, idx), dimension=-1, num_keys=2)
+        neg, order = neg[..., :k], order[..., :k]
+        return jnp.where(jnp.isfinite(neg), order, -1)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """``wq_b``, ``wk``, ``k_norm``, ``weights_proj`` under ``prefix`` (e.g.
+        ``model.layers.3.self_attn.indexer``)."""
+        return hfk.children(self, prefix, ("wq_b", "wk", "k_norm", "weights_proj"))

@@ -1,0 +1,267 @@
+"""Sparse attention: each query attends only to its selected keys (DeepSeek sparse attention).
+
+The selection is ``indices [B, L, k]``: for each query, the array indices of its ``k`` keys in
+the key arrays as passed (the lightning indexer's `zoo.layers.Indexer.topk` gives them); ``-1``
+marks an empty slot. Indices of one query must be distinct (a top-k is).
+
+* `TopK` -- the selection as a mask value. It names each selected key by its (segment id,
+  position), never by array index, so it stays exact after any reordering of the keys
+  (`zoo.data.load_balance`). ``TopK.from_indices(indices, kv_positions, kv_segment_ids)`` builds
+  it. It composes as ``Causal() & Document() & TopK(...)``.
+* `sparse_attention(q, k, v, indices, ...)`: attention under ``mask & TopK``.
+  - MQA / MLA-absorbed form: ``k [B, S, Hk]``, one key head shared by all query heads (MLA's
+    latent concatenated with the rotary key); ``v=None`` means the values are
+    ``k[..., :v_head_dim]`` (MLA's latent), gathered once with the keys.
+  - GQA form: ``k [B, S, K, H]``, ``v [B, S, K, Hv]``, N divisible by K.
+* Implementations (``implementation=``):
+  - ``"dense"`` -- the reference: dense scores [B, N, L, S] under ``mask`` and the top-k
+    membership (scattered from ``indices``); O(L·S) work and memory.
+  - ``"gather"`` -- gathers only the ``k`` selected keys/values of each query: O(L·k) work.
+    ``mask`` is evaluated on the gathered keys' (position, segment id), so any elementwise mask
+    works. Its gradient with respect to k and v is the scatter-add of the [B, L, k, ...] gathered
+    cotangents (no dense [B, L, S, ...] array). ``query_chunk`` bounds the gathered memory to
+    [B, query_chunk, k, ...] at a time (a `jax.lax.map` over query chunks).
+  - ``"auto"`` -- `choose_sparse_implementation`: ``"dense"`` when ``k`` is at least the number
+    of keys a query sees on average (S/2 when the mask is causal, S otherwise: then the top-k
+    barely prunes and dense is cheaper), else ``"gather"``.
+
+Where `TopK` works: as a mask of `zoo.ops.masks.attention_mask` and
+`zoo.ops.attention.dot_product_attention` (the dense reference paths, where the mask sees
+whole query rows), and (as ``indices``) in both implementations here. Block kernels and the
+context-parallel strategies see tiles of queries, not whole rows: `TopK` raises there.
+
+Legend: B batch, L queries, S keys, N query heads, K key heads, H key width, Hv value width,
+k selected keys per query.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from zoo.ops.masks import Causal, Document, Mask, evaluate
+
+IMPLEMENTATIONS = ("auto", "dense", "gather")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class TopK(Mask):
+    """Each query sees only its selected keys, named by (segment id, position).
+
+    ``positions``, ``segment_ids``: [B, L, k] of the selected keys of each of the L queries
+    (segment id 0: an empty slot, which matches nothing). Elementwise, ``TopK`` is True where the
+    key's (segment id, position) is among the query's selected ones. The query is identified by
+    its place along the query axis, so the mask must be evaluated over whole rows of queries in
+    the order of the selection (`attention_mask`, `dot_product_attention`); it costs O(L·S·k)
+    there (a reference, not a kernel). A pytree: it passes through `jax.jit` as an argument.
+    """
+
+    positions: jax.Array
+    segment_ids: jax.Array
+
+    def __post_init__(self):
+        shapes = [getattr(a, "shape", None) for a in (self.positions, self.segment_ids)]
+        if None in shapes:  # a pytree unflattened with placeholders (jax internals)
+            return
+        if shapes[0] != shapes[1] or len(shapes[0]) != 3:
+            raise ValueError(f"TopK: positions {self.positions.shape} and segment_ids "
+                             f"{self.segment_ids.shape} must both be [B, L, k] (the selected "
+                             f"keys of each query)")
+
+    @classmethod
+    def from_indices(cls, indices: jax.Array, kv_positions: jax.Array,
+                     kv_segment_ids: jax.Array | None = None) -> TopK:
+        """From array indices [B, L, k] into keys with positions/segment ids [B, S] (``-1``:
+        an empty slot; ``kv_segment_ids=None``: one document, no padding)."""
+        if kv_segment_ids is None:
+            kv_segment_ids = jnp.ones(kv_positions.shape, jnp.int32)
+        pos, seg = gather_keys(indices, kv_positions, kv_segment_ids)
+        return cls(pos, seg)
+
+    def __call__(self, q_pos, kv_pos, q_seg, kv_seg):
+        q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+        B, L, k = self.positions.shape
+        shape = jnp.broadcast_shapes(q_pos.shape, kv_pos.shape)
+        axis = _query_axis(q_pos.shape, kv_pos.shape, L)
+        if axis is None or shape[0] not in (1, B):
+            raise ValueError(f"TopK selects keys per query for {L} queries in rows of {B}, but "
+                             f"the mask was evaluated on query positions {q_pos.shape} and key "
+                             f"positions {kv_pos.shape} (no axis of {L} whole query rows); use "
+                             f"it with attention_mask / dot_product_attention, or pass the "
+                             f"selection as indices to zoo.ops.sparse_attention")
+        sel = [1] * len(shape)
+        sel[0], sel[axis] = B, L
+
+        def place(a):  # [B, L, k] -> broadcastable to shape + (k,)
+            return a.reshape(*sel, k)
+
+        hit = (place(self.positions) == jnp.asarray(kv_pos)[..., None]) & (
+            place(self.segment_ids) == jnp.asarray(kv_seg)[..., None]) & (
+            place(self.segment_ids) != 0)
+        return jnp.any(hit, axis=-1)
+
+
+def _query_axis(q_shape, kv_shape, L: int) -> int | None:
+    """The axis (after broadcasting) along which ``q_pos`` runs over the L queries."""
+    n = max(len(q_shape), len(kv_shape))
+    q = (1,) * (n - len(q_shape)) + tuple(q_shape)
+    kv = (1,) * (n - len(kv_shape)) + tuple(kv_shape)
+    for a in range(1, n):
+        if q[a] == L and kv[a] == 1:
+            return a
+    return None
+
+
+def gather_keys(indices: jax.Array, *per_key: jax.Array) -> tuple[jax.Array, ...]:
+    """``a[b, indices[b, l, j]]`` for each ``a [B, S, ...]`` -> [B, L, k, ...]; an empty slot
+    (index -1) gives segment-id-like zeros (for positions and segment ids: an empty key)."""
+    B, L, k = indices.shape
+    valid = indices >= 0
+    flat = jnp.where(valid, indices, 0).reshape(B, L * k)
+    out = []
+    for a in per_key:
+        g = jnp.take_along_axis(a, flat.reshape(B, L * k, *(1,) * (a.ndim - 2)), axis=1)
+        g = g.reshape(B, L, k, *a.shape[2:])
+        out.append(jnp.where(valid.reshape(B, L, k, *(1,) * (a.ndim - 2)), g, 0))
+    return tuple(out)
+
+
+def choose_sparse_implementation(k: int, num_keys: int, mask: Mask | None = None) -> str:
+    """``"dense"`` when ``k`` >= the keys a query sees on average (``num_keys / 2`` when the
+    mask is causal, i.e. ``mask.reach().ahead == 0``, else ``num_keys``), else ``"gather"``."""
+    mask = Causal() & Document() if mask is None else mask
+    visible = num_keys / 2 if mask.reach().ahead == 0 else num_keys
+    return "dense" if k >= visible else "gather"
+
+
+def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, indices: jax.Array, *,
+                     q_positions: jax.Array, kv_positions: jax.Array,
+                     q_segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None, mask: Mask | None = None,
+                     scale: float | None = None, v_head_dim: int | None = None,
+                     implementation: str = "auto", query_chunk: int | None = None) -> jax.Array:
+    """Attention of each query over its selected keys, under ``mask & TopK`` -> [B, L, N, Hv].
+
+    Args:
+      q: [B, L, N, H].
+      k: [B, S, H] (one key head shared by all query heads: MQA / absorbed MLA) or
+        [B, S, K, H] (GQA).
+      v: [B, S, Hv] / [B, S, K, Hv], or None: the values are ``k[..., :v_head_dim]`` (MLA's
+        latent; ``v_head_dim`` required then).
+      indices: [B, L, k] int, array indices into the S keys (``-1``: empty slot), distinct per
+        query.
+      q_positions, kv_positions: [B, L] / [B, S]; ``*_segment_ids``: [B, L] / [B, S] (None: one
+        document, no padding; 0 is padding).
+      mask: the elementwise mask besides the selection (default ``Causal() & Document()``).
+      scale: softmax scale (default H**-0.5).
+      implementation: ``"dense"``, ``"gather"`` or ``"auto"`` (module docstring).
+      query_chunk: ``"gather"`` processes this many queries at a time (None: all); must
+        divide L.
+
+    Scores and softmax in float32; a query with no visible selected key gives exact zeros.
+    """
+    B, L, N, H = q.shape
+    mask = Causal() & Document() if mask is None else mask
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"sparse_attention: implementation={implementation!r} must be one of "
+                         f"{IMPLEMENTATIONS}")
+    if k.ndim not in (3, 4) or k.shape[0] != B or k.shape[-1] != H:
+        raise ValueError(f"sparse_attention: k {k.shape} must be [B, S, H] or [B, S, K, H] with "
+                         f"B={B}, H={H} as q {q.shape}")
+    if v is None:
+        if v_head_dim is None or not 0 < v_head_dim <= H:
+            raise ValueError(f"sparse_attention: v=None takes the values from k[..., "
+                             f":v_head_dim]; v_head_dim={v_head_dim!r} must be in 1..{H}")
+    elif v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"sparse_attention: v {v.shape} must match k {k.shape} but in the "
+                         f"last dim")
+    if k.ndim == 4 and N % k.shape[2]:
+        raise ValueError(f"sparse_attention: {N} query heads are not divisible by "
+                         f"{k.shape[2]} key heads")
+    if indices.ndim != 3 or indices.shape[:2] != (B, L):
+        raise ValueError(f"sparse_attention: indices {indices.shape} must be [B, L, k] = "
+                         f"[{B}, {L}, k]")
+    S, topk = k.shape[1], indices.shape[2]
+    if q_segment_ids is None:
+        q_segment_ids = jnp.ones((B, L), jnp.int32)
+    if kv_segment_ids is None:
+        kv_segment_ids = jnp.ones((B, S), jnp.int32)
+    scale = H ** -0.5 if scale is None else float(scale)
+    if implementation == "auto":
+        implementation = choose_sparse_implementation(topk, S, mask)
+    args = (q, k, v, indices, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    with jax.named_scope(f"sparse_attention_{implementation}"):
+        if implementation == "dense":
+            return _dense(*args, mask=mask, scale=scale, v_head_dim=v_head_dim)
+        if query_chunk is None or query_chunk >= L:
+            return _gather(*args, mask=mask, scale=scale, v_head_dim=v_head_dim)
+        if L % query_chunk:
+            raise ValueError(f"sparse_attention: query_chunk={query_chunk} must divide the "
+                             f"{L} queries")
+        c = L // query_chunk
+
+        def split(a):  # [B, L, ...] -> [c, B, query_chunk, ...]
+            return jnp.moveaxis(a.reshape(B, c, query_chunk, *a.shape[2:]), 1, 0)
+
+        def one(xs):
+            qc, ic, pc, sc = xs
+            return _gather(qc, k, v, ic, pc, kv_positions, sc, kv_segment_ids, mask=mask,
+                           scale=scale, v_head_dim=v_head_dim)
+
+        out = jax.lax.map(one, (split(q), split(indices), split(q_positions),
+                                split(q_segment_ids)))
+        return jnp.moveaxis(out, 0, 1).reshape(B, L, N, out.shape[-1])
+
+
+def _softmax_out(s: jax.Array, visible: jax.Array) -> jax.Array:
+    """Masked softmax over the last axis; rows with nothing visible are zeros (no NaN)."""
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(den > 0, den, 1.0)
+
+
+def _heads(q, k):
+    """q [B, L, N, H] -> [B, L, K, G, H] with K key heads (1 for a shared key)."""
+    B, L, N, H = q.shape
+    K = 1 if k.ndim == 3 else k.shape[2]
+    return q.astype(jnp.float32).reshape(B, L, K, N // K, H)
+
+
+def _dense(q, k, v, indices, q_pos, kv_pos, q_seg, kv_seg, *, mask, scale, v_head_dim):
+    B, L, N, _ = q.shape
+    S = k.shape[1]
+    k4 = (k[:, :, None] if k.ndim == 3 else k).astype(jnp.float32)  # [B, S, K, H]
+    v4 = k4[..., :v_head_dim] if v is None else (
+        v[:, :, None] if v.ndim == 3 else v).astype(jnp.float32)
+    # the top-k membership, scattered from the indices (the same keys `TopK` names)
+    rows, queries = jnp.arange(B)[:, None, None], jnp.arange(L)[None, :, None]
+    slots = jnp.where(indices >= 0, indices, S)  # an empty slot lands in a dropped column
+    chosen = jnp.zeros((B, L, S + 1), bool).at[rows, queries, slots].set(True)[..., :S]
+    visible = evaluate(mask, q_pos[:, :, None], kv_pos[:, None, :], q_seg[:, :, None],
+                       kv_seg[:, None, :]) & chosen  # [B, L, S]
+    s = jnp.einsum("blkgh,bskh->blkgs", _heads(q, k), k4) * scale
+    p = _softmax_out(s, visible[:, :, None, None, :])
+    return jnp.einsum("blkgs,bskv->blkgv", p, v4).reshape(B, L, N, -1).astype(q.dtype)
+
+
+def _gather(q, k, v, indices, q_pos, kv_pos, q_seg, kv_seg, *, mask, scale, v_head_dim):
+    B, L, N, _ = q.shape
+    kpos, kseg = gather_keys(indices, kv_pos, kv_seg)  # [B, L, k]
+    visible = evaluate(mask, q_pos[:, :, None], kpos, q_seg[:, :, None], kseg)
+    visible = visible & (indices >= 0)
+    if v is None:
+        (kg,) = gather_keys(indices, k)  # [B, L, k, H]: keys and values gathered once
+        kg = kg.astype(jnp.float32)
+        vg = kg[..., :v_head_dim]
+    else:
+        kg, vg = (a.astype(jnp.float32) for a in gather_keys(indices, k, v))
+    if k.ndim == 3:
+        kg, vg = kg[:, :, :, None], vg[:, :, :, None]  # [B, L, k, 1, H]
+    s = jnp.einsum("blKgh,bljKh->blKgj", _heads(q, k), kg) * scale
+    p = _softmax_out(s, visible[:, :, None, None, :])
+    return jnp.einsum("blKgj,bljKv->blKgv", p, vg).reshape(B, L, N, -1).astype(q.dtype)
