@@ -3,6 +3,7 @@ the top of a file in `dependencies`; one imported only inside a function or a ``
 optional, guarded import) in `dependencies` or in an extra."""
 
 import ast
+import functools
 import importlib.metadata
 import pathlib
 import re
@@ -42,8 +43,13 @@ def _imports(tree: ast.Module):
     yield from walk(tree, False)
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
 def _distribution(module: str) -> str:
-    names = importlib.metadata.packages_distributions().get(module)
+    names = _installed().get(module)
     if names:
         return names[0].lower().replace("_", "-")
     return KNOWN.get(module, module).lower().replace("_", "-")
