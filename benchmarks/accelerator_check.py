@@ -288,7 +288,7 @@ def check_memory(args) -> None:
                 rehearsal_over_chip="not run: does not fit"))
             continue
         train = TrainConfig(mesh=mesh, strategy="fsdp", batch_size=B, seq_len=L,
-                            dtype="bfloat16", param_dtype="float32")
+                            overrides=["dtype=bfloat16", "param_dtype=float32"])
         built = build(train, model_config=config, devices=devices, with_data=False,
                       donate=True)
         model, opt = built.create_sharded()

@@ -274,7 +274,7 @@ def layer_temporaries(moe: bool, *, fsdp: int, expert: int, tokens: int, seq_len
                                       num_nextn_predict_layers=0)  # the layer alone
     batch = fsdp * expert * tokens // seq_len
     train = TrainConfig(mesh=f"fsdp={fsdp},expert={expert}", strategy="fsdp", batch_size=batch,
-                        seq_len=seq_len, dtype="bfloat16")
+                        seq_len=seq_len, overrides=["dtype=bfloat16"])
     built = build(train, model_config=cfg, devices=jax.devices()[:fsdp * expert],
                   with_data=False, donate=True)
     r = rehearse_built(built, label="deepseek_v3 layer")

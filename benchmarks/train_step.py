@@ -170,9 +170,10 @@ def bench_one(recipe, strategy: str, mesh_text: str, args, machine_rate_fn):
 
     B, L = args.batch_size, args.seq_len
     t = recipe.train
+    model = [f"dtype={args.dtype}"] + ([f"attention_implementation={args.attention}"]
+                                       if args.attention else [])
     train = t.replace(strategy=strategy, mesh=mesh_text, batch_size=B, seq_len=L,
-                      dtype=args.dtype, attention=args.attention or t.attention,
-                      overrides=(*t.overrides, *args.overrides))
+                      overrides=(*t.overrides, *model, *args.overrides))
     built = build(train, with_data=False)
     config, partitioner = built.model_config, built.partitioner
     model, optimizer = built.create_sharded()

@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import zoo  # noqa: F401  (first: it imports jax without the CUDA plugin's driver notices)
+
 import jax
 import pytest
 
@@ -49,3 +51,59 @@ def pytest_collection_modifyitems(config, items):
                   if (defs := info.name2fixturedefs.get(name))}
         if "module" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _mapping_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+# Linux caps a process at vm.max_map_count mappings (65530 by default); every executable XLA:CPU
+# compiles holds several, and jax keeps them all in its caches for the life of the process.
+MAPPINGS_BEFORE_CLEARING = 24_000
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Free what the tests compiled: when the worker leaves a test file, or sooner when its
+    mappings near Linux's cap. Without this a worker that had run a few hundred tests failed to
+    map new code ("LLVM compilation error: Cannot allocate memory", then a segfault) and xdist,
+    replacing it under --dist loadgroup, hung to the CI's time limit."""
+    leaving = nextitem is None or nextitem.path != item.path
+    if leaving or (os.path.exists("/proc/self/maps")
+                   and _mapping_count() > MAPPINGS_BEFORE_CLEARING):
+        import gc
+        jax.clear_caches()
+        gc.collect()
+
+
+_RESOURCE_LOG = os.environ.get("ZOO_TEST_RESOURCE_LOG")
+if _RESOURCE_LOG:
+    import json
+    import resource
+    import time
+
+    def _status(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) // 1024  # MiB
+        return -1
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """One line per test (``ZOO_TEST_RESOURCE_LOG=path``): wall time, the worker's
+        resident memory before/peak/after (MiB), its mapping count, children's peak."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak resident size
+        except OSError:
+            pass
+        rss0, t0 = _status("VmRSS"), time.time()
+        yield
+        maps = _mapping_count()
+        row = dict(test=item.nodeid, worker=os.environ.get("PYTEST_XDIST_WORKER", "-"),
+                   start=round(t0, 1), wall=round(time.time() - t0, 1), rss0=rss0,
+                   hwm=_status("VmHWM"), rss=_status("VmRSS"), maps=maps,
+                   children=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)
+        with open(_RESOURCE_LOG, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -7,8 +7,12 @@ the mesh helpers `make_mesh`, `Partitioner`.
 
 import importlib
 
+from zoo.targets import cpu_unless_accelerator, quiet_cuda_stub
+
+with quiet_cuda_stub():  # the CUDA plugin's "no cuda drivers" lines, on hosts without a GPU
+    importlib.import_module("jax")
+
 from zoo.partitioning import MESH_AXES, STRATEGIES, Partitioner, make_mesh
-from zoo.targets import cpu_unless_accelerator
 
 cpu_unless_accelerator()  # the TPU compiler installed on a CPU host: no libtpu probe
 

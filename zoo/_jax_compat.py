@@ -8,8 +8,9 @@ moves a name fails here with the name and the versions rather than deep inside a
 * `defer_gpu_compiler()` / `load_gpu_compiler()` -- keep the CUDA plugin (XLA's GPU compiler)
   out of a process until it compiles for a GPU. jax imports every installed plugin when its
   backends start, and the CUDA plugin's libraries print "Could not find cuda drivers" three
-  or four times in every process of a host without a GPU; a deferred plugin is imported and
-  registered by `zoo.targets` when a GPU target is first named.
+  or four times in every process of a host without a GPU (`zoo.targets.quiet_cuda_stub`
+  keeps them off stderr); a deferred plugin is imported and registered by `zoo.targets` when
+  a GPU target is first named.
 """
 
 from __future__ import annotations

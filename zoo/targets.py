@@ -21,6 +21,9 @@ slice builds.
 * `cpu_unless_accelerator()` -- with the TPU compiler installed on a host that has no TPU
   (the ``test`` extra on a CPU box), jax starts on its CPU quietly rather than probing libtpu
   first; `import zoo` calls it.
+* `quiet_cuda_stub()` -- around an import that loads the CUDA plugin's libraries on a host
+  without a GPU (`import zoo` imports jax inside it): drops their "Could not find cuda
+  drivers" lines from stderr and passes everything else through.
 * `compile_with_text(lowered, platform)` -- the compiled program and its optimized HLO text;
   a TPU program's text is the compiler's own dump (jaxlib 0.10 cannot read libtpu 0.0.52's).
 * `hbm_bytes(device_kind)` -- a chip's memory as its compiler counts it (the TPU's
@@ -31,14 +34,18 @@ slice builds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
            "chip", "compile_with_text", "wraparound", "cpu_unless_accelerator", "gpu_target_config",
-           "hbm_bytes", "TPU_CHIPS"]
+           "hbm_bytes", "TPU_CHIPS", "quiet_cuda_stub"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
 TPU_CHIPS = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -122,6 +129,72 @@ def cpu_unless_accelerator() -> None:
         return
     if not _jax_compat.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
+
+
+# what the CUDA plugin's libraries print when they load on a host without CUDA's runtime
+# (each carries its own copy of XLA's ``cudart_stub.cc`` and of absl's logging, so the pair
+# comes once per library: three from `import jax`, one more when the GPU compiler loads)
+_CUDA_STUB_LINE = re.compile(rb"cudart_stub\.cc:\d+\] Could not find cuda drivers")
+_ABSL_PREAMBLE = b"WARNING: All log messages before absl::InitializeLog() is called are written"
+
+
+@contextlib.contextmanager
+def quiet_cuda_stub() -> Iterator[None]:
+    """Run the body with this process's stderr (file descriptor 2) caught, then write back
+    all of it except the CUDA plugin's "Could not find cuda drivers" lines and the absl
+    notice before each. Those lines are printed by native code while jax imports the plugin's
+    kernel libraries (no environment variable or log level reaches them: absl's logging is
+    not initialised yet), and say nothing true on a host that only compiles for GPUs.
+
+    Filters only where the lines are noise: a CUDA plugin installed, no GPU on this host
+    (`_gpu_present`), and no GPU platform named in ``JAX_PLATFORMS``. Elsewhere, or when
+    stderr has no file descriptor, the body runs untouched."""
+    import importlib.util
+    named = set(os.environ.get("JAX_PLATFORMS", "").split(","))
+    plugin = any(importlib.util.find_spec(m) is not None
+                 for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    saved = None
+    if plugin and not _gpu_present() and not {"cuda", "gpu"} & named:
+        try:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):
+            saved = None
+    if saved is None:
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            _write_fd(2, _without_stub_lines(caught.read()))
+
+
+def _without_stub_lines(text: bytes) -> bytes:
+    lines = text.splitlines(keepends=True)
+    keep = []
+    for i, line in enumerate(lines):
+        stub = _CUDA_STUB_LINE.search(line)
+        notice = line.startswith(_ABSL_PREAMBLE) and i + 1 < len(lines) \
+            and _CUDA_STUB_LINE.search(lines[i + 1])
+        if not (stub or notice):
+            keep.append(line)
+    return b"".join(keep)
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _gpu_present() -> bool:
@@ -255,7 +328,8 @@ def _gpu_devices(t: Target, target: str) -> list[Any]:
                          f"than {GPUS_PER_HOST}: one host)")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
     from zoo import _jax_compat
-    _jax_compat.load_gpu_compiler()
+    with quiet_cuda_stub():
+        _jax_compat.load_gpu_compiler()
     import jax
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")

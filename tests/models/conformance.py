@@ -208,7 +208,8 @@ def reference(spec: FamilySpec, tmp_path_factory) -> types.SimpleNamespace:
     grads = copy.deepcopy(model)
     with torch.no_grad():
         for (_, p), (_, g) in zip(model.named_parameters(), grads.named_parameters()):
-            g.copy_(p.grad)
+            # no gradient reaches a parameter only a no_grad path reads (DSA's indexer): zero
+            g.copy_(p.grad) if p.grad is not None else g.zero_()
     grad_path = tmp_path_factory.mktemp(f"{spec.name}_hf_grads")
     grads.save_pretrained(grad_path)
     counts = np.stack([np.bincount(c.ravel(), minlength=_num_experts(cfg)) for c in chosen]) \

@@ -8,7 +8,8 @@ from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loa
                          check_packed_documents, check_param_count, check_recipe,
                          check_round_trip, check_strategy, load, reference)
 
-from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_5_moe, qwen3_moe, qwen3_next
+from zoo.models import (deepseek3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_5_moe,
+                        qwen3_moe, qwen3_next)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -32,6 +33,9 @@ QWEN3_NEXT_TINY = ("--set", "hidden_size=32", "--set", "num_attention_heads=4",
                    "--set", "head_dim=8", "--set", "linear_key_head_dim=8",
                    "--set", "linear_value_head_dim=8", "--set", "moe_intermediate_size=16",
                    "--set", "shared_expert_intermediate_size=16")
+# the recipe's 3 steps with DSA keeping 8 of 32 keys (no MTP module: a smaller program)
+DEEPSEEK_V32_TINY = (*DEEPSEEK_TINY, "--set", "index_topk=8", "--set", "index_n_heads=4",
+                     "--set", "index_head_dim=16", "--set", "num_nextn_predict_layers=0")
 # gated DeltaNet 3:1 gated attention (partial rotary 0.5), shared expert behind a sigmoid gate
 QWEN3_NEXT_CONFIG = dict(
     vocab_size=64, hidden_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -74,6 +78,28 @@ FAMILIES = [
                  "kimi_k2": deepseek3.DeepSeek3Config.kimi_k2,
                  "mini": deepseek3.DeepSeek3Config.mini},
         recipe="mini_deepseek3", recipe_flags=DEEPSEEK_TINY, bias_scale=0.05),
+    FamilySpec(
+        name="deepseek_v32", config_cls=deepseek_v32.DeepSeekV32Config,
+        model_cls=deepseek_v32.DeepSeekV32, from_hf=deepseek_v32.from_hf,
+        to_hf=deepseek_v32.to_hf,
+        # DeepSeek-V3's tiny shape (MLA with YaRN, grouped sigmoid routing with a random bias)
+        # plus an indexer keeping 6 keys of a 16-token row, so the selection matters; 16 index
+        # heads, so exact ties at score 0 (every head's ReLU zero) are vanishingly rare
+        hf_config=lambda: transformers.DeepseekV32Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+            n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, index_topk=6,
+            index_n_heads=16, index_head_dim=16, max_position_embeddings=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=8, mscale=1.0,
+                                 mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+        # transformers builds no MTP layer: its count is the preset with none
+        presets={"deepseek_v3_2": lambda: deepseek_v32.DeepSeekV32Config.deepseek_v3_2(
+                     num_nextn_predict_layers=0),
+                 "mini": deepseek_v32.DeepSeekV32Config.mini},
+        recipe="mini_deepseek_v32", recipe_flags=DEEPSEEK_V32_TINY, bias_scale=0.05),
     FamilySpec(
         name="qwen3_moe", config_cls=qwen3_moe.Qwen3MoeConfig, model_cls=qwen3_moe.Qwen3Moe,
         from_hf=qwen3_moe.from_hf, to_hf=qwen3_moe.to_hf,
@@ -142,6 +168,8 @@ FAMILIES = [
 # the published totals, as a cross-check of the transformers count itself
 PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
              "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP layer
+             # V3's trunk plus 61 indexers of 13,959,424 (transformers' count, no MTP layer)
+             "deepseek_v3_2": 671_877_929_216,
              "qwen3_30b_a3b": 30_532_122_624,
              "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672,
              # transformers' counts (language models, no MTP layer)

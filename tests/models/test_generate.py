@@ -46,7 +46,7 @@ import zoo.inference as G
 from zoo.inference.cache import cache_axes
 from zoo.inference.prompts import pad_prompts
 from zoo.layers.attention import Attention
-from zoo.models import deepseek3, glm4_moe, gpt_oss, mixtral, qwen3_moe
+from zoo.models import deepseek3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from zoo.partitioning import Partitioner, make_mesh
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +59,8 @@ PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
 
 FAMILIES = {spec.name: spec for spec in conformance_families}
 MODULES = {"mixtral": mixtral, "deepseek3": deepseek3, "qwen3_moe": qwen3_moe,
-           "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
+           "glm4_moe": glm4_moe, "gpt_oss": gpt_oss,
+           "deepseek_v32": deepseek_v32}  # DSA: top-6 of up to 39 cached keys
 
 
 @dataclasses.dataclass

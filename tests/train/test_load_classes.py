@@ -125,3 +125,25 @@ def test_generate_takes_the_class_flags_too():
     with pytest.raises(ValueError, match="--model-cls research_classes:: not a module:Class"):
         classes_from_flags(parser().parse_args(["--run", "r", "--prompt", "p", "--model-cls",
                                                 "research_classes:"]))
+
+
+def test_an_old_run_with_model_settings_in_parallelism_loads(tempered, monkeypatch):
+    """A run.json from before the model settings left the training config: its
+    ``train.parallelism`` holds attention/dtype/param_dtype/remat. It loads (they are folded
+    into the model config's overrides), with the trained model's logits; a dtype it set
+    stays set, the others are the recorded model config's."""
+    run_dir, want = tempered
+    read = Checkpointer.read_config
+
+    def read_config(self, step, **kwargs):
+        record = read(self, step, **kwargs)
+        train = dict(record["train"])
+        train["parallelism"] = dict(train["parallelism"], attention=None, dtype="float32",
+                                    param_dtype=None, remat="none")
+        return dict(record, train=train)
+
+    monkeypatch.setattr(Checkpointer, "read_config", read_config)
+    loaded = load(run_dir)
+    assert loaded.config.overrides == ("dtype=float32",)
+    assert loaded.model_config.dtype == np.float32 and loaded.model_config.remat_policy is None
+    np.testing.assert_allclose(_logits(loaded.model), want, rtol=1e-5, atol=1e-5)

@@ -147,8 +147,10 @@ def test_run_outputs(learned):
     assert set(saved) == {f.name for f in dataclasses.fields(TrainConfig)}  # the sections
     assert json.loads(json.dumps(dataclasses.asdict(TrainConfig(**saved)))) == saved
     train = TrainConfig(**saved).flat()
-    assert (train["steps"], train["batch_size"], train["seq_len"], train["attention"]) == (
-        20, 4, 32, "all_gather")
+    assert (train["steps"], train["batch_size"], train["seq_len"]) == (20, 4, 32)
+    # --attention is --set attention_implementation=: recorded in the overrides and the model
+    assert train["overrides"][-1] == "attention_implementation=all_gather"
+    assert info["config"]["model"]["attention_implementation"] == "all_gather"
     assert (train["mesh"], train["strategy"], train["load_balance"], train["run_dir"]) == (
         "fsdp=2,expert=2,context=2", "ep_as_cp", "auto", str(learned))
     assert train["aux_loss_weight"] == info["config"]["model"]["aux_loss_alpha"]
@@ -422,8 +424,11 @@ def test_the_documented_two_process_command_ends_cleanly(tmp_path):
     (["--aux-loss-field", "bogus"], "--aux-loss-field bogus: MixtralConfig has no such field; "
                                     "valid fields holding a weight:"),
     (["--data"], "--data (no paths): needs at least one file"),
-    (["--dtype", "float33"], "argument --dtype/--parallelism.dtype: 'float33' is not valid for "
-                             "TrainConfig.dtype: expected a dtype name (e.g. float32, bfloat16)"),
+    (["--dtype", "float33"], "argument --dtype: 'float33' is not valid for the model config's "
+                             "dtype: expected a dtype name (e.g. float32, bfloat16)"),
+    (["--dtype", "bfloat16", "--set", "dtype=float32"],
+     "--dtype bfloat16 and --set dtype=float32 both set the model config's dtype; pass one of "
+     "them (--dtype X is the same as --set dtype=X)"),
     (["--steps", "ten"], "argument --steps/--run.steps: 'ten' is not valid for "
                          "TrainConfig.steps: expected int"),
     (["--strategy", "tp"], "'tp' is not valid for TrainConfig.strategy: expected one of fsdp, "
@@ -495,6 +500,9 @@ def test_help_lists_every_train_config_field_with_its_default(capsys):
             assert f"--{section.name}.{f.name.replace('_', '-')}" in out, flag
             assert f"{help_text}(default:{default})" in text, (flag, default)
     assert "--set FIELD=VALUE" in out and "--no-load-balance" in out
+    from zoo.train.config import MODEL_FLAGS  # the model settings' flags: spellings of --set
+    for name, spec in MODEL_FLAGS.items():
+        assert f"  --{name.replace('_', '-')} " in out and f"--set{spec.field}=VALUE" in text
     assert "(default:0.01)" in text and "(default:deepseek3)" in text  # the recipe's
     # the description is the docstring's whole first paragraph
     first = "".join(mod.__doc__.split("\n\n")[0].split())
@@ -548,12 +556,11 @@ def test_values_are_parsed_from_the_field_types():
     from zoo.models.config import REMAT_POLICIES
     from zoo.ops.attention import IMPLEMENTATIONS
     from zoo.partitioning import STRATEGIES
-    from zoo.train.config import ParallelismSection
+    from zoo.train.config import MODEL_FLAGS, ParallelismSection
     hints = typing.get_type_hints(ParallelismSection)
     assert set(typing.get_args(typing.get_args(hints["strategy"])[0])) == set(STRATEGIES)
-    assert set(typing.get_args(typing.get_args(hints["attention"])[0])) == set(IMPLEMENTATIONS)
-    assert all(p in ParallelismSection.__dataclass_fields__["remat"].metadata["help"]
-               for p in REMAT_POLICIES)
+    assert set(typing.get_args(MODEL_FLAGS["attention"].type)) == set(IMPLEMENTATIONS)
+    assert all(p in MODEL_FLAGS["remat"].help for p in REMAT_POLICIES)
 
 
 class ResearchLayer(MixtralDecoderLayer):

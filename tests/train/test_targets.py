@@ -215,6 +215,32 @@ def test_a_cpu_host_with_the_tpu_compiler_starts_on_cpu_quietly():
     assert bare.stdout.split() == ["cpu"] and "TPU" in bare.stderr
 
 
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs pip install -e '.[gpu-compile]'")
+def test_a_cpu_host_with_the_gpu_compiler_imports_zoo_quietly(capfd):
+    """With the CUDA plugin installed and no GPU, `import zoo` prints none of the plugin's
+    "Could not find cuda drivers" lines (nor absl's notice before each), which a bare
+    `import jax` prints; other output to stderr inside `quiet_cuda_stub` passes through."""
+    import os
+    import subprocess
+    import sys
+    stub = "Could not find cuda drivers"
+    bare = subprocess.run([sys.executable, "-c", "import jax"], capture_output=True, text=True,
+                          timeout=120)
+    if stub not in bare.stderr:
+        pytest.skip("jax imports the CUDA plugin quietly here (a GPU, or CUDA's runtime)")
+    out = subprocess.run([sys.executable, "-c", "import zoo, jax; print(jax.default_backend())"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr
+    assert stub not in out.stderr and "cudart_stub" not in out.stderr, out.stderr
+    assert "absl::InitializeLog" not in out.stderr, out.stderr
+    capfd.readouterr()
+    with targets.quiet_cuda_stub():
+        os.write(2, b"a line before\n" + bare.stderr.encode() + b"a line after\n")
+    err = capfd.readouterr().err
+    assert stub not in err and "absl::InitializeLog" not in err, err
+    assert err.splitlines() == ["a line before", "a line after"], err
+
+
 def test_roofline_bounds_the_step_from_the_reports_counts():
     """`Rehearsal.roofline`: the larger of the dot FLOPs (at least the model's) at the chip's
     bf16 peak and the collective bytes at its ICI bandwidth; MFU and tokens/s at that bound;

@@ -17,7 +17,8 @@
 
 Each attention-like layer owns its cache (`zoo.layers.AttentionBlock`: ``cache_axes``,
 ``cache_shape``, ``cache_slots``, ``prefill_cache``, ``decode_step``), so a new layer kind
-brings its own cache without changing this package.
+brings its own cache without changing this package -- slots per token, or a state constant in
+the context (`zoo.layers.GatedDeltaNet`'s convolution window and recurrent state).
 """
 
 from zoo.inference.cache import KVCache, cache_bytes_per_token, cache_slots

@@ -12,7 +12,12 @@
   out.
 
 The cache knows no layer kind: a new attention-like layer brings its own arrays through
-``cache_axes``, ``cache_shape``, ``cache_entry``, ``prefill_cache`` and ``decode_step``.
+``cache_axes``, ``cache_shape``, ``cache_entry``, ``prefill_cache`` and ``decode_step``. An
+array whose ``cache_axes`` name ``"length"`` has a slot per token there (`slotted`: filled by
+prefill, written a slot at a time); any other array is a layer's *state*, constant in the
+context (gated DeltaNet's recurrent state and convolution window), which prefill leaves whole
+and each decode step replaces (`zoo.layers.attention.LayerCache`). A layer may keep an array
+in its own dtype (``cache_dtypes``, e.g. a float32 state; `array_dtype`).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import numpy as np
 from zoo.layers.attention import SCOPE, splittable_axes
 from zoo.partitioning import Partitioner
 
-__all__ = ["SLOTS", "KVCache", "cache_axes", "cache_bytes_per_token", "cache_slots",
-           "constrain_cache", "fill", "layer_axes", "put", "ring_view", "write"]
+__all__ = ["SLOTS", "KVCache", "array_dtype", "cache_axes", "cache_bytes_per_token",
+           "cache_slots", "constrain_cache", "entry_slots", "fill", "layer_axes", "put",
+           "ring_view", "slotted", "write"]
 
 SLOTS = 3  # the slot axis of an entry's arrays [n, B, K, S, F]
 
@@ -38,6 +44,28 @@ def cache_slots(attn, max_length: int) -> int:
     """Slots layer `attn`'s cache keeps for a sequence of `max_length`
     (`AttentionBlock.cache_slots`): all of them, or a ring of a bounded mask's reach."""
     return attn.cache_slots(max_length)
+
+
+def slotted(axes: Sequence[str | None]) -> bool:
+    """Whether a cache array with these logical axes (a layer's ``cache_axes`` entry) has a
+    slot per token (its ``"length"`` axis, `SLOTS` in the stacked entry); else it is a state
+    the layer replaces whole each step."""
+    return "length" in axes
+
+
+def entry_slots(attn, entry: dict[str, jax.Array]) -> int | None:
+    """The slots of layer `attn`'s stacked cache entry (its slotted arrays' `SLOTS` axis), or
+    None when it holds only state."""
+    for name, a in entry.items():
+        if slotted(attn.cache_axes[name]):
+            return a.shape[SLOTS]
+    return None
+
+
+def array_dtype(attn, name: str, dtype):
+    """The dtype layer `attn` keeps cache array `name` in: its ``cache_dtypes`` entry, else
+    `dtype` (the model's compute dtype)."""
+    return jnp.dtype(getattr(attn, "cache_dtypes", {}).get(name, dtype))
 
 
 def layer_axes(attn) -> tuple[tuple[str, tuple[str | None, ...]], ...]:
@@ -55,7 +83,9 @@ class KVCache:
       layers: one dict per entry of ``model.layers``, arrays ``[n, B, K, S_l, F]`` (``n``
         the entry's layer count, heads before slots as the decode step's products read
         them): ``{"k", "v"}`` per kv head for `zoo.layers.Attention`, ``{"latent_pe"}``
-        (K = 1, the one key all heads share) for `zoo.layers.MLA`. ``S_l`` is `max_length`,
+        (K = 1, the one key all heads share) for `zoo.layers.MLA`; or ``[n, ...]`` state
+        arrays without slots (`slotted`): ``{"conv", "state"}`` for
+        `zoo.layers.GatedDeltaNet`. ``S_l`` is `max_length`,
         or for a sliding-window layer of window W ``min(W, max_length)``: a ring whose slot
         ``r`` holds the newest global slot ``g`` with ``g % S_l == r`` (`cache_slots`).
       positions: [B, S] int32, the position of the token in each (global) slot.
@@ -86,7 +116,7 @@ class KVCache:
         """Bytes the layers' entries hold per slot of one row, rounded down: all the layers'
         bytes over ``batch * max_length`` (positions excluded). A window layer's ring of W <
         max_length slots is amortised over the whole context, so it adds ``W / max_length``
-        of its per-token bytes."""
+        of its per-token bytes; a state (`slotted`) is amortised the same way."""
         total = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                     for entry in self.layers for a in entry.values())
         return total // (self.batch * self.max_length)
@@ -100,7 +130,9 @@ class KVCache:
         for layer in model.layers:
             n = layer.stack_size or 1
             shapes = layer.self_attn.cache_shape(batch, max_length)
-            layers.append({k: jax.ShapeDtypeStruct((n, *s), dtype) for k, s in shapes.items()})
+            layers.append({k: jax.ShapeDtypeStruct((n, *s), array_dtype(layer.self_attn, k,
+                                                                          dtype))
+                           for k, s in shapes.items()})
         i32 = jnp.int32
         return cls(tuple(layers), jax.ShapeDtypeStruct((batch, max_length), i32),
                    jax.ShapeDtypeStruct((batch, max_length), i32),

@@ -8,7 +8,9 @@
   row from the cache in one compiled step of fixed shape (the cache has its final length from
   the start); each layer's `decode_step` writes its new slots through a ``put`` the loop over
   the layers provides and attends over its whole cache. MLA decodes with the up-projections
-  absorbed (`zoo.layers.MLA.attend_cache`).
+  absorbed (`zoo.layers.MLA.attend_cache`). A layer whose cache is a state rather than slots
+  (gated DeltaNet's window and recurrent state, `zoo.inference.cache.slotted`) reads and
+  replaces it through the same object (`zoo.layers.attention.LayerCache`).
 * Both run the model's inference view (`CausalLM.for_inference`): MoE dropless whatever the
   training settings, the token layout unknown; decode's view is unsharded (the layers'
   unsharded code on the sharded parameters, XLA partitioning from the arguments'
@@ -34,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zoo.inference.cache import (SLOTS, KVCache, cache_slots, constrain_cache, fill,
-                                 layer_axes, put, ring_view, write)
+from zoo.inference.cache import (KVCache, array_dtype, cache_slots, constrain_cache,
+                                 entry_slots, fill, layer_axes, put, ring_view, slotted, write)
 from zoo.layers.attention import reshard
 from zoo.models.stacks import layer_groups
 from zoo.partitioning import UNSHARDED, Partitioner
@@ -138,14 +140,16 @@ def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int)
             return h
 
         x, _ = layer.block(x, attention)
-        return x, jax.tree.map(lambda a: a.astype(dtype), out["entry"])
+        return x, {k: a.astype(array_dtype(layer.self_attn, k, dtype))
+                   for k, a in out["entry"].items()}
 
     entries = []
     for group in layer_groups(layers):
         x, filled = _run_layers(group, x, [layer_fn] * len(group))
         for layer, entry in zip(group, filled):
-            slots = cache_slots(layer.self_attn, max_length)
-            entries.append({k: fill(a, slots) for k, a in entry.items()})
+            attn = layer.self_attn
+            entries.append({k: fill(a, cache_slots(attn, max_length))
+                            if slotted(attn.cache_axes[k]) else a for k, a in entry.items()})
     return x, tuple(entries)
 
 
@@ -207,18 +211,25 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
     replicates them where they meet the cache."""
     S, T = kv_pos.shape[1], x.shape[1]
     views = {}
-    for entry in entries:
-        slots = next(iter(entry.values())).shape[SLOTS]
-        if slots < S and slots not in views:
+    if len(entries) != len(layers):
+        raise ValueError(f"the cache holds {len(entries)} layer entries; the model has "
+                         f"{len(layers)}")
+    for layer, entry in zip(layers, entries):
+        slots = entry_slots(layer.self_attn, entry)
+        if T > 1 and any(not slotted(layer.self_attn.cache_axes[k]) for k in entry):
+            # the state takes in every token; a rejected draft could not be taken back out
+            raise ValueError(f"decoding {T} tokens a step (speculative decoding) over "
+                             f"{type(layer.self_attn).__name__}'s recurrent state is not "
+                             f"supported; decode one token a step (speculative=None)")
+        if slots is not None and slots < S and slots not in views:
             if T > 1:  # the T-th write would evict a key the first query still sees
                 raise ValueError(f"decoding {T} tokens a step (speculative decoding) over a "
                                  f"sliding-window ring cache of {slots} slots is not "
                                  f"supported; decode one token a step (speculative=None)")
             views[slots] = (*ring_view(kv_pos, kv_seg, slot, slots), slot % slots)
 
-    def layer_fn(entry):
-        pos, seg, at = views.get(next(iter(entry.values())).shape[SLOTS],
-                                 (kv_pos, kv_seg, slot))
+    def layer_fn(layer, entry):
+        pos, seg, at = views.get(entry_slots(layer.self_attn, entry), (kv_pos, kv_seg, slot))
 
         def fn(one, x, put_new):
             x, _ = one.block(x, lambda h: one.self_attn.decode_step(
@@ -230,15 +241,35 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
     new = []
     x = reshard(p, x, DECODE_RESIDUAL)
     entries, i = list(entries), 0
-    if len(entries) != len(layers):
-        raise ValueError(f"the cache holds {len(entries)} layer entries; the model has "
-                         f"{len(layers)}")
     for group in layer_groups(layers):
         mine = entries[i:i + len(group)]
-        x, out = _run_cached(group, x, mine, [layer_fn(e) for e in mine])
+        x, out = _run_cached(group, x, mine, [layer_fn(la, e) for la, e in zip(group, mine)])
         new += out
         i += len(group)
     return x, tuple(new)
+
+
+class _StackCache:
+    """Layer ``i``'s view of a stack's cache entry ``cache`` (a dict the decode loop carries,
+    updated in place): `zoo.layers.attention.LayerCache`."""
+
+    def __init__(self, cache: dict, i, slot):
+        self.cache, self.i, self.slot = cache, i, slot
+
+    def __call__(self, name, new):
+        self.cache[name], layer_keys = put(self.cache[name], new, self.i, self.slot)
+        return layer_keys
+
+    def read(self, name):
+        return jax.lax.dynamic_index_in_dim(self.cache[name], self.i, keepdims=False)
+
+    def replace(self, name, value):
+        stack = self.cache[name]
+        if value.shape != stack.shape[1:]:
+            raise ValueError(f"cache array {name!r}: a layer's value has shape {value.shape}; "
+                             f"the cache keeps {stack.shape[1:]}")
+        self.cache[name] = jax.lax.dynamic_update_index_in_dim(
+            stack, value.astype(stack.dtype), self.i, 0)
 
 
 def _run_cached(group, x, entries, fns):
@@ -246,17 +277,13 @@ def _run_cached(group, x, entries, fns):
     (``{name: [n, B, K, S, F]}`` each; `fns` holds ``(fn, slot)`` per stack), which the loop
     over the stacks carries: ``put(name, new [B, K, T, F])`` writes the layer's new slots at
     its slot in place (`zoo.inference.cache.put`) and returns the layer's ``[B, K, S, F]`` to
-    attend over -- no layer's cache is sliced out and written back. Returns (x, [updated
-    entry of each])."""
+    attend over -- no layer's cache is sliced out and written back; ``put.read(name)`` and
+    ``put.replace(name, value)`` give a state array whole (`_StackCache`). Returns (x,
+    [updated entry of each])."""
 
     def run(one, x, cache, i, fn, slot):
         cache = dict(cache)
-
-        def put_new(name, new):
-            cache[name], layer_keys = put(cache[name], new, i, slot)
-            return layer_keys
-
-        return fn(one, x, put_new), cache
+        return fn(one, x, _StackCache(cache, i, slot)), cache
 
     def cycle(layers, x, caches, i):
         out = []

@@ -31,7 +31,7 @@ Legend: B batch, L length, S kv length (= L here), D embed, N heads, K kv heads,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +176,21 @@ def qk_norms(qk_norm, eps, head_dim: int, p: Partitioner, param_dtype, rngs: nnx
 CachePut = Callable[[str, jax.Array], jax.Array]
 
 
+class LayerCache(Protocol):
+    """What a cached call (``decode_step``) gets from the decode loop: a `CachePut` for arrays
+    with per-token slots, plus whole-array access for a layer's state (arrays whose
+    ``cache_axes`` name no ``"length"``: a recurrent state, a convolution window)."""
+
+    def __call__(self, name: str, new: jax.Array) -> jax.Array:
+        """Write the new slots [B, K, T, F] of array `name`; return its [B, K, S, F]."""
+
+    def read(self, name: str) -> jax.Array:
+        """This layer's array `name` as the cache holds it now (leading layer axis dropped)."""
+
+    def replace(self, name: str, value: jax.Array) -> None:
+        """Store `value` as this layer's array `name` (same shape)."""
+
+
 def splittable_axes(p: Partitioner, axes: Sequence[str | None],
                     shape: Sequence[int]) -> tuple[str | None, ...]:
     """`axes` with None for each dimension of `shape` that its mesh axes (attention scope) do
@@ -284,12 +299,17 @@ class AttentionBlock(nnx.Module):
         with jax.named_scope(self.block_name):
             q, k, v = self.project(x)
             q, k = self.apply_rope(q, k, q_positions)
-            kw = dict(q_positions=q_positions, kv_positions=kv_positions,
-                      q_segment_ids=jnp.ones(q_positions.shape, jnp.int32),
-                      kv_segment_ids=kv_segment_ids, scale=self.scale, kv_heads_major=True,
-                      **cached_score_kwargs(self))
+            kw = self.cached_kwargs(q_positions, kv_positions, kv_segment_ids)
             o = self.attend_cache(q, k, v, put, p, **kw)
             return self.out(o.astype(q.dtype))
+
+    def cached_kwargs(self, q_positions: jax.Array, kv_positions: jax.Array,
+                      kv_segment_ids: jax.Array) -> dict:
+        """`attend_cache`'s keyword arguments for `decode_step`'s queries over the cache."""
+        return dict(q_positions=q_positions, kv_positions=kv_positions,
+                    q_segment_ids=jnp.ones(q_positions.shape, jnp.int32),
+                    kv_segment_ids=kv_segment_ids, scale=self.scale, kv_heads_major=True,
+                    **cached_score_kwargs(self))
 
     def attend_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, put: CachePut,
                      p: Partitioner, **kw) -> jax.Array:

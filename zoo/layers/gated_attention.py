@@ -11,7 +11,7 @@
 
 `project` returns q, k, v as `Attention`'s (the gate dropped), `gated_project` also the gate;
 `__call__` and `prefill_cache` multiply the attention output by ``sigmoid(gate)`` before
-``o_proj``. The cached decode step (``decode_step``) is not provided yet.
+``o_proj``; so does the cached ``decode_step`` (`Attention`'s K/V cache, unchanged).
 
 Legend: B batch, L length, D embed, N heads, K kv heads, H head dim.
 """
@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.layers.attention import SCOPE, Attention, check_call
+from zoo.layers.attention import SCOPE, Attention, CachePut, check_call
 from zoo.layers.linear import Linear
 from zoo.layers.norm import ZeroCentredRMSNorm
+from zoo.partitioning import Partitioner, resolve
 
 
 class GatedAttention(Attention):
@@ -95,6 +96,15 @@ class GatedAttention(Attention):
             y, k, v = self.run(x, positions, segment_ids)
             return y, self.cache_entry(k, v)
 
-    def decode_step(self, x, put, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__}: the cached decode step of the gated "
-                                  f"attention is not implemented yet")
+    def decode_step(self, x: jax.Array, put: CachePut, *, q_positions: jax.Array,
+                    kv_positions: jax.Array, kv_segment_ids: jax.Array,
+                    partitioner: Partitioner | None = None) -> jax.Array:
+        """`Attention.decode_step` (the same K/V cache) with the output gate: T new tokens
+        per row over the cache, x [B, T, D] -> [B, T, D]."""
+        p = resolve(partitioner)
+        with jax.named_scope(self.block_name):
+            q, gate, k, v = self.gated_project(x)
+            q, k = self.apply_rope(q, k, q_positions)
+            o = self.attend_cache(q, k, v, put, p, **self.cached_kwargs(
+                q_positions, kv_positions, kv_segment_ids))
+            return self.out(self.gate(o.astype(q.dtype), gate))

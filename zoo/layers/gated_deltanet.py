@@ -12,6 +12,12 @@
   (`zoo.ops.gated_delta_rule`, q/k L2-normalised inside) with ``g = -exp(A_log) *
   softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (`zoo.ops.gates`).
 * Output: `GatedRMSNorm` over Dv per value head with gate z, then ``out_proj`` (Hv, Dv) -> D.
+* The cached call (`zoo.inference`): the cache is constant in the context length --
+  ``conv`` [B, W-1, C], the convolution's last W-1 inputs (0 before the document start), and
+  ``state`` [B, Hv, Dk, Dv] float32, the recurrent state. ``prefill_cache`` leaves both after
+  each row's last token (padding anywhere in the row, left as generation pads); ``decode_step``
+  convolves its tokens with the window (`zoo.ops.causal_conv1d`) and continues the state
+  (`zoo.ops.gated_delta.recurrent_step`), replacing both through the cache it is given.
 * Documents: both ops follow ``segment_ids``/``positions``, so rows may be packed and in any
   order `zoo.data.load_balance` produces; under context parallelism (the partitioner's
   attention scope shards ``length``, ``ep_as_cp`` included) the ops exchange only state
@@ -26,12 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from zoo.layers import hf_keys as hfk
+from zoo.layers.attention import LayerCache, reshard
 from zoo.layers.linear import Linear
 from zoo.layers.norm import GatedRMSNorm
 from zoo.ops import gated_delta as gd
@@ -159,26 +167,45 @@ class GatedDeltaNet(nnx.Module):
         b, a = ba[..., :r].reshape(B, L, Hv), ba[..., r:].reshape(B, L, Hv)
         return q, k, v, z, b, a
 
-    def mix(self, q, k, v, b, a, *, positions: jax.Array, segment_ids: jax.Array
-            ) -> jax.Array:
-        """The convolution and the gated delta rule -> o [B, L, Hv, Dv]."""
+    def conv_inputs(self, q, k, v) -> jax.Array:
+        """q, k [B, L, Hk, Dk], v [B, L, Hv, Dv] -> the convolution's channels [B, L, C]."""
         B, L = q.shape[:2]
+        return jnp.concatenate([q.reshape(B, L, -1), k.reshape(B, L, -1),
+                                v.reshape(B, L, -1)], axis=-1)
+
+    def conv_outputs(self, mixed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The convolution's output [B, L, C] -> q, k [B, L, Hk, Dk], v [B, L, Hv, Dv]."""
+        B, L = mixed.shape[:2]
         Hk, Hv, Dk, Dv = (self.num_key_heads, self.num_value_heads, self.key_head_dim,
                           self.value_head_dim)
+        return (mixed[..., :Hk * Dk].reshape(B, L, Hk, Dk),
+                mixed[..., Hk * Dk:2 * Hk * Dk].reshape(B, L, Hk, Dk),
+                mixed[..., 2 * Hk * Dk:].reshape(B, L, Hv, Dv))
+
+    def conv_weight(self, dtype) -> jax.Array:
+        """The depthwise kernel [C, W] (``conv1d.weight[:, 0]``) in `dtype`."""
+        return self.conv1d[...][:, 0, :].astype(dtype)
+
+    def mix(self, q, k, v, b, a, *, positions: jax.Array, segment_ids: jax.Array,
+            return_cache: bool = False):
+        """The convolution and the gated delta rule -> o [B, L, Hv, Dv]; with `return_cache`
+        also the cache after each row's last token (``{"conv", "state"}``, `cache_shape`)."""
         p = self.partitioner
-        mixed = jnp.concatenate([q.reshape(B, L, Hk * Dk), k.reshape(B, L, Hk * Dk),
-                                 v.reshape(B, L, Hv * Dv)], axis=-1)
-        mixed = gd.causal_conv1d(mixed, self.conv1d[...][:, 0, :].astype(mixed.dtype),
-                                 segment_ids=segment_ids, positions=positions, partitioner=p,
-                                 activation="silu", max_pieces=self.max_pieces)
-        q = mixed[..., :Hk * Dk].reshape(B, L, Hk, Dk)
-        k = mixed[..., Hk * Dk:2 * Hk * Dk].reshape(B, L, Hk, Dk)
-        v = mixed[..., 2 * Hk * Dk:].reshape(B, L, Hv, Dv)
+        mixed = self.conv_inputs(q, k, v)
+        conv = gd.causal_conv1d(mixed, self.conv_weight(mixed.dtype), segment_ids=segment_ids,
+                                positions=positions, partitioner=p, activation="silu",
+                                max_pieces=self.max_pieces)
         g, beta = gd.gates(a, b, self.A_log[...], self.dt_bias[...])
-        return gd.gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
-                                   positions=positions, partitioner=p,
-                                   implementation=self.implementation,
-                                   max_pieces=self.max_pieces)
+        out = gd.gated_delta_rule(*self.conv_outputs(conv), g, beta, segment_ids=segment_ids,
+                                  positions=positions, partitioner=p,
+                                  implementation=self.implementation,
+                                  max_pieces=self.max_pieces, return_state=return_cache)
+        if not return_cache:
+            return out
+        o, state = out
+        tail = gd.conv_tail(mixed, self.conv_kernel - 1, segment_ids=segment_ids,
+                            positions=positions)
+        return o, {"conv": tail, "state": state}
 
     def out(self, o: jax.Array, z: jax.Array) -> jax.Array:
         """The gated norm per value head, then ``out_proj``: o, z [B, L, Hv, Dv] -> [B, L, D]."""
@@ -189,6 +216,64 @@ class GatedDeltaNet(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding; None: one
         document per row) -> [B, L, D]."""
+        return self.run(x, positions, segment_ids, return_cache=False)
+
+    # -- the cached call (zoo.inference): a cache constant in the context length -------------
+    # logical axes of each cache array (no "length": nothing here grows with the context)
+    cache_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "conv": ("batch", None, None), "state": ("batch", None, None, None)}
+    # arrays kept in their own dtype rather than the model's compute dtype
+    cache_dtypes: ClassVar[dict[str, jnp.dtype]] = {"state": jnp.dtype(jnp.float32)}
+
+    def cache_slots(self, max_length: int) -> int:
+        """No per-token slots: the cache is a window and a state, whatever the length."""
+        del max_length
+        return 0
+
+    def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        """``conv`` [B, W-1, C] and ``state`` [B, Hv, Dk, Dv], for any `max_length`."""
+        del max_length
+        return {"conv": (batch, self.conv_kernel - 1, self.conv_dim),
+                "state": (batch, self.num_value_heads, self.key_head_dim,
+                          self.value_head_dim)}
+
+    def prefill_cache(self, x: jax.Array, *, positions: jax.Array,
+                      segment_ids: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`__call__` that also returns the cache after each row's last token in packing order
+        (its last document): x [B, L, D] -> (out [B, L, D], {"conv", "state"})."""
+        return self.run(x, positions, segment_ids, return_cache=True)
+
+    def decode_step(self, x: jax.Array, cache: LayerCache, *, q_positions: jax.Array,
+                    kv_positions: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None,
+                    partitioner: Partitioner | None = None) -> jax.Array:
+        """T new tokens per row continuing each row's last document: x [B, T, D] -> [B, T, D].
+        ``cache.read(name)`` gives this layer's ``conv`` and ``state``, ``cache.replace``
+        stores the new ones (sharded by `partitioner` as `cache_axes` say). The positions and
+        segment ids of the attention layers' slots are not needed."""
+        del q_positions, kv_positions, kv_segment_ids
+        p = resolve(partitioner)
+        W = self.conv_kernel
+        with jax.named_scope("gated_deltanet"):
+            q, k, v, z, b, a = self.project(x)
+            mixed = self.conv_inputs(q, k, v)  # [B, T, C]
+            T = mixed.shape[1]
+            window = jnp.concatenate([cache.read("conv").astype(mixed.dtype), mixed], axis=1)
+            ones = jnp.ones(window.shape[:2], jnp.int32)
+            conv = gd.causal_conv1d(window, self.conv_weight(mixed.dtype), segment_ids=ones,
+                                    positions=jnp.broadcast_to(jnp.arange(W - 1 + T),
+                                                               ones.shape),
+                                    activation="silu")[:, W - 1:]
+            g, beta = gd.gates(a, b, self.A_log[...], self.dt_bias[...])
+            o, state = gd.recurrent_step(cache.read("state"), *self.conv_outputs(conv), g, beta)
+            cache.replace("conv", reshard(p, window[:, T:], self.cache_axes["conv"]))
+            cache.replace("state", reshard(p, state, self.cache_axes["state"]))
+            return self.out(o, z)
+
+    def run(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, *,
+            return_cache: bool):
+        """`__call__`'s checks and steps; with `return_cache` also the cache (`mix`)."""
         what = type(self).__name__
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"{what}: x has shape {x.shape}; expected [B, L, D={self.embed_dim}]")
@@ -206,9 +291,12 @@ class GatedDeltaNet(nnx.Module):
             with jax.named_scope("project"):
                 q, k, v, z, b, a = self.project(x)
             with jax.named_scope("mix"):
-                o = self.mix(q, k, v, b, a, positions=positions, segment_ids=segment_ids)
+                out = self.mix(q, k, v, b, a, positions=positions, segment_ids=segment_ids,
+                               **(dict(return_cache=True) if return_cache else {}))
+            o, cache = out if return_cache else (out, None)
             with jax.named_scope("out"):
-                return self.out(o, z)
+                y = self.out(o, z)
+            return (y, cache) if return_cache else y
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         """transformers' ``Qwen3NextGatedDeltaNet`` names (``conv1d.weight`` [C, 1, W])."""

@@ -9,13 +9,21 @@ module sits under ``indexer`` in MLA's keys):
 * RoPE on the *leading* Hr dims of each query and key head, in the half-split
   (non-interleaved) layout -- unlike MLA, which rotates its trailing Hr dims interleaved; the
   angles (and YaRN's frequencies and cos/sin factor) are MLA's;
-* per-head weights ``weights_proj`` D -> N, times ``N**-0.5``;
+* per-head weights ``weights_proj`` D -> N (in float32, as transformers keeps it), times
+  ``N**-0.5``;
 * ``score[b, l, s] = sum_n w[b, l, n] * relu(H**-0.5 * q[b, l, n] . k[b, s])`` in float32,
   ``-inf`` where the mask (default ``Causal() & Document()``, padding excluded) hides the key.
 
 `topk` turns scores into the selection (array indices, ``-1`` for an empty slot) that
-`zoo.ops.sparse_attention` reads. Hugging Face's Hadamard rotation and FP8 scoring are omitted
-as transformers omits them (an orthogonal rotation preserves the dot products).
+`zoo.ops.sparse_attention` reads; `select` is both, under ``stop_gradient`` (the selection is
+discrete: no gradient reaches the indexer through it). Under context parallelism `select` runs
+under `jax.shard_map` over the attention sequence axes: each shard all-gathers the index keys
+(H values per token) with their positions and segment ids -- that is all that crosses the
+wire -- and scores its own queries against every key of the row, so the top-k is global and,
+with the position-based tie rule, identical to the unsharded one for any token order
+(`zoo.data.load_balance`); the indices name places in the whole row. Hugging Face's Hadamard
+rotation and FP8 scoring are omitted as transformers omits them (an orthogonal rotation
+preserves the dot products).
 
 Legend: B batch, L queries, S keys, D embed, Rq q_lora_rank, N index heads, H index head dim,
 Hr rotary dims, k selected keys.
@@ -29,6 +37,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
@@ -114,7 +123,10 @@ class Indexer(nnx.Module):
         self.wk = Linear(embed, head_dim, in_axes=("embed",), out_axes=(None,), **kw)
         self.k_norm = LayerNorm(head_dim, eps=1e-6, partitioner=p, param_dtype=param_dtype,
                                 rngs=rngs)
-        self.weights_proj = Linear(embed, num_heads, in_axes=("embed",), out_axes=(None,), **kw)
+        # computed in float32 whatever the compute dtype, as transformers keeps it
+        # (``_keep_in_fp32_modules``): the head weights decide the selection
+        self.weights_proj = Linear(embed, num_heads, in_axes=("embed",), out_axes=(None,),
+                                   **{**kw, "dtype": jnp.float32})
 
     def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """RoPE on the leading Hr dims of ``x [B, L, N, H]`` (half-split layout)."""
@@ -156,6 +168,43 @@ class Indexer(nnx.Module):
             k = self.keys(x, positions)
             return self.score(q, w, k, q_positions=positions, kv_positions=positions,
                               q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+
+    def select(self, x: jax.Array, q_latent: jax.Array, k: int, *, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+        """The ``k`` keys each query attends to: int32 array indices [B, L, min(k, L)] into the
+        row (`topk`'s order and tie rule), computed under ``stop_gradient``; global under
+        context parallelism (module docstring)."""
+        x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+        B, L = x.shape[:2]
+        seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+        pos, seg = positions.astype(jnp.int32), seg.astype(jnp.int32)
+        with jax.named_scope("indexer"):
+            q, w = self.queries(x, q_latent, positions)
+            keys = self.keys(x, positions)
+        p = self.partitioner
+        seq_axes = tuple(p.sequence_axes("attention")) if p.mesh is not None else ()
+
+        def local(q, w, keys, pos, seg):
+            kpos, kseg = pos, seg
+            if seq_axes:
+                keys, kpos, kseg = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True)
+                                    for a in (keys, kpos, kseg))
+            s = self.score(q, w, keys, q_positions=pos, kv_positions=kpos, q_segment_ids=seg,
+                           kv_segment_ids=kseg)
+            return self.topk(s, k, kpos)
+
+        if not seq_axes:
+            return local(q, w, keys, pos, seg)
+        batch_axes = p.batch_axes("attention")
+        while batch_axes and B % p.axis_size(batch_axes):
+            batch_axes = batch_axes[:-1]
+        b = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+        s = seq_axes[0] if len(seq_axes) == 1 else seq_axes
+        with jax.named_scope("indexer_select_cp"):
+            return jax.shard_map(
+                local, mesh=p.mesh,
+                in_specs=(P(b, s, None, None), P(b, s, None), P(b, s, None), P(b, s), P(b, s)),
+                out_specs=P(b, s, None), check_vma=False)(q, w, keys, pos, seg)
 
     @staticmethod
     def topk(scores: jax.Array, k: int, kv_positions: jax.Array) -> jax.Array:

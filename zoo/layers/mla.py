@@ -26,6 +26,24 @@ here ``project`` returns ``(q, k_pe, latent)`` -- ``k_pe`` takes k's place (it i
 rotates) and the latent v's -- and ``attend(q, k_pe, latent)`` expands them. Mask, soft cap,
 sinks and kernel as in `Attention` (``mask`` class attribute or argument).
 
+DeepSeek sparse attention (DSA, DeepSeek-V3.2; ``index_topk=k``, off by default): a lightning
+`zoo.layers.Indexer` (submodule ``indexer``, Hugging Face's key names) reads the query latent
+``q_a_layernorm(q_a_proj(x))`` and ``x``, scores every key of the row and keeps each query's
+``k`` best among the causal keys of its document (padding excluded; `Indexer.select`, under
+``stop_gradient``: the selection trains nothing, as in transformers and DeepSeek's default
+stage). The attention then sees only those keys: with ``implementation="reference"`` as
+`zoo.ops.masks.TopK` composed with the layer's mask in the dense reference
+(`zoo.ops.dot_product_attention` over the expanded K/V), otherwise through
+`zoo.ops.sparse_mla_attention` (absorbed form; gathers only the selected latents, or dense
+under the top-k membership when k is at least half the row: `choose_sparse_implementation`).
+Under context parallelism the selection is global: the index keys (``index_head_dim`` values
+per token) with positions and segment ids are all-gathered for the scoring, and the latent and
+rotary key (``kv_lora_rank + qk_rope_head_dim`` per token) for the attention, whose gradient
+is reduce-scattered back; exact for every `zoo.data.load_balance` order. ``kv_wire`` and the
+ring do not apply to this path. Cached (`zoo.inference`), the layer also keeps ``index_k`` [B,
+1, S, index_head_dim], the indexer's rotated keys: each decoded query scores the cached index
+keys, keeps its top-k and attends to those slots of ``latent_pe`` (absorbed).
+
 Cached (`zoo.inference`): one array, ``latent_pe`` [B, 1, S, Rkv + Hr] (the latent and the
 rotated shared key), and ``attend_cache`` decodes with the up-projections absorbed: the
 query's no-position part goes through ``kv_b_proj``'s key half into latent space, attention
@@ -38,7 +56,6 @@ Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hqk = Hn + Hr, Hv v_head_dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +65,20 @@ from zoo.layers.attention import (
     SCOPE,
     AttentionBlock,
     CachePut,
+    check_call,
     check_inputs_shape,
     reshard,
     resolve_implementation,
     resolve_scores,
 )
+from zoo.layers.indexer import Indexer
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
 from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
                                mla_attention)
-from zoo.ops.masks import Mask
+from zoo.ops.masks import Mask, default_mask
+from zoo.ops.sparse_attention import TopK, sparse_attention, sparse_mla_attention
 from zoo.partitioning import Partitioner, resolve
 
 _HEADS = ("batch", "length", "act_heads", "act_head_dim")
@@ -88,6 +108,9 @@ class MLA(AttentionBlock):
       fp8: "blockwise": every projection (the latents' down and up projections included, also
         where ``kv_b_proj`` expands the latent inside `zoo.ops.mla_attention`) in
         blockwise-scaled FP8; the scores, softmax and the cached (absorbed) decode do not change.
+      index_topk: DSA's keys per query (module docstring); None (the default): dense MLA.
+      index_n_heads, index_head_dim: the indexer's heads and head width (DeepSeek-V3.2: 64,
+        128); used only with ``index_topk``.
     """
 
     block_name = "mla"
@@ -95,7 +118,7 @@ class MLA(AttentionBlock):
     @property
     def hf_projections(self) -> tuple[str, ...]:  # Hugging Face DeepseekV3Attention's names
         q = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_a_layernorm", "q_b_proj")
-        return (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+        return (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "indexer")
 
     def __init__(self, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -104,7 +127,9 @@ class MLA(AttentionBlock):
                  implementation: str = "auto", dtype=None, param_dtype=jnp.float32,
                  mask: Mask | None = None, logits_soft_cap: float | None = None,
                  sinks: bool = False, kernel="auto", layout: str | None = None,
-                 kv_wire: str = "auto", fp8: str | None = None, rngs: nnx.Rngs):
+                 kv_wire: str = "auto", fp8: str | None = None,
+                 index_topk: int | None = None, index_n_heads: int = 64,
+                 index_head_dim: int = 128, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -123,6 +148,7 @@ class MLA(AttentionBlock):
         if qk_rope_head_dim % 2:
             raise ValueError(f"MLA: qk_rope_head_dim={qk_rope_head_dim} must be even (RoPE "
                              f"rotates pairs of dimensions)")
+        check_index(index_topk, q_lora_rank, logits_soft_cap, sinks)
         self.num_heads = self.num_kv_heads = num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -169,16 +195,25 @@ class MLA(AttentionBlock):
                                 in_axes=("kv_lora",), out_axes=heads, **kw)
         self.o_proj = Linear((num_heads, v_head_dim), embed, in_axes=heads,
                              out_axes=("embed",), **kw)
+        self.index_topk = index_topk
+        self.indexer = None if index_topk is None else Indexer(
+            num_heads=index_n_heads, head_dim=index_head_dim, rope_head_dim=qk_rope_head_dim,
+            q_lora_rank=q_lora_rank, inputs_shape=inputs_shape, partitioner=p, rope=self.rope,
+            mask=self.mask, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     # -- steps a subclass may override --------------------------------------------------------
-    def project_q(self, x: jax.Array) -> jax.Array:
-        """x [B, L, D] -> q [B, L, N, Hqk] (before RoPE)."""
-        c = self.partitioner.constrain
+    def q_latent(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> the query latent ``q_a_layernorm(q_a_proj(x))`` [B, L, Rq]."""
+        return self.q_a_layernorm(self.partitioner.constrain(self.q_a_proj(x), _LATENT, SCOPE))
+
+    def project_q(self, x: jax.Array, q_latent: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D] -> q [B, L, N, Hqk] (before RoPE); ``q_latent``: `q_latent` (x)
+        when the caller has it already."""
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(c(self.q_a_proj(x), _LATENT, SCOPE)))
-        return c(q, _HEADS, SCOPE)
+            q = self.q_b_proj(self.q_latent(x) if q_latent is None else q_latent)
+        return self.partitioner.constrain(q, _HEADS, SCOPE)
 
     def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, L, D] -> k_pe [B, L, 1, Hr] (shared, before RoPE), latent [B, L, Rkv]
@@ -214,6 +249,115 @@ class MLA(AttentionBlock):
                            qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
                            segment_ids=segment_ids, fp8=self.fp8)
 
+    # -- DeepSeek sparse attention (index_topk) ----------------------------------------------
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D], positions [B, L] (int), segment_ids [B, L] (0 = padding) -> [B, L, D];
+        with ``index_topk`` each query attends to its selected keys only (module docstring)."""
+        if self.indexer is None:
+            return super().__call__(x, positions=positions, segment_ids=segment_ids)
+        return self.sparse_call(x, positions=positions, segment_ids=segment_ids)[0]
+
+    def sparse_call(self, x: jax.Array, *, positions: jax.Array,
+                    segment_ids: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The DSA forward pass: (out [B, L, D], the cache arrays it leaves: ``latent_pe``
+        and ``index_k`` [B, 1, L, F])."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope(self.block_name):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            with jax.named_scope("project"):
+                q_latent = self.q_latent(x)
+                q = self.project_q(x, q_latent)
+                k_pe, latent = self.project_kv(x)
+            with jax.named_scope("select"):
+                indices = self.indexer.select(x, q_latent, self.index_topk, positions=positions,
+                                              segment_ids=segment_ids)
+            with jax.named_scope("rope"):
+                q, k_pe = self.apply_rope(q, k_pe, positions)
+            with jax.named_scope("attend"):
+                o = self.attend_selected(q, k_pe, latent, indices, positions=positions,
+                                         segment_ids=segment_ids)
+            with jax.named_scope("out"):
+                out = self.out(o)
+            entry = self.cache_entry(k_pe, latent)
+            entry["index_k"] = jax.lax.stop_gradient(
+                self.indexer.keys(x, positions))[:, None].astype(latent.dtype)
+            return out, entry
+
+    def prefill_cache(self, x: jax.Array, *, positions: jax.Array,
+                      segment_ids: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if self.indexer is None:
+            return super().prefill_cache(x, positions=positions, segment_ids=segment_ids)
+        return self.sparse_call(x, positions=positions, segment_ids=segment_ids)
+
+    def decode_step(self, x: jax.Array, put: CachePut, *, q_positions: jax.Array,
+                    kv_positions: jax.Array, kv_segment_ids: jax.Array,
+                    partitioner: Partitioner | None = None) -> jax.Array:
+        """`AttentionBlock.decode_step`; with DSA the new tokens' index keys go into the
+        ``index_k`` cache, each new query selects its ``index_topk`` best cached keys (the
+        layer's mask over the slots' positions and segment ids) and attends to those in the
+        absorbed form over ``latent_pe``."""
+        if self.indexer is None:
+            return super().decode_step(x, put, q_positions=q_positions,
+                                       kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                                       partitioner=partitioner)
+        p = resolve(partitioner)
+        Hn, R = self.qk_nope_head_dim, self.kv_lora_rank
+        with jax.named_scope(self.block_name):
+            q_latent = self.q_latent(x)
+            q = self.project_q(x, q_latent)
+            k_pe, latent = self.project_kv(x)
+            q, k_pe = self.apply_rope(q, k_pe, q_positions)
+            iq, iw = self.indexer.queries(x, q_latent, q_positions)
+            new_k = self.indexer.keys(x, q_positions)[:, None].astype(latent.dtype)
+            index_k = put("index_k", reshard(p, new_k, ("batch", None, None, None)))
+            new = self.cache_entry(k_pe, latent)["latent_pe"]
+            cache = put("latent_pe", reshard(p, new, ("batch", None, None, None)))
+            q_seg = jnp.ones(q_positions.shape, jnp.int32)
+            scores = self.indexer.score(iq, iw, index_k[:, 0], q_positions=q_positions,
+                                        kv_positions=kv_positions, q_segment_ids=q_seg,
+                                        kv_segment_ids=kv_segment_ids)
+            indices = self.indexer.topk(scores, self.index_topk, kv_positions)
+            dtype = self.kv_b_proj.dtype or cache.dtype
+            w = self.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
+            q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w[..., :Hn])
+            q_lat = reshard(p, q_lat, ("batch", None, "act_heads", None))  # as attend_cache
+            q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)
+            o_lat = sparse_attention(
+                q_abs, cache[:, 0].astype(dtype), None, indices, q_positions=q_positions,
+                kv_positions=kv_positions, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
+                mask=default_mask(None, None, self.mask), scale=self.scale, v_head_dim=R,
+                implementation="gather")
+            o = jnp.einsum("blnr,rnv->blnv", o_lat, w[..., Hn:])
+            return self.out(o.astype(q.dtype))
+
+    def attend_selected(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array,
+                        indices: jax.Array, *, positions: jax.Array,
+                        segment_ids: jax.Array | None) -> jax.Array:
+        """Attention of each query over its selected keys ``indices`` [B, L, k] (array
+        indices into the row, ``-1`` empty) -> [B, L, N, Hv]: the dense reference under
+        ``mask & TopK`` when ``implementation="reference"``, else
+        `zoo.ops.sparse_mla_attention`."""
+        mask = default_mask(None, None, self.mask)
+        dtype = self.kv_b_proj.dtype or latent.dtype
+        if self.implementation == "reference":
+            k, v = self.expand_kv(k_pe, latent)
+            seg = (jnp.ones(positions.shape, jnp.int32) if segment_ids is None
+                   else segment_ids)
+            top = TopK.from_indices(indices, positions, seg)
+            o = dot_product_attention(q, k, v, q_positions=positions, kv_positions=positions,
+                                      q_segment_ids=seg, kv_segment_ids=seg, mask=mask & top,
+                                      scale=self.scale)
+        else:
+            o = sparse_mla_attention(
+                q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
+                self.kv_b_proj.kernel[...].astype(dtype), indices,
+                qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
+                segment_ids=segment_ids, mask=mask, scale=self.scale,
+                partitioner=self.partitioner)
+        return self.partitioner.constrain(o, _HEADS, SCOPE)
+
     def expand_kv(self, k_pe: jax.Array, latent: jax.Array) -> tuple[jax.Array, jax.Array]:
         """k_pe [B, L, 1, Hr] (rotated), latent [B, L, Rkv] -> per-head k [B, L, N, Hqk]
         (``concat(k_nope, k_pe)``) and v [B, L, N, Hv], on the tokens' own shards."""
@@ -227,12 +371,21 @@ class MLA(AttentionBlock):
     # -- the cached call (zoo.inference) ------------------------------------------------------
     # one entry, ``latent_pe`` [B, 1, S, Rkv + Hr]: the normalised latent and the rotated
     # shared key, one "head" all heads read (576 values per token for DeepSeek-V3)
-    cache_axes: ClassVar[dict[str, tuple[str | None, ...]]] = {
-        "latent_pe": ("batch", None, "length", None)}
+    # with DSA also ``index_k`` [B, 1, S, index_head_dim]: the indexer's rotated keys
+    @property
+    def cache_axes(self) -> dict[str, tuple[str | None, ...]]:
+        axes = {"latent_pe": ("batch", None, "length", None)}
+        if self.indexer is not None:
+            axes["index_k"] = ("batch", None, "length", None)
+        return axes
 
     def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
         width = self.kv_lora_rank + self.qk_rope_head_dim
-        return {"latent_pe": (batch, 1, self.cache_slots(max_length), width)}
+        slots = self.cache_slots(max_length)
+        shapes = {"latent_pe": (batch, 1, slots, width)}
+        if self.indexer is not None:
+            shapes["index_k"] = (batch, 1, slots, self.indexer.head_dim)
+        return shapes
 
     def cache_entry(self, k_pe: jax.Array, latent: jax.Array) -> dict[str, jax.Array]:
         """k_pe [B, L, 1, Hr] (rotated), latent [B, L, Rkv] -> ``latent_pe`` [B, 1, L, Rkv+Hr]."""
@@ -258,3 +411,21 @@ class MLA(AttentionBlock):
         kv = cache.astype(dtype)
         o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, T, N, Rkv]
         return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)
+
+
+def check_index(index_topk, q_lora_rank, logits_soft_cap, sinks) -> None:
+    """Construction checks of MLA's DSA options (``index_topk`` and what it needs)."""
+    if index_topk is None:
+        return
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"MLA: index_topk={index_topk!r} must be a positive int (the keys each "
+                         f"query attends to; DeepSeek-V3.2: 2048) or None for dense MLA")
+    if q_lora_rank is None:
+        raise ValueError("MLA: index_topk needs q_lora_rank (the indexer reads the query "
+                         "latent q_a_layernorm(q_a_proj(x))); set q_lora_rank or "
+                         "index_topk=None")
+    if logits_soft_cap is not None or sinks:
+        raise ValueError(f"MLA: index_topk={index_topk} does not combine with "
+                         f"logits_soft_cap={logits_soft_cap!r} or sinks={sinks!r} (the sparse "
+                         f"attention has neither); drop them or set index_topk=None")
+

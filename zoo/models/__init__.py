@@ -2,6 +2,8 @@
 
 * `zoo.models.mixtral` -- `MixtralConfig`, `Mixtral`, `from_hf`, `to_hf`.
 * `zoo.models.deepseek3` -- `DeepSeek3Config`, `DeepSeek3`, `from_hf`, `to_hf`.
+* `zoo.models.deepseek_v32` -- `DeepSeekV32Config`, `DeepSeekV32`, `from_hf`, `to_hf`
+  (DeepSeek-V3.2: sparse attention with a lightning indexer).
 * `zoo.models.qwen3_moe` -- `Qwen3MoeConfig`, `Qwen3Moe`, `from_hf`, `to_hf`.
 * `zoo.models.glm4_moe` -- `Glm4MoeConfig`, `Glm4Moe`, `from_hf`, `to_hf` (GLM-4.5).
 * `zoo.models.gpt_oss` -- `GptOssConfig`, `GptOss`, `from_hf`, `to_hf` (MXFP4 read).
@@ -18,6 +20,7 @@ from zoo.models.auto import from_hf, to_hf
 from zoo.models.config import DecoderConfig
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, DeepSeek3DecoderLayer
+from zoo.models.deepseek_v32 import DeepSeekV32, DeepSeekV32Config, DeepSeekV32DecoderLayer
 from zoo.models.glm4_moe import Glm4Moe, Glm4MoeConfig, Glm4MoeDecoderLayer
 from zoo.models.gpt_oss import GptOss, GptOssConfig, GptOssDecoderLayer
 from zoo.models.mixtral import Mixtral, MixtralConfig, MixtralDecoderLayer
@@ -26,7 +29,8 @@ from zoo.models.qwen3_next import Qwen3Next, Qwen3NextConfig, Qwen3NextDecoderLa
 from zoo.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig, Qwen3_5MoeDecoderLayer
 
 __all__ = ["CausalLM", "DecoderConfig", "DecoderLayer", "count_params", "DeepSeek3",
-           "DeepSeek3Config", "DeepSeek3DecoderLayer", "Glm4Moe", "Glm4MoeConfig",
+           "DeepSeek3Config", "DeepSeek3DecoderLayer", "DeepSeekV32", "DeepSeekV32Config",
+           "DeepSeekV32DecoderLayer", "Glm4Moe", "Glm4MoeConfig",
            "Glm4MoeDecoderLayer", "GptOss", "GptOssConfig",
            "GptOssDecoderLayer", "Mixtral", "MixtralConfig",
            "MixtralDecoderLayer", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer",

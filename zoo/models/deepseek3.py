@@ -273,14 +273,18 @@ class DeepSeek3DecoderLayer(DecoderLayer):
     def uses_moe(cls, config: DeepSeek3Config, layer_idx: int) -> bool:
         return layer_idx >= config.first_k_dense_replace
 
-    def make_attention(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
-        return self.attention_cls(
+    def attention_kwargs(self, config: DeepSeek3Config) -> dict:
+        """`MLA`'s shape and options from the config (a subclass adds its own)."""
+        return dict(
             num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
             kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-            inputs_shape=inputs_shape, partitioner=partitioner, rope=config.rope(),
-            rms_norm_eps=config.rms_norm_eps, kv_wire=config.mla_kv_wire,
-            **config.attention_options(), rngs=rngs)
+            rope=config.rope(), rms_norm_eps=config.rms_norm_eps, kv_wire=config.mla_kv_wire,
+            **config.attention_options())
+
+    def make_attention(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
+        return self.attention_cls(inputs_shape=inputs_shape, partitioner=partitioner,
+                                  rngs=rngs, **self.attention_kwargs(config))
 
     def make_moe(self, config: DeepSeek3Config, *, inputs_shape, partitioner, rngs):
         return self.moe_cls(

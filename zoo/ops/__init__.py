@@ -18,7 +18,8 @@ from zoo.ops.kernels import (BlockKernel, ScoreMod, Scores, TokamaxKernel, get_k
                              register_kernel)
 from zoo.ops.masks import (Causal, Chunked, Document, Mask, MaskFn, PrefixLM, SlidingWindow,
                            attention_mask, block_may_attend)
-from zoo.ops.sparse_attention import TopK, choose_sparse_implementation, sparse_attention
+from zoo.ops.sparse_attention import (TopK, choose_sparse_implementation, sparse_attention,
+                                      sparse_mla_attention)
 
 __all__ = ["IMPLEMENTATIONS", "KV_WIRES", "BlockKernel", "Causal", "Chunked", "Document",
            "FlashKernel", "Mask", "MaskFn", "PrefixLM", "ScoreMod", "Scores", "SlidingWindow",
@@ -27,5 +28,6 @@ __all__ = ["IMPLEMENTATIONS", "KV_WIRES", "BlockKernel", "Causal", "Chunked", "D
            "choose_implementation", "choose_mla_wire", "dot_product_attention", "get_kernel",
            "mla_attention",
            "register_kernel"]
-__all__ += ["TopK", "choose_sparse_implementation", "sparse_attention"]
+__all__ += ["TopK", "choose_sparse_implementation", "sparse_attention",
+            "sparse_mla_attention"]
 __all__ += ["causal_conv1d", "gated_delta_rule"]

@@ -31,7 +31,14 @@ Implementations:
   intra-chunk terms and runs a reverse scan over the saved chunk states). A document may start
   anywhere inside a chunk: per-token reset flags cut the chunk's decay and UT matrices into
   blocks and swap the carried state for the reset state at each start. Partial chunks are
-  padded inside the op with identity tokens (``k = 0``, ``g = 0``, ``beta = 0``).
+  padded inside the op with identity tokens (``k = 0``, ``g = 0``, ``beta = 0``). The UT
+  solve is `solve_unit_lower`: the native triangular solve on GPU/TPU, a blocked inverse on
+  CPU (jaxlib 0.10's LAPACK solve deadlocks XLA:CPU's thread pool when every virtual device
+  calls it at once, as under context parallelism).
+
+Generation: ``gated_delta_rule(..., return_state=True)`` also gives the state after each row's
+last token (prefill), `conv_tail` the convolution's last inputs, and `recurrent_step` continues
+a state by T tokens (decode), through the same recurrence as ``"recurrent"``.
 
 Context parallelism (``partitioner`` whose attention scope shards ``length``; under
 ``ep_as_cp`` that includes the expert axis): `jax.shard_map` over the sequence axes. Each shard
@@ -71,7 +78,8 @@ import jax.numpy as jnp
 
 from zoo.partitioning import Partitioner
 
-__all__ = ["CHUNK", "IMPLEMENTATIONS", "causal_conv1d", "gated_delta_rule", "gates", "l2norm"]
+__all__ = ["CHUNK", "IMPLEMENTATIONS", "causal_conv1d", "conv_tail", "gated_delta_rule", "gates",
+           "l2norm", "recurrent_step", "solve_unit_lower", "unit_lower_inverse"]
 
 IMPLEMENTATIONS = ("chunked", "recurrent")
 CHUNK = 64
@@ -154,27 +162,104 @@ def _inverse(perm):
 
 # -- the recurrent reference ------------------------------------------------------------------
 
-def _recurrent(q, k, v, g, beta, reset):
-    """Token-by-token scan. q, k [B, H, T, K]; v [B, H, T, V]; g, beta, reset [B, H, T]."""
+def _update(S, qt, kt, vt, gt, bt):
+    """One token of the recurrence (module docstring): state S [B, H, K, V], prepared q/k
+    [B, H, K], v [B, H, V], g/beta [B, H] -> (new state, output [B, H, V])."""
+    S = S * jnp.exp(gt)[..., None, None]
+    u = bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", S, kt))
+    S = S + kt[..., :, None] * u[..., None, :]
+    return S, jnp.einsum("bhkv,bhk->bhv", S, qt)
+
+
+def _recurrent(q, k, v, g, beta, reset, state=None):
+    """Token-by-token scan. q, k [B, H, T, K]; v [B, H, T, V]; g, beta, reset [B, H, T];
+    ``state`` [B, H, K, V] the incoming state (None: zeros). Returns (o [B, H, T, V], the
+    state after the last token)."""
     B, H, _, K = q.shape
     V = v.shape[-1]
 
     def step(S, x):
         qt, kt, vt, gt, bt, rt = x
-        S = jnp.where(rt[..., None, None], 0.0, S) * jnp.exp(gt)[..., None, None]
-        u = bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", S, kt))
-        S = S + kt[..., :, None] * u[..., None, :]
-        return S, jnp.einsum("bhkv,bhk->bhv", S, qt)
+        return _update(jnp.where(rt[..., None, None], 0.0, S), qt, kt, vt, gt, bt)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta, reset))
-    _, o = jax.lax.scan(step, jnp.zeros((B, H, K, V), jnp.float32), xs)
-    return jnp.moveaxis(o, 0, 2)
+    S0 = jnp.zeros((B, H, K, V), jnp.float32) if state is None else state.astype(jnp.float32)
+    S, o = jax.lax.scan(step, S0, xs)
+    return jnp.moveaxis(o, 0, 2), S
+
+
+def recurrent_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                   beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """T tokens of one document continuing ``state`` (generation's decode step): the
+    recurrent form of `gated_delta_rule` from a given incoming state.
+
+    Args:
+      state: [B, Hv, Dk, Dv] the state after the tokens before these (float32).
+      q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g (float32), beta: [B, T, Hv] -- as
+        `gated_delta_rule` takes them (L2-normalised and scaled inside).
+
+    Returns:
+      (o [B, T, Hv, Dv] in v's dtype, the state after the T tokens [B, Hv, Dk, Dv] float32).
+    """
+    B, T = q.shape[:2]
+    tokens = jnp.ones((B, T), jnp.int32)
+    _check(q, k, v, g, beta, tokens, tokens, "recurrent", 1)
+    H, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    if state.shape != (B, H, K, V):
+        raise ValueError(f"state {state.shape} must be [B, Hv, Dk, Dv] = {(B, H, K, V)}")
+    xs = _prepare(q, k, v, g, beta, tokens)
+    o, S = _recurrent(*xs, jnp.zeros(xs[3].shape, bool), state)
+    return _finish(o, tokens, v.dtype), S
 
 
 # -- the chunked form -------------------------------------------------------------------------
 
 def _reset_state(K, V, identity):
     return jnp.eye(K, V, dtype=jnp.float32) if identity else jnp.zeros((K, V), jnp.float32)
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """Inverse of unit lower-triangular matrices a [..., C, C] by blocked doubling: blocks of
+    size s merge pairwise into blocks of 2s, ``[[Ta, 0], [-Td a_ba Ta, Td]]`` (log2 C rounds
+    of batched matmuls; C is padded to a power of two with identity)."""
+    C = a.shape[-1]
+    n = 1 << max(C - 1, 0).bit_length()
+    if n != C:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, n - C)] * 2) \
+            + jnp.diag((jnp.arange(n) >= C).astype(a.dtype))
+    batch = a.shape[:-2]
+    t = jnp.ones((*batch, n, 1, 1), a.dtype)  # the inverses of the diagonal 1x1 blocks
+    s = 1
+    while s < n:
+        m = n // (2 * s)
+        blocks = jnp.diagonal(a.reshape(*batch, m, 2 * s, m, 2 * s), axis1=-4, axis2=-2)
+        a_ba = jnp.moveaxis(blocks, -1, -3)[..., s:, :s]  # [..., m, s, s]
+        t = t.reshape(*batch, m, 2, s, s)
+        ta, td = t[..., 0, :, :], t[..., 1, :, :]
+        t = jnp.concatenate([jnp.concatenate([ta, jnp.zeros_like(ta)], -1),
+                             jnp.concatenate([-(td @ a_ba @ ta), td], -1)], -2)
+        s *= 2
+    return t.reshape(*batch, n, n)[..., :C, :C]
+
+
+def solve_unit_lower(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a^-1 b`` for unit lower-triangular a [..., C, C], b [..., C, M].
+
+    GPU and TPU programs use the native triangular solve. On CPU, jaxlib 0.10 lowers it to
+    LAPACK's ``trsm``, whose kernel splits a large batch into tasks on XLA:CPU's intra-op
+    thread pool and blocks until they finish; when every pool thread runs such a solve at
+    once -- one per virtual device, all released by the same collective under context
+    parallelism -- no thread is left to run the tasks and the program deadlocks. On CPU the
+    solve is therefore a product with `unit_lower_inverse` (plain dots; as accurate as the
+    solve in float32). The branch is chosen when the program is lowered
+    (`jax.lax.platform_dependent`)."""
+    def cpu(a, b):
+        return unit_lower_inverse(a) @ b
+
+    def native(a, b):
+        return jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True,
+                                               unit_diagonal=True)
+    return jax.lax.platform_dependent(a, b, cpu=cpu, default=native)
 
 
 def _intra(q, k, v, g, beta, reset, identity):
@@ -193,12 +278,9 @@ def _intra(q, k, v, g, beta, reset, identity):
     ut = jnp.where(strict, beta[..., :, None] * (k @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
     ut = ut + jnp.eye(C, dtype=ut.dtype)
 
-    def solve(rhs):
-        return jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True,
-                                               unit_diagonal=True)
-
-    u = solve(beta[..., None] * v)
-    w = solve((beta * jnp.exp(Gp))[..., None] * k)
+    uw = solve_unit_lower(ut, jnp.concatenate([beta[..., None] * v,
+                                               (beta * jnp.exp(Gp))[..., None] * k], -1))
+    u, w = uw[..., :v.shape[-1]], uw[..., v.shape[-1]:]
     qk = (q @ jnp.swapaxes(k, -1, -2)) * decay
     qg = q * jnp.exp(Gp)[..., None]
     first = (c == 0)[..., None]
@@ -323,23 +405,29 @@ def _finish(o, segment_ids, dtype):
 
 
 def _unsharded(q, k, v, g, beta, seg, pos, implementation):
-    """Any row order: sort into packing order, run, sort back."""
+    """Any row order: sort into packing order, run, sort back. Returns (o, the state after
+    each row's last real token in packing order [B, H, K, V]).
+
+    Padding sorts last and does not reset the state (it is identity: beta = 0, g = 0), so the
+    state after the row's last token is that of its last document."""
     order = _packing_order(seg, pos)
     seg_s, pos_s = _take_rows(seg, order), _take_rows(pos, order)
     xs = [jnp.moveaxis(_take_rows(jnp.moveaxis(x, 1, 2), order), 2, 1)
           for x in (q, k, v, g, beta)]
-    reset = jnp.broadcast_to(_starts(seg_s, pos_s)[:, None], xs[3].shape).astype(jnp.float32)
+    starts = _starts(seg_s, pos_s) & (seg_s != 0)
+    reset = jnp.broadcast_to(starts[:, None], xs[3].shape).astype(jnp.float32)
     if implementation == "recurrent":
-        o = _recurrent(*xs, reset > 0)
+        o, state = _recurrent(*xs, reset > 0)
     else:
-        o, _ = _chunked(*xs, reset)
-    return jnp.moveaxis(_take_rows(jnp.moveaxis(o, 1, 2), _inverse(order)), 2, 1)
+        o, ends = _chunked(*xs, reset)
+        state = ends[:, :, -1]
+    return jnp.moveaxis(_take_rows(jnp.moveaxis(o, 1, 2), _inverse(order)), 2, 1), state
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                      *, segment_ids: jax.Array, positions: jax.Array,
                      partitioner: Partitioner | None = None, implementation: str = "chunked",
-                     max_pieces: int = 4) -> jax.Array:
+                     max_pieces: int = 4, return_state: bool = False):
     """The gated delta rule over packed rows in any load-balanced order (module docstring).
 
     Args:
@@ -351,9 +439,13 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         sequence (context parallelism; rows reordered by `zoo.data.load_balance`).
       implementation: ``"chunked"`` (training) or ``"recurrent"`` (the reference).
       max_pieces: state slots per shard and row under context parallelism (module docstring).
+      return_state: also return the state after each row's last token in packing order (its
+        last document's; zeros for a row of padding), [B, Hv, Dk, Dv] float32 -- what
+        generation's prefill leaves for `recurrent_step`. Under context parallelism it comes
+        from an unsharded chunked pass (the sequence gathered), not from the shards' summaries.
 
     Returns:
-      [B, L, Hv, Dv] in v's dtype, 0 at padding.
+      [B, L, Hv, Dv] in v's dtype, 0 at padding; with `return_state`, (that, the state).
     """
     _check(q, k, v, g, beta, segment_ids, positions, implementation, max_pieces)
     seg, pos = segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
@@ -362,10 +454,12 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
         partitioner.context_size("attention")
     with jax.named_scope(f"gated_delta_{implementation}"):
         if cp == 1 or implementation == "recurrent":
-            o = _unsharded(*xs, seg, pos, implementation)
+            o, state = _unsharded(*xs, seg, pos, implementation)
         else:
             o = _sharded(partitioner, xs, seg, pos, max_pieces)
-    return _finish(o, seg, v.dtype)
+            state = _unsharded(*xs, seg, pos, "chunked")[1] if return_state else None
+    o = _finish(o, seg, v.dtype)
+    return (o, state) if return_state else o
 
 
 # -- context parallelism ----------------------------------------------------------------------
@@ -597,6 +691,28 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, *, segment_ids: jax.Array,
     if activation == "silu":
         out = jax.nn.silu(out)
     return jnp.where((seg != 0)[..., None], out, 0).astype(x.dtype)
+
+
+def conv_tail(x: jax.Array, width: int, *, segment_ids: jax.Array,
+              positions: jax.Array) -> jax.Array:
+    """The last `width` inputs ``x`` [B, L, D] of each row's last document in packing order
+    (rows in any order, padding anywhere), oldest first: [B, width, D], 0 where the document
+    has fewer tokens -- the window `causal_conv1d` convolves a next token of that document
+    with (generation's convolution cache)."""
+    if x.ndim != 3:
+        raise ValueError(f"x {x.shape} must be [B, L, D]")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"width={width!r} must be an int >= 0 (the kernel size - 1)")
+    _check_tokens(segment_ids, positions, x.shape[:2])
+    seg, pos = segment_ids.astype(jnp.int32), positions.astype(jnp.int32)
+    order = _packing_order(seg, pos)
+    x_s, seg_s = _take_rows(x, order), _take_rows(seg, order)
+    n = jnp.sum(seg != 0, axis=1, keepdims=True)  # real tokens, first in packing order
+    idx = n - width + jnp.arange(width)  # [B, width]
+    last = _at(seg_s, n - 1, 0)  # [B, 1]: the last document (0: no token)
+    keep = (idx >= 0) & (_at(seg_s, jnp.maximum(idx, 0), -1) == last) & (last != 0)
+    tail = _take_rows(x_s, jnp.clip(idx, 0, x.shape[1] - 1))
+    return jnp.where(keep[..., None], tail, 0).astype(x.dtype)
 
 
 def _conv_shard(x, weight, seg, pos, *, axes, max_pieces):

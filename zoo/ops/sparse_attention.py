@@ -25,6 +25,19 @@ marks an empty slot. Indices of one query must be distinct (a top-k is).
     of keys a query sees on average (S/2 when the mask is causal, S otherwise: then the top-k
     barely prunes and dense is cheaper), else ``"gather"``.
 
+* `sparse_mla_attention(q, latent, k_pe, kv_up, indices, ...)`: multi-head latent attention
+  (`zoo.layers.MLA`) over the selected keys in the absorbed form: each query's no-position part
+  goes through ``kv_up``'s key half into latent space, `sparse_attention` runs one shared key
+  head ``[latent; k_pe]`` (R + Hr wide, values ``latent``), and ``kv_up``'s value half maps the
+  result back -- the per-head K/V are never built. Under context parallelism (a partitioner
+  whose attention sequence axes are > 1) it runs under `jax.shard_map`: each shard holds its
+  queries and their ``indices`` (array indices into the whole row, as `zoo.layers.Indexer`
+  selects them), all-gathers the latent and ``k_pe`` (R + Hr values per token) with their
+  positions and segment ids over the sequence axes, and attends locally; backward, the
+  latent's gradient is reduce-scattered back (the all-gather's transpose). Exact for any
+  token order (`zoo.data.load_balance`): the indices name places in the gathered row, and the
+  mask is evaluated on the gathered positions and segment ids.
+
 Where `TopK` works: as a mask of `zoo.ops.masks.attention_mask` and
 `zoo.ops.attention.dot_product_attention` (the dense reference paths, where the mask sees
 whole query rows), and (as ``indices``) in both implementations here. Block kernels and the
@@ -37,11 +50,14 @@ k selected keys per query.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zoo.ops.masks import Causal, Document, Mask, evaluate
+from zoo.partitioning import Partitioner, resolve
 
 IMPLEMENTATIONS = ("auto", "dense", "gather")
 
@@ -265,3 +281,105 @@ def _gather(q, k, v, indices, q_pos, kv_pos, q_seg, kv_seg, *, mask, scale, v_he
     s = jnp.einsum("blKgh,bljKh->blKgj", _heads(q, k), kg) * scale
     p = _softmax_out(s, visible[:, :, None, None, :])
     return jnp.einsum("blKgj,bljKv->blKgv", p, vg).reshape(B, L, N, -1).astype(q.dtype)
+
+
+# -- MLA over the selected keys, context-parallel -----------------------------------------------
+
+def sparse_mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.Array,
+                         indices: jax.Array, *, qk_nope_head_dim: int, positions: jax.Array,
+                         segment_ids: jax.Array | None = None, mask: Mask | None = None,
+                         scale: float | None = None, partitioner: Partitioner | None = None,
+                         implementation: str = "auto",
+                         query_chunk: int | str | None = "auto") -> jax.Array:
+    """MLA self-attention of each query over its selected keys (module docstring) -> [B, L, N, Hv].
+
+    Args:
+      q: [B, L, N, Hn + Hr] (rotated); latent: [B, L, R] (normalised); k_pe: [B, L, Hr]
+        (rotated, shared by every head); kv_up: [R, N, Hn + Hv] (``kv_b_proj``'s kernel).
+      indices: [B, L, k] int, each query's selected keys as array indices into the row
+        (``-1``: empty slot).
+      positions, segment_ids: [B, L] of the tokens (queries = keys; None: one document).
+      mask: the elementwise mask besides the selection (default ``Causal() & Document()``).
+      scale: softmax scale (default (Hn + Hr)**-0.5).
+      partitioner: under context parallelism the keys are all-gathered (module docstring).
+      implementation, query_chunk: `sparse_attention`'s, on each shard's queries;
+        ``query_chunk="auto"``: `choose_query_chunk` (bounds the gathered keys per step).
+
+    What crosses the wire per token under context parallelism: the latent and ``k_pe`` (R + Hr
+    values) forward and their gradients backward, plus the positions and segment ids (int32).
+    """
+    B, L, N, Hqk = q.shape
+    R, Hn = latent.shape[-1], qk_nope_head_dim
+    if (latent.ndim != 3 or k_pe.ndim != 3 or latent.shape[:2] != (B, L)
+            or k_pe.shape[:2] != (B, L) or Hn + k_pe.shape[-1] != Hqk
+            or kv_up.shape[:2] != (R, N) or kv_up.shape[2] <= Hn):
+        raise ValueError(f"sparse_mla_attention expects q [B,L,N,Hn+Hr], latent [B,L,R], k_pe "
+                         f"[B,L,Hr], kv_up [R,N,Hn+Hv] with Hn=qk_nope_head_dim={Hn}; got "
+                         f"{q.shape}, {latent.shape}, {k_pe.shape}, {kv_up.shape}")
+    if segment_ids is None:
+        segment_ids = jnp.ones((B, L), jnp.int32)
+    positions, segment_ids = positions.astype(jnp.int32), segment_ids.astype(jnp.int32)
+    scale = Hqk ** -0.5 if scale is None else float(scale)
+    p = resolve(partitioner)
+    seq_axes = p.sequence_axes("attention") if p.mesh is not None else ()
+    local = functools.partial(_absorbed, Hn=Hn, mask=mask, scale=scale,
+                              implementation=implementation, query_chunk=query_chunk,
+                              seq_axes=tuple(seq_axes))
+    args = (q, latent, k_pe, kv_up, indices, positions, segment_ids)
+    if not seq_axes:  # no sequence shards: the plain program (XLA partitions batch and heads)
+        return local(*args)
+    batch_axes = p.batch_axes("attention")
+    while batch_axes and B % p.axis_size(batch_axes):  # the largest prefix that divides B
+        batch_axes = batch_axes[:-1]
+    head_axes = p.mesh_axes("act_heads", "attention")
+    if N % p.axis_size(head_axes):
+        head_axes = ()
+    b, s = _entry(batch_axes), _entry(seq_axes)
+    h = _entry(head_axes)
+    tok = P(b, s)
+    specs = (P(b, s, h, None), P(b, s, None), P(b, s, None), P(None, h, None), P(b, s, None),
+             tok, tok)
+    with jax.named_scope("sparse_mla_attention_cp"):
+        return jax.shard_map(local, mesh=p.mesh, in_specs=specs, out_specs=P(b, s, h, None),
+                             check_vma=False)(*args)
+
+
+GATHERED_KEYS = 1 << 18  # keys one step of the "gather" implementation holds per row (auto)
+
+
+def choose_query_chunk(num_queries: int, k: int) -> int:
+    """``query_chunk="auto"``: the largest divisor of `num_queries` whose chunk gathers at most
+    `GATHERED_KEYS` keys (``chunk * k``) per row -- all queries at once at short lengths; at
+    DeepSeek-V3.2's k = 2048 a chunk of 128 queries ([128, 2048, 576] values a row)."""
+    best = 1
+    for c in range(1, num_queries + 1):
+        if num_queries % c == 0 and c * k <= GATHERED_KEYS:
+            best = c
+    return best
+
+
+def _entry(axes):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _absorbed(q, latent, k_pe, kv_up, indices, positions, segment_ids, *, Hn, mask, scale,
+              implementation, query_chunk, seq_axes):
+    """One shard's (or the whole row's) absorbed MLA over the selected keys."""
+    kv = jnp.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1)  # [B, S_local, R + Hr]
+    kv_pos, kv_seg = positions, segment_ids
+    if seq_axes:  # the whole row's keys: indices are places in it
+        kv, kv_pos, kv_seg = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True)
+                              for a in (kv, kv_pos, kv_seg))
+    dtype = kv.dtype
+    w = kv_up.astype(dtype)
+    w_uk, w_uv = w[..., :Hn], w[..., Hn:]
+    q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w_uk)
+    q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], axis=-1)  # [B, L, N, R + Hr]
+    if query_chunk == "auto":
+        query_chunk = choose_query_chunk(q.shape[1], indices.shape[2])
+    o_lat = sparse_attention(q_abs, kv, None, indices, q_positions=positions,
+                             kv_positions=kv_pos, q_segment_ids=segment_ids,
+                             kv_segment_ids=kv_seg, mask=mask, scale=scale,
+                             v_head_dim=latent.shape[-1], implementation=implementation,
+                             query_chunk=query_chunk)  # [B, L, N, R]
+    return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv).astype(q.dtype)

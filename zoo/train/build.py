@@ -3,10 +3,12 @@
 `build(config)` is how everything that trains or compiles a train step starts: the recipes'
 command line, the `Trainer`, `rehearse`, the benchmarks and the accelerator check. It
 
-1. takes the model from the family registry (`zoo.models.registry`: ``config.family`` and
-   ``config.preset``, or a model config handed in) and applies ``config.overrides``
-   (``--set``), the parallelism section (attention, dtypes, remat), the tokenizer's vocabulary
-   and a Hugging Face checkpoint's config.json (``--from-hf``);
+1. makes the model config, once: the family's preset from the registry
+   (`zoo.models.registry`: ``config.family`` and ``config.preset``) or a model config handed
+   in, then ``config.overrides`` (``--set`` and the flags that spell it: ``--dtype``,
+   ``--param-dtype``, ``--remat``, ``--attention``) -- `choose_model`; then the data's token
+   layout, the platform's default dtype, the tokenizer's vocabulary and a Hugging Face
+   checkpoint's config.json (``--from-hf``) -- `resolve_model_config`;
 2. resolves the devices' platform, the mesh and the strategy (defaults: the EP-as-CP showcase
    on CPU devices, FSDP on accelerators) into a `zoo.Partitioner`;
 3. checks shapes against the mesh by building the model abstractly, so a bad batch, length or
@@ -29,12 +31,19 @@ from zoo.models import registry
 from zoo.train.config import TrainConfig
 from zoo.train.fields import apply_overrides, config_to_json, config_to_python
 
-__all__ = ["Built", "build", "resolve_model_config", "class_path", "LOAD_BALANCE_LAYOUT"]
+__all__ = ["Built", "ModelChoice", "build", "choose_model", "resolve_model_config",
+           "class_path", "LOAD_BALANCE_LAYOUT", "PLATFORM_DTYPE"]
 
 # --load-balance -> the token layout on the context shards (`zoo.ops.attention(layout=)`): "row"
 # deals each row's 2*cp chunks as r, 2cp-1-r; "auto"/"document" permute per row, so no static
 # layout holds.
 LOAD_BALANCE_LAYOUT = {"none": "contiguous", "row": "balanced", "auto": None, "document": None}
+
+# The platform default: GPUs and TPUs (and their rehearsal, ``--rehearse``) compute in bfloat16
+# over the model config's parameter dtype unless the dtype is set (``--dtype``, ``--set
+# dtype=``, an ``overrides`` item). On CPU the model config's dtype stands. Applied in
+# `resolve_model_config` only.
+PLATFORM_DTYPE = "bfloat16"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -44,7 +53,7 @@ class Built:
     config: TrainConfig              # strategy, mesh, warmup, aux weight resolved
     family: registry.Family
     model_cls: type
-    model_config: Any                # after --set, the parallelism section, --from-hf
+    model_config: Any                # after --set, the platform's dtype, --from-hf
     partitioner: Any                 # zoo.Partitioner
     make_model: Callable[[], Any]    # builds the model sharded (call under jax.jit)
     tx: Any                          # optax transformation
@@ -93,7 +102,23 @@ class Built:
 
 # -- the model ---------------------------------------------------------------------------------
 
-def _family_and_config(config: TrainConfig, model_config: Any):
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """The model as the settings name it (`choose_model`): a family and its config, the
+    preset (or a config handed in) with the settings' ``overrides`` applied. `build` completes
+    it for the devices, the data and the checkpoint (`resolve_model_config`)."""
+
+    family: registry.Family
+    config: Any
+    overrides: tuple[str, ...]  # the TrainConfig.overrides applied
+
+
+def choose_model(config: TrainConfig, model_config: Any = None) -> ModelChoice:
+    """The family and model config of `config`: `model_config` (else ``config.family``'s
+    ``config.preset``, default ``mini``), then ``config.overrides`` (``--set`` and the flags
+    that spell it). Bad overrides are a `ValueError` naming the field and the fix. The
+    recipes' command line calls it once, when it parses the flags, and hands the result to
+    `build`."""
     if model_config is not None:
         family = registry.family_of(model_config)
     else:
@@ -103,31 +128,32 @@ def _family_and_config(config: TrainConfig, model_config: Any):
         family = registry.get(config.family)
         model_config = family.preset(config.preset or "mini")
     try:
-        return family, apply_overrides(model_config, config.overrides)
+        chosen = apply_overrides(model_config, config.overrides)
     except ValueError as e:
         raise ValueError(str(e)) from None
+    return ModelChoice(family, chosen, tuple(config.overrides))
+
+
+def _set_fields(overrides) -> frozenset[str]:
+    """The model config fields an ``overrides`` list sets."""
+    return frozenset(o.partition("=")[0].strip() for o in overrides)
 
 
 def resolve_model_config(config: TrainConfig, model_config: Any, *, platform: str,
                          tokenizer: Any = None, model_cls: type | None = None) -> Any:
-    """The model config after ``--set``, the parallelism section, the tokenizer's vocabulary
-    and ``--from-hf`` (whose config.json gives the fields not ``--set``)."""
+    """`model_config` (`choose_model`'s, the overrides applied) completed for this run: the
+    data's token layout (``--load-balance``), the platform's default dtype (`PLATFORM_DTYPE`),
+    the tokenizer's vocabulary and ``--from-hf`` (whose config.json gives the fields not
+    set). A field the overrides set is never changed here."""
     import jax.numpy as jnp
-    set_fields = {o.partition("=")[0].strip() for o in config.overrides}
+    given = _set_fields(config.overrides)
     changes: dict[str, Any] = {}
-    if config.attention:
-        changes["attention_implementation"] = config.attention
-    if "attention_layout" not in set_fields:  # the order the data pipeline gives the shards
+    if "attention_layout" not in given:  # the order the data pipeline gives the shards
         changes["attention_layout"] = LOAD_BALANCE_LAYOUT[config.load_balance]
-    # accelerators (and their rehearsal) compute in bf16 over fp32 parameters by default
-    dtype = config.dtype or ("bfloat16" if platform != "cpu" or config.rehearse else None)
-    for field, name in (("dtype", dtype), ("param_dtype", config.param_dtype)):
-        if name:
-            changes[field] = jnp.dtype(name).type
-    if config.remat:
-        changes["remat_policy"] = None if config.remat == "none" else config.remat
+    if "dtype" not in given and (platform != "cpu" or config.rehearse):
+        changes["dtype"] = jnp.dtype(PLATFORM_DTYPE).type
     vocab = getattr(tokenizer, "vocab_size", 0)
-    if vocab > model_config.vocab_size and "vocab_size" not in set_fields:
+    if vocab > model_config.vocab_size and "vocab_size" not in given:
         changes["vocab_size"] = -(-vocab // 128) * 128
     elif vocab > model_config.vocab_size:
         raise ValueError(f"--set vocab_size={model_config.vocab_size} is smaller than the "
@@ -136,7 +162,7 @@ def resolve_model_config(config: TrainConfig, model_config: Any, *, platform: st
         from zoo.models import hf
         model_cls = model_cls or registry.family_of(model_config).model_cls
         raw = hf.read_config(config.from_hf, model_cls.hf_model_types, loader="--from-hf")
-        overrides = {k: getattr(model_config, k) for k in set_fields} | changes
+        overrides = {k: getattr(model_config, k) for k in given} | changes
         return type(model_config).from_hf_config(raw, **overrides)
     return dataclasses.replace(model_config, **changes) if changes else model_config
 
@@ -184,7 +210,9 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
 
     Args:
       model_config: a family config to use instead of ``config.family``/``config.preset``
-        (``config.overrides`` still apply).
+        (``config.overrides`` still apply), or a `ModelChoice` of `config` (`choose_model`,
+        the overrides applied already: the recipes' command line resolves them once, when it
+        parses the flags).
       model_cls, decoder_layer_cls: a model (sub)class instead of the family's, a decoder
         layer class handed to it.
       tx, schedule: an optax transformation instead of `make_tx`, and (optionally) the
@@ -196,7 +224,13 @@ def build(config: TrainConfig, *, model_config: Any = None, model_cls: type | No
     import jax
 
     from zoo.train import step as step_lib
-    family, model_config = _family_and_config(config, model_config)
+    chosen = model_config if isinstance(model_config, ModelChoice) else choose_model(
+        config, model_config)
+    if chosen.overrides != tuple(config.overrides):
+        raise ValueError(f"build: the ModelChoice applied the overrides {list(chosen.overrides)}"
+                         f", the config has {list(config.overrides)}; pass "
+                         f"choose_model(config) of this config")
+    family, model_config = chosen.family, chosen.config
     model_cls = model_cls or family.model_cls
     partitioner, mesh_text, strategy, platform = _partitioner(config, devices)
     tokenizer = _tokenizer(config)

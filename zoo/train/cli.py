@@ -4,7 +4,9 @@ A recipe is a name, a `TrainConfig` naming a family, a preset and overrides, and
 description. ``main``
 
 1. parses the flags (`make_parser`): one per setting, flat (``--lr``) and by section
-   (``--schedule.lr``), ``--set FIELD=VALUE`` for any model config field, ``--debug``;
+   (``--schedule.lr``), ``--set FIELD=VALUE`` for any model config field (``--dtype``,
+   ``--param-dtype``, ``--remat`` and ``--attention`` spell it for theirs), ``--debug``; and
+   makes the model config once (`zoo.train.build.choose_model`), which `build` completes;
 2. sets the virtual CPU device count (``--devices``, default 8 unless the environment names a
    count) and joins a multi-process job when asked (``--coordinator/--num-processes/
    --process-id``, the ``JAX_*`` variables, or ``--distributed``);
@@ -83,10 +85,8 @@ class Recipe:
 
     def model_config(self) -> Any:
         """The model config the flags start from (the preset, before ``--set``)."""
-        if self.config is not None:
-            return self.config
-        from zoo.models import registry
-        return registry.get(self.train.family).preset(self.train.preset or "mini")
+        from zoo.train.build import choose_model
+        return choose_model(self.train.replace(overrides=()), self.config).config
 
 
 # -- flags -------------------------------------------------------------------------------------
@@ -123,13 +123,15 @@ def _refuse(parser, debug: bool, error: BaseException, message: str | None = Non
 
 def parse(recipe: Recipe, argv: Sequence[str] | None = None
           ) -> tuple[argparse.ArgumentParser, argparse.Namespace, TrainConfig]:
-    """``(parser, args, settings)``; bad flags exit 2. The ``--set`` fields are checked
-    against the model config here too."""
+    """``(parser, args, settings)``; bad flags exit 2. The model config is made here, once
+    (`zoo.train.build.choose_model`: the preset, then ``--set`` and the flags that spell it),
+    so a bad ``--set`` is a flag error; ``args.model_choice`` holds it for `build`."""
+    from zoo.train.build import choose_model
     parser = make_parser(recipe)
     args = parser.parse_args(argv)
     try:
         train = config_lib.from_args(args)
-        apply_overrides(recipe.model_config(), train.overrides)
+        args.model_choice = choose_model(train, recipe.config)
     except ValueError as e:
         _refuse(parser, args.debug, e)
     return parser, args, train
@@ -217,7 +219,7 @@ def setup(recipe: Recipe, argv: Sequence[str] | None = None, *, lock: bool = Fal
     enable_compile_cache()
     built, problem = None, None
     try:
-        built = build(train, model_config=recipe.config, model_cls=recipe.model_cls,
+        built = build(train, model_config=args.model_choice, model_cls=recipe.model_cls,
                       decoder_layer_cls=recipe.decoder_layer_cls, devices=_devices(train))
         if train.from_hf:
             _check_hf(built)

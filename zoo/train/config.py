@@ -6,8 +6,7 @@ The sections (frozen dataclasses, one default per setting):
   balancing (aux-loss weight, expert-bias rate);
 * `OptimizerSection` ``optimizer`` -- AdamW and clipping;
 * `ScheduleSection` ``schedule`` -- peak rate, warmup, final fraction;
-* `ParallelismSection` ``parallelism`` -- strategy, mesh, attention, dtypes, remat, devices and
-  processes;
+* `ParallelismSection` ``parallelism`` -- strategy, mesh, devices and processes;
 * `DataSection` ``data`` -- files, documents, the held-out share, load balance, tokenizer, batch
   and length;
 * `EvalSection` ``eval`` -- how often and on how many held-out batches the loss is evaluated;
@@ -23,6 +22,14 @@ The recipes' flags are generated from the fields (`add_flags`): ``--seq-len`` fo
 (also spelt ``--data.seq-len``), the field's ``help`` as the flag's help, the recipe's value as
 its default, values parsed from the field's type (`zoo.train.fields.parse_text`). ``run.json``
 holds ``dataclasses.asdict`` of it (section by section).
+
+One place per setting: a model setting lives in the model config (`zoo.models.DecoderConfig`)
+and nowhere here. ``--set FIELD=VALUE`` sets any of its fields; the flags of `MODEL_FLAGS`
+(``--attention``, ``--dtype``, ``--param-dtype``, ``--remat``) are spellings of ``--set`` for
+the fields set most often: ``--dtype bfloat16`` adds ``dtype=bfloat16`` to ``overrides``. A
+flag and a ``--set`` of the same field with different values are refused, naming both. In
+code, ``TrainConfig(overrides=["dtype=bfloat16"])``; ``TrainConfig(dtype=...)`` is a
+`TypeError` saying so.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from zoo.train.fields import (DTypeName, apply_overrides, config_to_json, config
 
 __all__ = ["TrainConfig", "ModelSection", "OptimizerSection", "ScheduleSection",
            "ParallelismSection", "DataSection", "EvalSection", "CheckpointSection",
-           "RunSection", "SECTIONS",
+           "RunSection", "SECTIONS", "MODEL_FLAGS", "ModelFlag",
            "DTypeName", "parse_text", "describe", "add_flags", "from_args", "flag_name",
            "apply_overrides", "config_to_json", "config_to_python"]
 
@@ -65,6 +72,62 @@ def _at_least_one(section: Any, *names: str) -> None:
         value = getattr(section, name)
         _check(isinstance(value, int) and value >= 1, name, value, "must be an integer >= 1",
                "pass a positive count")
+
+
+class ModelFlag(typing.NamedTuple):
+    """A flag that spells ``--set FIELD=VALUE`` for one model config field."""
+
+    field: str      # the model config field (zoo.models.DecoderConfig)
+    type: Any       # the value's type, checked when the flag is parsed
+    help: str
+
+
+# The model settings with a flag of their own. They are model config fields, set only there:
+# ``--dtype X`` is ``--set dtype=X`` (a TrainConfig keeps them in ``overrides``).
+MODEL_FLAGS: dict[str, ModelFlag] = {
+    "attention": ModelFlag(
+        "attention_implementation", Literal["auto", "all_gather", "ring", "reference"],
+        "attention implementation: --set attention_implementation=VALUE (default: the model "
+        "config's)"),
+    "dtype": ModelFlag(
+        "dtype", DTypeName,
+        "computation dtype: --set dtype=VALUE (default: bfloat16 on GPU/TPU and with "
+        "--rehearse, the model config's on CPU)"),
+    "param_dtype": ModelFlag(
+        "param_dtype", DTypeName, "parameter dtype: --set param_dtype=VALUE (default: the "
+        "model config's)"),
+    "remat": ModelFlag(
+        "remat_policy", str,
+        "remat policy: --set remat_policy=VALUE; none, full, dots_saveable, "
+        "dots_with_no_batch_dims_saveable, save_layer_outputs, offload_layer_outputs "
+        "(default: the model config's)"),
+}
+
+
+def _text(value: Any) -> str:
+    """A value as ``--set`` text (dtypes by name)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return "none" if value is None else str(value)
+    import numpy as np
+    try:
+        return np.dtype(value).name
+    except TypeError:
+        return str(value)
+
+
+def _refuse_model_settings(settings: dict[str, Any], where: str) -> None:
+    """`TypeError` when `settings` name a model setting (`MODEL_FLAGS`): it lives in the model
+    config, so the message gives the ``overrides`` item that sets it."""
+    moved = [name for name in MODEL_FLAGS if name in settings]
+    if not moved:
+        return
+    items = [f"{MODEL_FLAGS[n].field}={_text(settings[n])}" for n in moved]
+    flags = " or ".join(f"{flag_name(n)} {_text(settings[n])}" for n in moved)
+    raise TypeError(
+        f"{where} got {', '.join(f'{n}=' for n in moved)}: a model setting lives in the model "
+        f"config (zoo.models.DecoderConfig), not in the training config; pass "
+        f"overrides={items!r} instead (on the command line: {flags}, or --set "
+        f"{' --set '.join(items)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +208,11 @@ class ScheduleSection:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelismSection:
-    """How the mesh cuts the model, in which dtypes, on which devices and processes."""
+    """How the mesh cuts the model, on which devices and processes."""
+
+    def __new__(cls, *args: Any, **settings: Any):
+        _refuse_model_settings(settings, "ParallelismSection")
+        return super().__new__(cls)
 
     strategy: Literal["fsdp", "cp", "ep_as_cp"] | None = _field(
         None, "partitioning strategy (None: ep_as_cp on CPU, fsdp on accelerators)")
@@ -153,16 +220,6 @@ class ParallelismSection:
         None, "mesh axis sizes, any subset of data,fsdp,expert,context,tensor (the rest are 1), "
               "e.g. fsdp=2,expert=2,context=2 (None: that on 8 CPU devices, fsdp=<all> on "
               "accelerators)")
-    attention: Literal["auto", "all_gather", "ring", "reference"] | None = _field(
-        None, "attention implementation (None: the model config's)")
-    dtype: DTypeName | None = _field(  # noqa: RUF009 (a dataclasses.Field, not a default)
-        None, "computation dtype (None: bfloat16 on GPU/TPU and with --rehearse, the model "
-              "config's on CPU)")
-    param_dtype: DTypeName | None = _field(  # noqa: RUF009 (as dtype)
-        None, "parameter dtype (None: the model config's)")
-    remat: str | None = _field(
-        None, "remat policy: none, full, dots_saveable, dots_with_no_batch_dims_saveable, "
-              "save_layer_outputs, offload_layer_outputs (None: the model config's)")
     devices: int | None = _field(
         None, "virtual CPU devices of this process (None: 8 unless JAX_NUM_CPU_DEVICES or "
               "XLA_FLAGS sets a count)")
@@ -330,6 +387,7 @@ class TrainConfig:
         if "data" in settings and not isinstance(settings["data"], (dict, DataSection)):
             settings = dict(settings)
             settings["data_files"] = settings.pop("data")
+        _refuse_model_settings(settings, "TrainConfig")
         unknown = set(settings) - set(SECTIONS) - self._flat_names - {"data_files"}
         if unknown:
             raise TypeError(f"TrainConfig got unknown settings {sorted(unknown)}; valid: the "
@@ -357,6 +415,12 @@ class TrainConfig:
         if name == "data_files":
             return self.data.data
         section = _SECTION_OF.get(name)
+        if section is None and name in MODEL_FLAGS:
+            field = MODEL_FLAGS[name].field
+            raise AttributeError(f"TrainConfig has no setting {name!r}: it is the model "
+                                 f"config's field {field!r} (read it from the built model "
+                                 f"config, e.g. zoo.train.build(config).model_config.{field}; "
+                                 f"set it with overrides=[\"{field}=...\"])")
         if section is None:
             raise AttributeError(f"TrainConfig has no setting {name!r}")
         return getattr(object.__getattribute__(self, section), name)
@@ -380,13 +444,13 @@ class TrainConfig:
 
 # -- flags -------------------------------------------------------------------------------------
 
-def _arg_type(name: str, tp):
+def _arg_type(name: str, tp, what: str = "TrainConfig."):
     def parse(text: str):
         try:
             return parse_text(tp, text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not valid for TrainConfig.{name}: {e}") from None
+                f"{text!r} is not valid for {what}{name}: {e}") from None
     parse.__name__ = describe(tp)
     return parse
 
@@ -397,7 +461,7 @@ def _flag_kwargs(f: dataclasses.Field, tp, default: Any) -> dict[str, Any]:
     if tp is bool:
         kw["action"] = argparse.BooleanOptionalAction
     elif "flag" in f.metadata:  # --set: repeatable, added to the recipe's own
-        kw.update(action="append", default=list(default), metavar="FIELD=VALUE")
+        kw.update(action=_SetModelField, default=list(default), metavar="FIELD=VALUE")
     elif len(inner) == 1 and typing.get_origin(inner[0]) in (tuple, list):
         item = (typing.get_args(inner[0]) or (str,))[0]
         kw.update(nargs="*", type=_arg_type(f.name, item), metavar=describe(item).upper())
@@ -423,6 +487,50 @@ def add_flags(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
             for alias, value in f.metadata.get("aliases", {}).items():
                 group.add_argument(alias, dest=f.name, action="store_const", const=value,
                                    help=f"same as {flag_name(f.name)} {value}")
+        if section == "model":
+            for name, spec in MODEL_FLAGS.items():
+                choices = typing.get_args(spec.type) if typing.get_origin(
+                    spec.type) is Literal else ()
+                group.add_argument(
+                    flag_name(name), dest="overrides", const=spec.field, action=_SetModelField,
+                    default=argparse.SUPPRESS, help=spec.help,
+                    type=_arg_type(spec.field, spec.type, "the model config's "),
+                    metavar="{" + ",".join(choices) + "}" if choices else name.upper())
+
+
+class _SetModelField(argparse.Action):
+    """``--set FIELD=VALUE`` (``const`` None) and the `MODEL_FLAGS` (``const`` the field):
+    each appends ``FIELD=VALUE`` to ``overrides``, after the recipe's own. A flag and a
+    ``--set`` giving one field different values are refused, naming both."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        is_set = self.const is None
+        if is_set:
+            name, _, text = values.partition("=")
+            field, text, spelling = name.strip(), text.strip(), f"--set {values}"
+        else:
+            field, text, spelling = self.const, str(values), f"{option_string} {values}"
+        # what this command line gave each field: field -> (spelling, text, by --set)
+        given = namespace.__dict__.setdefault("given_model_fields", {})
+        earlier = given.get(field)
+        if (earlier is not None and earlier[2] != is_set
+                and _normal(field, earlier[1]) != _normal(field, text)):
+            flag = (earlier[0] if is_set else spelling).split()[0]
+            parser.error(f"{earlier[0]} and {spelling} both set the model config's {field}; "
+                         f"pass one of them ({flag} X is the same as --set {field}=X)")
+        given[field] = (spelling, text, is_set)
+        item = values if is_set else f"{field}={text}"
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or ()), item])
+
+
+def _normal(field: str, text: str) -> str:
+    """`text` as a value of a model field, for comparing two spellings (dtypes by name)."""
+    if field in ("dtype", "param_dtype"):
+        try:
+            return parse_text(DTypeName, text)
+        except ValueError:
+            pass
+    return text.strip().lower()
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

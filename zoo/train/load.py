@@ -24,10 +24,11 @@ from typing import Any
 from zoo.models import registry
 from zoo.train.build import Built, build
 from zoo.train.checkpoint import Checkpointer
-from zoo.train.config import TrainConfig
+from zoo.train.config import MODEL_FLAGS, TrainConfig
 from zoo.train.fields import config_from_json
 
-__all__ = ["Loaded", "load", "import_class", "add_class_flags", "classes_from_flags"]
+__all__ = ["Loaded", "load", "import_class", "add_class_flags", "classes_from_flags",
+           "saved_train_config"]
 
 
 @dataclasses.dataclass
@@ -158,15 +159,15 @@ def load(run_dir: str | os.PathLike, *, step: int | None = None,
         decoder_layer_cls = _trained_class(record, "decoder_layer_cls", family,
                                            decoder_layer_cls)
         model_config = config_from_json(family.config_cls, record["model"])
-        settings, data = dict(record["train"]), record["train"].get("data")
-        if isinstance(data, dict) and "validation_fraction" not in data:  # saved before
-            settings["data"] = dict(data, validation_fraction=0.0)          # holdouts: none
-        train = TrainConfig(**settings)
+        train = saved_train_config(record["train"])
         n = len(devices) if devices is not None else jax.device_count()
         same = mesh is None and _mesh_size(train.mesh) == n
+        # the recorded model config is the resolved one; a dtype the run set stays set, so
+        # the platform default (zoo.train.build.PLATFORM_DTYPE) applies only where it did
+        pinned = tuple(o for o in train.overrides if o.partition("=")[0].strip() == "dtype")
         train = train.replace(mesh=mesh if mesh or not same else train.mesh,
                               strategy=strategy or (train.strategy if same or mesh else "fsdp"),
-                              overrides=(), from_hf=None, run_dir=os.fspath(run_dir),
+                              overrides=pinned[-1:], from_hf=None, run_dir=os.fspath(run_dir),
                               batch_size=batch_size or train.batch_size,
                               seq_len=seq_len or train.seq_len)
         if not (same or mesh):
@@ -186,6 +187,30 @@ def load(run_dir: str | os.PathLike, *, step: int | None = None,
         ckpt.close()
     return Loaded(restored.model, restored.optimizer, restored.step, built.config,
                   built.model_config, restored.data, built)
+
+
+def saved_train_config(saved: dict[str, Any]) -> TrainConfig:
+    """The `TrainConfig` of a run.json's (or a checkpoint record's) ``train`` section, also as
+    older zoo wrote it: without ``data.validation_fraction`` (no documents held out), or with
+    the model settings ``attention``/``dtype``/``param_dtype``/``remat`` in ``parallelism``,
+    which become ``overrides`` items of their model config fields (after the run's own, as
+    they took precedence then)."""
+    settings, data = dict(saved), saved.get("data")
+    if isinstance(data, dict) and "validation_fraction" not in data:  # saved before
+        settings["data"] = dict(data, validation_fraction=0.0)          # holdouts: none
+    parallelism = settings.get("parallelism")
+    if isinstance(parallelism, dict) and set(parallelism) & set(MODEL_FLAGS):
+        parallelism = dict(parallelism)
+        folded = []
+        for name, spec in MODEL_FLAGS.items():
+            value = parallelism.pop(name, None)
+            if value is not None:
+                folded.append(f"{spec.field}={value}")
+        settings["parallelism"] = parallelism
+        model = dict(settings.get("model") or {})
+        model["overrides"] = [*(model.get("overrides") or ()), *folded]
+        settings["model"] = model
+    return TrainConfig(**settings)
 
 
 def _record(ckpt: Checkpointer, step: int | None) -> dict[str, Any]:

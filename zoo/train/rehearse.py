@@ -412,7 +412,8 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
         the product must equal the device count (`set_virtual_devices` first).
       strategy: ``"fsdp"``, ``"cp"`` or ``"ep_as_cp"``.
       batch_size, seq_len: the global batch.
-      dtype, param_dtype: compute and parameter dtypes.
+      dtype, param_dtype: compute and parameter dtypes (the model config's ``dtype`` and
+        ``param_dtype``, set after `overrides`).
       remat: a `remat_policy` name or None (default: the config's).
       overrides: other config fields, e.g. ``{"num_hidden_layers": 4}``, or ``--set`` texts
         (``["num_hidden_layers=4"]``), parsed from the field types as the recipes parse them.
@@ -451,9 +452,11 @@ def build_for_rehearsal(model: str | Any, *, mesh, strategy: str, batch_size: in
     mesh = mesh or {"fsdp": len(devices)}
     mesh_text = mesh if isinstance(mesh, str) else ",".join(f"{k}={v}" for k, v in mesh.items())
     bias = {} if expert_bias_rate is None else {"expert_bias_rate": expert_bias_rate}
+    # the dtypes are model config fields, set as --dtype/--param-dtype set them (after the
+    # other overrides, so they win)
+    texts += (f"dtype={jnp.dtype(dtype).name}", f"param_dtype={jnp.dtype(param_dtype).name}")
     train = TrainConfig(mesh=mesh_text, strategy=strategy, batch_size=batch_size,
                         seq_len=seq_len, overrides=texts, aux_loss_weight=aux_loss_weight,
-                        dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(param_dtype).name,
                         rehearse=True, **bias)
     return label, build(train, model_config=config, with_data=False, donate=True,
                         devices=devices)
