@@ -25,7 +25,8 @@ def _program_text():
     def f(x, ys):
         def body(_, carry):  # every collective reads the carry: none can leave the loop
             x, ys = carry
-            g = jax.lax.all_gather(x, "fsdp", tiled=True)               # [8 * SHARD]
+            with jax.named_scope("gathering"):
+                g = jax.lax.all_gather(x, "fsdp", tiled=True)           # [8 * SHARD]
             ys = tuple(jax.lax.psum(y * g.sum(), "fsdp") for y in ys)   # SIZES
             s = jax.lax.psum_scatter(g * ys[0][0], "fsdp", tiled=True)  # [SHARD]
             return jax.lax.ppermute(x + s, "fsdp", perm), ys            # [SHARD]
@@ -51,6 +52,9 @@ def test_both_views_count_every_trip_of_the_collectives(devices):
     assert stats.collective_bytes["reduce-scatter"] == TRIPS * 8 * SHARD * f32
     assert executed["reduce-scatter"] == TRIPS * SHARD * f32
     assert stats.collective_bytes["all-to-all"] == 0 and "all-to-all" not in executed
+    # one scope's collectives: the all-gather alone
+    assert hlo.collective_bytes(text, scope="/gathering/") == {"all-gather": by_hand["all-gather"]}
+    assert hlo.collective_bytes(text, scope="/no such scope/") == {}
     assert stats.unknown_trip_counts == 0 and hlo.decisions(text) == 0
     # the loop: its body runs TRIPS times, and so does each collective in it
     module = hlo.parse(text)

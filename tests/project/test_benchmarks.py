@@ -203,3 +203,86 @@ def test_accelerator_check_memory_section_runs_dry():
     args, temp, peak = (float(row[f"rehearsal_{k}_GiB"]) for k in ("args", "temp", "peak"))
     assert 0 < args and 0 < temp and peak >= temp
     assert row["chip_total_GiB"] == "-"
+
+
+def test_sparse_attention_counts_the_attention_it_compiles():
+    """`benchmarks/sparse_attention.py` at tiny widths under cp=2: the compiled FLOPs of the
+    sparse op and of the indexer are their formulas (L·k pairs; the indexer's projections and
+    full L x L scores), written here from the widths; the dense causal program holds at least
+    the causal pairs and at most every pair; the ratios follow; every program moves bytes under
+    CP, the sparse op fewer than the dense one (the latent once, not as both K and V); the
+    forward ran."""
+    L, cp, N, R, Hn, Hr, Hv, k = 256, 2, 4, 32, 16, 8, 16, 32
+    Ni, Hi, Rq, D = 4, 16, 24, 32
+    script = os.path.join(ROOT, "benchmarks", "sparse_attention.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--lengths", str(L), "--cps", str(cp), "--heads", str(N),
+         "--kv-lora-rank", str(R), "--nope", str(Hn), "--rope", str(Hr), "--v-head-dim",
+         str(Hv), "--index-heads", str(Ni), "--index-head-dim", str(Hi), "--q-lora-rank",
+         str(Rq), "--embed", str(D), "--topk", str(k), "--time-heads", "2", "--time-up-to",
+         str(L), "--iters", "1", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| length | cp |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = [dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+            for line in lines[header + 2:] if line.startswith("|")]
+    by = {r["program"]: r for r in rows}
+    assert sorted(by) == ["dense", "indexer", "sparse"] and len(rows) == 3
+    gflop = {name: float(r["GFLOP (compiled)"]) for name, r in by.items()}
+    absorb = 2 * L * N * (Hn * R + R * Hv)
+    sparse = (2 * N * (R + Hr + R) * L * k + absorb) / cp / 1e9
+    causal = (2 * N * (R + Hr + R) * L * (L + 1) / 2 + absorb) / cp / 1e9
+    every_pair = (2 * N * (R + Hr + R) * L * L + absorb) / cp / 1e9
+    indexer = (2 * L * (Rq * Ni * Hi + D * Hi + D * Ni) + 2 * L * L * (Ni * Hi + Ni)) / cp / 1e9
+    assert gflop["sparse"] == pytest.approx(sparse, rel=1e-3)
+    assert gflop["indexer"] == pytest.approx(indexer, rel=1e-3)
+    assert causal * 0.999 <= gflop["dense"] <= every_pair * 1.001
+    for name, expected in (("sparse", sparse), ("dense", causal), ("indexer", indexer)):
+        assert float(by[name]["GFLOP (formula)"]) == pytest.approx(expected, rel=1e-3)
+        assert float(by[name]["FLOPs / dense causal"]) == pytest.approx(
+            gflop[name] / causal, rel=2e-3)
+    wire = {name: float(r["wire MiB"]) for name, r in by.items()}
+    assert all(w > 0 for w in wire.values()) and wire["sparse"] < wire["dense"]
+    assert by["dense"]["wire / dense"] == "1.000" and by["dense"]["memory / dense"] == "1.000"
+    assert all(_number(r["CPU ms (2 MLA heads)"].split()[0]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_linear_attention_counts_memory_and_the_summaries_on_the_wire():
+    """`benchmarks/linear_attention.py` at tiny widths under cp=2: the layer's mixing moves at
+    least its state summaries (cp * max_pieces of [Hv, Dk, Dk + Dv] float32, counted from the
+    compiled HLO) and the same bytes at both lengths, while the all-gather K/V column is the
+    formula, doubling with L; memory grows with L; the short length is timed, the long one
+    compiled only."""
+    script = os.path.join(ROOT, "benchmarks", "linear_attention.py")
+    hk, hv, d, cp, pieces = 1, 2, 8, 2, 4
+    proc = subprocess.run([sys.executable, script, "--lengths", "64,128", "--cps", str(cp),
+                           "--hidden", "16", "--heads", f"{hk},{hv}", "--head-dim", str(d),
+                           "--time-up-to", "64", "--iters", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| length | cp |"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = [dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+            for line in lines[header + 2:] if line.startswith("|")]
+    assert [(r["length"], r["cp"]) for r in rows] == [("64", "2"), ("128", "2")]
+    short, long = rows
+
+    def nbytes(cell):
+        return _number(cell) * {"KiB": 2**10, "MiB": 2**20}[cell.split()[-1]]
+
+    for n, row in ((64, short), (128, long)):
+        assert row[f"vs cp={cp}"] == "1.000x"  # the first --cps is the base
+        assert nbytes(row["all-gather K/V"]) == pytest.approx(n * (hk * d + hv * d) * 4,
+                                                              rel=0.01)
+        assert nbytes(row["mixing on the wire"]) >= cp * pieces * hv * d * (d + d) * 4
+        assert nbytes(row["FSDP weights on the wire"]) > 0
+        assert _number(row["vs all-gather K/V"]) == pytest.approx(
+            nbytes(row["mixing on the wire"]) / nbytes(row["all-gather K/V"]), rel=0.05)
+    assert short["mixing on the wire"] == long["mixing on the wire"]
+    assert nbytes(long["memory per device"]) > nbytes(short["memory per device"]) > 0
+    assert _number(short["time fwd+bwd"]) > 0 and long["time fwd+bwd"] == "compile only"
+    assert f"Goal: mixing bytes flat in L at cp={cp}: holds" in proc.stdout

@@ -25,6 +25,13 @@ with the position-based tie rule, identical to the unsharded one for any token o
 rotation and FP8 scoring are omitted as transformers omits them (an orthogonal rotation
 preserves the dot products).
 
+Training the indexer (DeepSeek-V3.2 report, section 2.1; `zoo.layers.MLA`'s ``index_stage``):
+`distillation_loss` is the per-query ``KL(p_attn || softmax(I))`` where ``p_attn`` is the main
+attention's distribution summed over heads and L1-renormalised over the keys (the target,
+under ``stop_gradient``) and ``I`` the index scores over the same keys -- every causal key of
+the document in the dense warm-up, only the selected keys in the sparse stage. MLA sows it as
+an `IndexerLoss`, which the model collects.
+
 Legend: B batch, L queries, S keys, D embed, Rq q_lora_rank, N index heads, H index head dim,
 Hr rotary dims, k selected keys.
 """
@@ -44,6 +51,46 @@ from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
 from zoo.ops.masks import Causal, Document, Mask, attention_mask
 from zoo.partitioning import Partitioner, resolve
+
+
+# MLA's ``index_stage``: "off" (the sparse forward, no indexer loss), "warmup" (dense forward,
+# the indexer learns the attention's distribution), "sparse" (sparse forward, both learn)
+INDEX_STAGES = ("off", "warmup", "sparse")
+
+
+class IndexerLoss(nnx.Intermediate):
+    """An indexer's distillation loss (`distillation_loss`), sown by `zoo.layers.MLA` in the
+    training stages; a model pops and sums these into ``aux["indexer_loss"]``."""
+
+
+def distillation_loss(attn_logits: jax.Array, index_scores: jax.Array, visible: jax.Array,
+                      query_valid: jax.Array) -> jax.Array:
+    """Mean over valid queries of ``KL(p_attn || softmax(index_scores))`` over the keys
+    ``visible`` marks, a float32 scalar.
+
+    Args:
+      attn_logits: [B, L, N, S] the main attention's scaled scores of each head (S: the keys
+        of the row, or a query's k selected slots).
+      index_scores: [B, L, S] the indexer's scores of the same keys (gradient flows here only).
+      visible: [B, L, S] bool, the keys of each query's distribution (causal keys of its
+        document, or its valid selected slots).
+      query_valid: [B, L] bool, queries that count (not padding).
+
+    ``p_attn`` is ``mean_n softmax_s(attn_logits)`` over the visible keys -- the heads' sum,
+    L1-renormalised -- under ``stop_gradient``; queries with no visible key count for nothing.
+    """
+    vis = visible[:, :, None, :]
+    logits = jnp.where(vis, attn_logits.astype(jnp.float32), -jnp.inf)
+    any_key = jnp.any(visible, axis=-1)  # [B, L]
+    logits = jnp.where(any_key[:, :, None, None], logits, 0.0)  # no NaN on empty rows
+    p = jax.lax.stop_gradient(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=2))  # [B, L, S]
+    scores = jnp.where(visible, index_scores.astype(jnp.float32), -jnp.inf)
+    log_q = jax.nn.log_softmax(jnp.where(any_key[..., None], scores, 0.0), axis=-1)
+    keep = visible & (p > 0)
+    kl = jnp.sum(jnp.where(keep, p * (jnp.log(jnp.where(keep, p, 1.0)) - jnp.where(
+        keep, log_q, 0.0)), 0.0), axis=-1)  # [B, L]
+    rows = (query_valid & any_key).astype(jnp.float32)
+    return jnp.sum(kl * rows) / jnp.maximum(jnp.sum(rows), 1.0)
 
 
 class LayerNorm(nnx.Module):

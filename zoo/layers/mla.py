@@ -44,6 +44,17 @@ ring do not apply to this path. Cached (`zoo.inference`), the layer also keeps `
 1, S, index_head_dim], the indexer's rotated keys: each decoded query scores the cached index
 keys, keeps its top-k and attends to those slots of ``latent_pe`` (absorbed).
 
+Training the indexer (``index_stage``, the DeepSeek-V3.2 report's two stages; `__call__`
+only, the cached calls always select): ``"off"`` (default) is the above, with no indexer loss.
+``"warmup"``: the dense forward pass (the layer's mask, no top-k), and the indexer, reading
+``x`` and the query latent under ``stop_gradient``, is scored against the main attention's
+distribution over every visible key (`zoo.layers.indexer.distillation_loss`). ``"sparse"``:
+the sparse forward pass over the indexer's top-k, and the same loss over the selected keys
+only. The loss is sown as a `zoo.layers.indexer.IndexerLoss` (the model collects it); its
+gradient reaches only the indexer's parameters. The stages run unsharded along the sequence
+(the target distribution is computed as dense scores [B, L, N, S] or gathered ones
+[B, L, N, k]); under context parallelism construction refuses them.
+
 Cached (`zoo.inference`): one array, ``latent_pe`` [B, 1, S, Rkv + Hr] (the latent and the
 rotated shared key), and ``attend_cache`` decodes with the up-projections absorbed: the
 query's no-position part goes through ``kv_b_proj``'s key half into latent space, attention
@@ -71,13 +82,13 @@ from zoo.layers.attention import (
     resolve_implementation,
     resolve_scores,
 )
-from zoo.layers.indexer import Indexer
+from zoo.layers.indexer import INDEX_STAGES, Indexer, IndexerLoss, distillation_loss
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
 from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
                                mla_attention)
-from zoo.ops.masks import Mask, default_mask
+from zoo.ops.masks import Mask, attention_mask, default_mask
 from zoo.ops.sparse_attention import TopK, sparse_attention, sparse_mla_attention
 from zoo.partitioning import Partitioner, resolve
 
@@ -111,6 +122,8 @@ class MLA(AttentionBlock):
       index_topk: DSA's keys per query (module docstring); None (the default): dense MLA.
       index_n_heads, index_head_dim: the indexer's heads and head width (DeepSeek-V3.2: 64,
         128); used only with ``index_topk``.
+      index_stage: ``"off"`` (default), ``"warmup"`` or ``"sparse"``: how the indexer trains
+        (module docstring); used only with ``index_topk``.
     """
 
     block_name = "mla"
@@ -129,7 +142,7 @@ class MLA(AttentionBlock):
                  sinks: bool = False, kernel="auto", layout: str | None = None,
                  kv_wire: str = "auto", fp8: str | None = None,
                  index_topk: int | None = None, index_n_heads: int = 64,
-                 index_head_dim: int = 128, rngs: nnx.Rngs):
+                 index_head_dim: int = 128, index_stage: str = "off", rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -149,6 +162,7 @@ class MLA(AttentionBlock):
             raise ValueError(f"MLA: qk_rope_head_dim={qk_rope_head_dim} must be even (RoPE "
                              f"rotates pairs of dimensions)")
         check_index(index_topk, q_lora_rank, logits_soft_cap, sinks)
+        check_index_stage(index_stage, index_topk, p)
         self.num_heads = self.num_kv_heads = num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -196,6 +210,7 @@ class MLA(AttentionBlock):
         self.o_proj = Linear((num_heads, v_head_dim), embed, in_axes=heads,
                              out_axes=("embed",), **kw)
         self.index_topk = index_topk
+        self.index_stage = index_stage
         self.indexer = None if index_topk is None else Indexer(
             num_heads=index_n_heads, head_dim=index_head_dim, rope_head_dim=qk_rope_head_dim,
             q_lora_rank=q_lora_rank, inputs_shape=inputs_shape, partitioner=p, rope=self.rope,
@@ -256,7 +271,67 @@ class MLA(AttentionBlock):
         with ``index_topk`` each query attends to its selected keys only (module docstring)."""
         if self.indexer is None:
             return super().__call__(x, positions=positions, segment_ids=segment_ids)
+        if self.index_stage != "off":
+            return self.index_training_call(x, positions=positions, segment_ids=segment_ids)
         return self.sparse_call(x, positions=positions, segment_ids=segment_ids)[0]
+
+    def index_training_call(self, x: jax.Array, *, positions: jax.Array,
+                            segment_ids: jax.Array | None) -> jax.Array:
+        """The forward pass of a training stage (``index_stage``: the dense one for
+        ``"warmup"``, the sparse one for ``"sparse"``) -> out [B, L, D], sowing the indexer's
+        `distillation_loss` as an `IndexerLoss` named ``indexer_loss``."""
+        check_call(self, x, positions, segment_ids)
+        with jax.named_scope(self.block_name):
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            with jax.named_scope("project"):
+                q_latent = self.q_latent(x)
+                q = self.project_q(x, q_latent)
+                k_pe, latent = self.project_kv(x)
+            with jax.named_scope("select"):  # detached input: only the KL trains the indexer
+                scores = self.indexer(jax.lax.stop_gradient(x),
+                                      jax.lax.stop_gradient(q_latent), positions=positions,
+                                      segment_ids=segment_ids)  # [B, L, L]
+            with jax.named_scope("rope"):
+                q, k_pe = self.apply_rope(q, k_pe, positions)
+            with jax.named_scope("attend"):
+                if self.index_stage == "warmup":
+                    o = self.attend(q, k_pe, latent, positions=positions,
+                                    segment_ids=segment_ids)
+                    indices = None
+                    visible = attention_mask(positions, positions, segment_ids, segment_ids,
+                                             mask=default_mask(None, None, self.mask))
+                else:
+                    indices = Indexer.topk(scores, self.index_topk, positions)
+                    o = self.attend_selected(q, k_pe, latent, indices, positions=positions,
+                                             segment_ids=segment_ids)
+                    scores = jnp.take_along_axis(scores, jnp.maximum(indices, 0), axis=-1)
+                    visible = indices >= 0
+            with jax.named_scope("indexer_loss"):
+                logits = self.attention_logits(q, k_pe, latent, indices)
+                valid = (jnp.ones(positions.shape, bool) if segment_ids is None
+                         else segment_ids != 0)
+                loss = distillation_loss(logits, scores, visible, valid)
+                self.indexer_loss = IndexerLoss(loss)  # the model pops it
+            with jax.named_scope("out"):
+                return self.out(o)
+
+    def attention_logits(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array,
+                         indices: jax.Array | None = None) -> jax.Array:
+        """The main attention's scaled scores in float32 under ``stop_gradient`` (the
+        indexer's target), absorbed: ``q`` [B, L, N, Hqk] and ``k_pe`` [B, S, 1, Hr] rotated,
+        ``latent`` [B, S, Rkv] -> [B, L, N, S] over every key, or with ``indices`` [B, L, k]
+        over each query's selected slots, [B, L, N, k] (an empty slot reads key 0)."""
+        q, k_pe, latent = jax.lax.stop_gradient((q, k_pe, latent))
+        f32 = jnp.float32
+        Hn = self.qk_nope_head_dim
+        w_uk = jax.lax.stop_gradient(self.kv_b_proj.kernel[...])[..., :Hn].astype(f32)
+        q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(f32), w_uk)
+        q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(f32)], -1)  # [B, L, N, Rkv + Hr]
+        kv = jnp.concatenate([latent.astype(f32), k_pe[:, :, 0].astype(f32)], -1)
+        if indices is None:
+            return jnp.einsum("blnc,bsc->blns", q_abs, kv) * self.scale
+        picked = jax.vmap(lambda a, i: a[i])(kv, jnp.maximum(indices, 0))  # [B, L, k, C]
+        return jnp.einsum("blnc,blkc->blnk", q_abs, picked) * self.scale
 
     def sparse_call(self, x: jax.Array, *, positions: jax.Array,
                     segment_ids: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -411,6 +486,21 @@ class MLA(AttentionBlock):
         kv = cache.astype(dtype)
         o_lat = dot_product_attention(q_abs, kv, kv[..., :R], **kw)  # [B, T, N, Rkv]
         return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)
+
+
+def check_index_stage(index_stage, index_topk, p: Partitioner) -> None:
+    """Construction checks of MLA's ``index_stage``."""
+    if index_stage not in INDEX_STAGES:
+        raise ValueError(f"MLA: index_stage={index_stage!r} must be one of {INDEX_STAGES} "
+                         f"(how the DSA indexer trains: off, the dense warm-up, or sparse)")
+    if index_stage != "off" and index_topk is None:
+        raise ValueError(f"MLA: index_stage={index_stage!r} trains an indexer, but index_topk "
+                         f"is None (no indexer); set index_topk or index_stage='off'")
+    if index_stage != "off" and p.mesh is not None and p.sequence_axes("attention"):
+        raise ValueError(f"MLA: index_stage={index_stage!r} computes the indexer's target "
+                         f"over whole rows, but the partitioner shards the sequence over "
+                         f"{p.sequence_axes('attention')}; train the indexer without context "
+                         f"parallelism (fsdp/data/tensor), or set index_stage='off'")
 
 
 def check_index(index_topk, q_lora_rank, logits_soft_cap, sinks) -> None:

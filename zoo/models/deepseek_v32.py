@@ -21,6 +21,17 @@
   bias}``; the MTP layer (``model.layers.61``) as V3's.
 * Generation (`zoo.inference`): each layer caches the indexer's rotated keys (``index_k``)
   beside MLA's latent; a decoded query selects its top-k cached keys and attends to them.
+* Training the indexer as the DeepSeek-V3.2 report does (``index_stage``, zoo-only;
+  ``--set index_stage=...``): ``"off"`` (default, and what `from_hf` gives) is the sparse
+  forward with no indexer loss; ``"warmup"`` the dense forward, the indexer learning the main
+  attention's head-summed distribution by KL (`zoo.layers.indexer.distillation_loss`) while
+  the main model is frozen -- the model returns its logits and other aux entries under
+  ``stop_gradient`` and `DeepSeekV32.frozen_state` names what the train step must leave
+  unchanged (weight decay and the selection-bias update included); ``"sparse"`` the sparse
+  forward, the main model on the language-model loss and the indexer (detached input) on the
+  KL over its selected keys.
+  ``aux["indexer_loss"]`` is the sum over layers (MTP's included) of each layer's mean KL per
+  query; `zoo.train.step.loss_fn` adds ``index_loss_weight`` times it.
 
 Legend: as `zoo.models.deepseek3`; Ni index heads, Hi index head dim, k ``index_topk``.
 """
@@ -30,7 +41,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers.indexer import INDEX_STAGES, IndexerLoss
+from zoo.layers.moe import RouterBias
 from zoo.models import registry
+from zoo.models.config import zoo_field
 from zoo.models.decoder import count_params, family_io
 from zoo.models.deepseek3 import (FULL_SIZE_MOE, DeepSeek3, DeepSeek3Config,
                                   DeepSeek3DecoderLayer, update_selection_bias)
@@ -49,10 +67,22 @@ class DeepSeekV32Config(DeepSeek3Config):
     index_topk: int = 2048
     index_head_dim: int = 128
     index_n_heads: int = 64
+    # how the indexer trains (module docstring): "off" | "warmup" | "sparse"
+    index_stage: str = zoo_field("off")
+    index_loss_weight: float = zoo_field(1.0)  # weight of aux["indexer_loss"] in the loss
 
     def __post_init__(self):
         super().__post_init__()
         what = type(self).__name__
+        if self.index_stage not in INDEX_STAGES:
+            raise ValueError(f"{what}: index_stage={self.index_stage!r} must be one of "
+                             f"{INDEX_STAGES}: 'off' (sparse forward, no indexer loss), "
+                             f"'warmup' (dense forward, only the indexer trains) or 'sparse' "
+                             f"(sparse forward, indexer on its KL); --set index_stage=warmup")
+        w = self.index_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            raise ValueError(f"{what}: index_loss_weight={w!r} must be a finite number >= 0 "
+                             f"(the weight of the indexer's KL in the loss)")
         for name in ("index_topk", "index_head_dim", "index_n_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -137,7 +167,7 @@ class DeepSeekV32DecoderLayer(DeepSeek3DecoderLayer):
     def attention_kwargs(self, config: DeepSeekV32Config) -> dict:
         return super().attention_kwargs(config) | dict(
             index_topk=config.index_topk, index_n_heads=config.index_n_heads,
-            index_head_dim=config.index_head_dim)
+            index_head_dim=config.index_head_dim, index_stage=config.index_stage)
 
 
 class DeepSeekV32(DeepSeek3):
@@ -146,6 +176,29 @@ class DeepSeekV32(DeepSeek3):
     config_cls: ClassVar[type] = DeepSeekV32Config
     decoder_layer_cls: ClassVar[type] = DeepSeekV32DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v32",)
+
+    def __call__(self, tokens: jax.Array, **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`DeepSeek3.__call__`; in a training stage (``config.index_stage``) also
+        ``aux["indexer_loss"]``, the layers' sown losses summed (and popped: the model keeps
+        no intermediates), and in ``"warmup"`` everything else under ``stop_gradient``."""
+        logits, aux = super().__call__(tokens, **kwargs)
+        stage = self.config.index_stage
+        if stage == "off":
+            return logits, aux
+        losses = jax.tree.leaves(nnx.pop(self, IndexerLoss))
+        if stage == "warmup":  # the main model is frozen: only the KL has a gradient
+            logits, aux = jax.lax.stop_gradient((logits, aux))
+        aux["indexer_loss"] = sum((jnp.sum(v) for v in losses), jnp.zeros((), jnp.float32))
+        return logits, aux
+
+    @property
+    def frozen_state(self):
+        """The `nnx` filter of variables a train step must leave unchanged (None: none): in
+        the ``"warmup"`` stage every parameter outside the indexers and the routers' selection
+        bias (DeepSeek's after-step update would otherwise move it)."""
+        if self.config.index_stage != "warmup":
+            return None
+        return nnx.All(nnx.Any(nnx.Param, RouterBias), nnx.Not(nnx.PathContains("indexer")))
 
 
 from_hf, to_hf = family_io(DeepSeekV32, "DeepSeek-V3.2", "Hub layout, bf16/fp32 or block-FP8")

@@ -304,14 +304,18 @@ def branches(text: str) -> list[list[str]]:
 
 
 def collective_bytes(text: str, floats_only: bool = False,
-                     root: str | None = None) -> dict[str, int]:
+                     root: str | None = None, scope: str | None = None) -> dict[str, int]:
     """Executed bytes of each collective kind's results (per device), {kind: bytes}, of the
-    whole program or of one computation `root` (e.g. a conditional's branch)."""
+    whole program or of one computation `root` (e.g. a conditional's branch); with `scope`,
+    only collectives whose ``op_name`` metadata contains it (a `jax.named_scope`, such as
+    ``"/mix/"``: the collectives one part of a layer issues, apart from FSDP's)."""
     runs = executions(text, root)
     out = collections.Counter()
     for c, ins in parse(text).instructions():
         kind = _KIND.get(ins.opcode)
         if kind is None or _TRIVIAL.search(ins.attrs):
+            continue
+        if scope is not None and not any(scope in n for n in _OP_NAME.findall(ins.attrs)):
             continue
         arrays = [a for a in _arrays(ins.type) if not floats_only or a[0] in _FLOATS]
         if arrays:

@@ -48,7 +48,8 @@ __all__ = ["Hook", "LoggingFailed", "MetricsFile", "Progress", "TensorBoard", "W
 # the metrics.jsonl columns the scalar loggers (TensorBoard, W&B) plot
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
            "model_flops_per_s", "step_time_s", "data_time_s", "target_tokens", "dropped_tokens",
-           "expert_max_over_mean", "eval_loss", "eval_ppl", "mtp_loss", "moe_rounds")
+           "expert_max_over_mean", "eval_loss", "eval_ppl", "mtp_loss", "moe_rounds",
+           "indexer_loss")
 
 
 class LoggingFailed(RuntimeError):
@@ -256,7 +257,7 @@ def metrics_row(f, out: Mapping[str, Any], dt: float, tokens_per_step: int,
     for key in ("dropped_tokens", "moe_rounds"):  # MoE copies over all_to_all buffers
         if key in out:
             row[key] = int(out[key])
-    for key in ("mtp_loss",):
+    for key in ("mtp_loss", "indexer_loss"):
         if key in out:
             row[key] = float(out[key])
     counts = out.get("expert_counts")

@@ -7,7 +7,8 @@
   rate an argument of each update.
 * `loss_fn` -- cross-entropy weighted by ``loss_weights`` and divided by the *global* weight sum
   (the batch is one global array, so ``sum`` is global), plus ``aux_loss_weight`` times the
-  model's ``load_balance_loss``.
+  model's ``load_balance_loss`` (and ``index_loss_weight`` times its ``indexer_loss``, when
+  the model returns one: DeepSeek-V3.2's indexer training stages).
 * `make_train_step` -- a `jax.jit` of ``(model, optimizer, batch, lr) -> (model, optimizer,
   metrics)`` with the model and optimizer donated (not on CPU: see there). Any optax
   transformation works; ``metrics["lr"]`` is the rate it applied (the ``lr`` argument for
@@ -165,7 +166,9 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
     the value does not depend on how the batch is cut over devices or processes. A model with
     multi-token-prediction modules (``model.mtp``, e.g. DeepSeek-V3's) gets their targets
     (`mtp_targets`); the objective adds ``mtp_loss_weight`` (default the model config's) times
-    the mean over depths of their cross-entropy, returned as ``aux["mtp_loss"]``.
+    the mean over depths of their cross-entropy, returned as ``aux["mtp_loss"]``. A model
+    that returns ``aux["indexer_loss"]`` (DeepSeek-V3.2's indexer training) adds its config's
+    ``index_loss_weight`` times it.
     """
     depth = len(getattr(model, "mtp", None) or ())
     kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
@@ -187,6 +190,9 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
             if mtp_loss_weight is None:
                 mtp_loss_weight = getattr(model.config, "mtp_loss_weight", 0.0)
             objective = objective + mtp_loss_weight * aux["mtp_loss"]
+        if aux.get("indexer_loss") is not None:
+            weight = getattr(model.config, "index_loss_weight", 1.0)
+            objective = objective + weight * aux["indexer_loss"]
         return objective, (ce, aux_loss, aux)
 
 
@@ -290,7 +296,10 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
     ``param_norm`` (after the update), ``lr`` (when known, see above), ``weight_sum`` (tokens
     with a target), for MoE models ``expert_counts`` ``[num_moe_layers, E]``, and
     ``nonfinite_state`` (`nonfinite_state`, after the after-step hook) when the model holds
-    floating-point state besides its parameters.
+    floating-point state besides its parameters, and ``indexer_loss`` when the model returns
+    one. A model with a ``frozen_state`` filter (DeepSeek-V3.2's indexer warm-up) keeps those
+    variables exactly as they were: the update (weight decay included) and the after-step
+    hook are undone for them.
     """
 
     def train_step(model, optimizer, batch, lr=None):
@@ -299,7 +308,11 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
             argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (objective, (ce, aux_loss, aux)), grads = grad_fn(model)
         grad_norm = optax.tree.norm(grads)
+        frozen = getattr(model, "frozen_state", None)
+        kept = None if frozen is None else nnx.as_pure(nnx.state(model, frozen))
         applied_lr = _apply_update(optimizer, model, grads, lr, schedule)
+        if kept is not None:  # before param_norm; again after the hook
+            nnx.update(model, kept)
         metrics = dict(loss=ce, aux_loss=aux_loss, objective=objective, grad_norm=grad_norm,
                        param_norm=optax.tree.norm(nnx.state(model, nnx.Param)),
                        weight_sum=jnp.sum(batch["loss_weights"].astype(jnp.float32)))
@@ -309,6 +322,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
             metrics["dropped_tokens"] = jnp.sum(aux["dropped_tokens"])
         if aux.get("mtp_loss") is not None:  # multi-token prediction's mean cross-entropy
             metrics["mtp_loss"] = aux["mtp_loss"]
+        if aux.get("indexer_loss") is not None:  # DSA indexer training (index_stage)
+            metrics["indexer_loss"] = aux["indexer_loss"]
         if aux.get("moe_rounds") is not None:  # exact overflow: the most rounds any layer ran
             metrics["moe_rounds"] = jnp.max(aux["moe_rounds"])
         counts = aux.get("expert_counts")
@@ -318,6 +333,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
         if hook is not None:
             with jax.named_scope("after_step"):
                 hook(model, jax.lax.stop_gradient(aux), expert_bias_rate=expert_bias_rate)
+        if kept is not None:  # the model's frozen variables: the update and hook undone
+            nnx.update(model, kept)
         nonfinite = nonfinite_state(model)
         if nonfinite:
             metrics["nonfinite_state"] = nonfinite
