@@ -318,12 +318,14 @@ def perturbed(model, seed: int = 7):
     return model
 
 
-def check_round_trip(spec: FamilySpec, ref, tmp_path: pathlib.Path) -> None:
+def check_round_trip(spec: FamilySpec, ref, tmp_path: pathlib.Path, make=None) -> None:
     """A zoo-initialised model with tied embeddings: to_hf -> transformers (equal logits) ->
-    from_hf exact, in the scanned and the unrolled layout."""
+    from_hf exact, in the scanned and the unrolled layout. ``make(config)`` builds the model
+    (default ``spec.model_cls(config, rngs=nnx.Rngs(7))``)."""
     import transformers
     cfg = spec.config_cls.from_hf_config(ref.config.to_dict(), tie_word_embeddings=True)
-    model = perturbed(spec.model_cls(cfg, rngs=nnx.Rngs(7)))
+    make = make or (lambda c: spec.model_cls(c, rngs=nnx.Rngs(7)))
+    model = perturbed(make(cfg))
     assert model.lm_head is None
     spec.to_hf(model, tmp_path / "scanned", max_shard_bytes=40_000)  # several shards + index
     assert (tmp_path / "scanned" / hf.INDEX_NAME).exists()

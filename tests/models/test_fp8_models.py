@@ -135,9 +135,10 @@ def test_deepseek3_fp8_close_to_plain_unsharded_and_fsdp(devices):
 
 @pytest.mark.slow
 def test_moe_fp8_under_ep_as_cp_all_to_all(devices):
-    """The routed experts' FP8 grouped matmul behind the all_to_all dispatch (and its exact
-    rounds): outputs equal the unsharded FP8 layer's; weight gradients differ by FP8's own
-    error only (each device quantises its own 128-row tiles of the backward)."""
+    """The routed experts' FP8 grouped matmul behind the all_to_all dispatch's exact rounds,
+    the tokens on the wire in FP8: outputs equal the unsharded FP8 layer's; weight gradients
+    differ by FP8's own error only (each device quantises its own 128-row tiles of the
+    backward, from the rows as they arrived)."""
     from zoo.layers import MoE
     x = jax.random.normal(jax.random.key(0), (B, 32, 64))
 
@@ -153,6 +154,8 @@ def test_moe_fp8_under_ep_as_cp_all_to_all(devices):
         grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
         (_, y), grads = jax.jit(grad)(params, x)
         assert moe.execution.grouped_matmul == ("fp8_blockwise" if fp8 else "blocked")
+        # under all_to_all the tokens cross the wire as FP8 tiles, in the exact rounds too
+        assert moe.execution.fp8_dispatch == (fp8 is not None and partitioner is not None)
         return y, jax.tree.leaves(grads)
 
     plain, _ = run(None, None)
@@ -166,3 +169,18 @@ def test_moe_fp8_under_ep_as_cp_all_to_all(devices):
     with pytest.raises(ValueError, match="grouped_matmul='ragged_dot' asks for another"):
         MoE(num_experts=8, num_experts_per_tok=2, mlp_dim=48, inputs_shape=x.shape,
             partitioner=None, fp8="blockwise", grouped_matmul="ragged_dot", rngs=nnx.Rngs(0))
+
+
+def test_an_fp8_moe_model_generates(devices):
+    """Generation rebuilds the model for inference (`CausalLM.for_inference`): an FP8 MoE keeps
+    its FP8 grouped matmul there (it used to ask for the platform's plain one, which the MoE
+    refuses beside fp8, so a recipe's closing sample failed after training)."""
+    import zoo
+    config = dataclasses.replace(MIXTRAL, fp8="blockwise")
+    p = Partitioner(make_mesh(fsdp=2, expert=2, context=2, devices=devices[:8]), "ep_as_cp")
+    model = Mixtral(config, partitioner=p, rngs=nnx.Rngs(0))
+    prompts = [[1, 5, 9], [1, 7]]
+    tokens = zoo.inference.generate(model, prompts, max_new_tokens=3)
+    assert [len(t) for t in tokens] == [3, 3]
+    plain = Mixtral(dataclasses.replace(MIXTRAL, fp8=None), rngs=nnx.Rngs(0))
+    assert len(zoo.inference.generate(plain, prompts, max_new_tokens=3)[0]) == 3

@@ -202,6 +202,49 @@ def test_ragged_dot_and_vjp_match_numpy_emulation():
     assert rel(y, exact) < 0.06
 
 
+def test_tiles_pack_and_feed_ragged_dot():
+    """FP8 tiles as the MoE's dispatch moves them: `quantize_tiles` (values in the rows' own
+    dtype, exactly the E4M3 values), `pack_tiles` to ``K + 4 * ceil(K/128)`` bytes a row and
+    back; `ragged_dot` of the tiles equals `ragged_dot` of the rows, and so does ``dx``
+    (straight through to the rows); ``dw`` takes ``x^T``'s tiles from the dequantised rows."""
+    m, k, n, sizes = 300, 200, 136, np.array([100, 0, 150, 40], np.int32)
+    g = len(sizes)
+    x = jnp.asarray(data((m, k), 12), jnp.bfloat16)
+    w, dy = data((g, k, n), 13) * 0.05, data((m, n), 14)
+    tiles = fp8.quantize_tiles(x)
+    qx, sx = np_quantize(np.asarray(x, np.float32), (1, 128))
+    assert tiles.values.dtype == jnp.bfloat16 and tiles.scale.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(tiles.values, np.float32), qx.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(tiles.scale), sx)
+    packed = fp8.pack_tiles(tiles)
+    assert packed.dtype == jnp.uint8 and packed.shape == (m, k + 4 * 2)
+    back = fp8.unpack_tiles(packed, k, jnp.bfloat16)
+    for a, b in zip(back, tiles):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def product(to_tiles):
+        f = lambda x, w: fp8.ragged_dot(fp8.quantize_tiles(x) if to_tiles else x, w, sizes)
+        y, vjp = jax.jit(lambda x, w: jax.vjp(f, x, w))(x, w)
+        return (y, *vjp(jnp.asarray(dy)))
+    (y, dx, dw), (y0, dx0, _) = product(True), product(False)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx0, np.float32))
+    rows = qx.astype(np.float32) * np.repeat(sx, 128, 1)[:, :k]  # float32, as the op does
+    dqxt = dequantize(*np_quantize(rows.T, (1, 128)), (1, 128))
+    dqdyc = dequantize(*np_quantize(dy, (128, 1)), (128, 1))
+    ref_dw, start = np.zeros((g, k, n)), 0
+    for e, size in enumerate(sizes):
+        ref_dw[e] = dqxt[:, start:start + size] @ dqdyc[start:start + size]
+        start += size
+    np.testing.assert_allclose(np.asarray(dw), ref_dw, rtol=0, atol=2e-6 * np.abs(ref_dw).max())
+    with pytest.raises(ValueError, match="quantize_tiles wants rows"):
+        fp8.quantize_tiles(x[0])
+    with pytest.raises(ValueError, match="unpack_tiles wants uint8 rows of 200"):
+        fp8.unpack_tiles(packed[:, :-1], k, jnp.bfloat16)
+
+
 @pytest.mark.slow
 def test_mla_latent_expansion_in_fp8_under_ring_cp(devices):
     """``mla_attention(fp8="blockwise")`` expands the latent with `fp8.dot` on each shard, in

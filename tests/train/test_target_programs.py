@@ -1,7 +1,7 @@
 """The mini MoE families' train steps compiled for accelerator targets on this CPU host: what
 the programs hold, and that no program decision reads the process's backend.
 
-Each family's mini preset (sequence 2048, two layers) under fsdp, cp and ep_as_cp compiles for
+DeepSeek-V3's and Mixtral's mini presets (MLA and GQA attention; sequence 2048, two layers) under fsdp, cp and ep_as_cp compiles for
 8 TPU v5p chips (``"tpu-v5p-8"``, libtpu) and 8 H100s (``"h100-8"``, the CUDA plugin) through
 the public building blocks (`zoo.make_mesh(devices=...)`, `zoo.Partitioner`,
 `zoo.train.step.abstract_state`, `make_tx`, `make_train_step(donate=True)`, `BATCH_KEYS`).
@@ -11,6 +11,7 @@ all-to-all dispatch (ep_as_cp) is a ``ragged-all-to-all``. The CPU program built
 the same process equals a fresh CPU-only process's, instruction for instruction.
 """
 
+import functools
 import importlib.util
 import json
 import re
@@ -25,11 +26,15 @@ pytestmark = pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
                                 reason="needs libtpu and jax-cuda12-plugin (the test extra: "
                                        "pip install -e '.[test]')")
 
-FAMILIES = ("deepseek3_mini", "mixtral_mini", "qwen3_moe_mini")
+# MLA (DeepSeek-V3) and GQA attention (Mixtral; Qwen3-MoE builds the same `Attention` and
+# `MoE`, and compiles for both targets in tests/train/test_moe_target_matrix.py)
+FAMILIES = ("deepseek3_mini", "mixtral_mini")
 MESHES = {"fsdp": "fsdp=8", "cp": "fsdp=2,context=4", "ep_as_cp": "fsdp=2,expert=4"}
 SEQ, BATCH = 2048, 8
 # every attention layer's scope: MLA for DeepSeek-V3, GQA attention for the others
-SCOPES = {"deepseek3_mini": "mla", "mixtral_mini": "attention", "qwen3_moe_mini": "attention"}
+SCOPES = {"deepseek3_mini": "mla", "mixtral_mini": "attention"}
+# the kernels test and the CPU-program test share deepseek3_mini's accelerator programs
+SHARED = pytest.mark.xdist_group("target_programs")
 
 
 def program(preset: str, strategy: str, devices, mesh: str | None = None,
@@ -70,6 +75,14 @@ def program(preset: str, strategy: str, devices, mesh: str | None = None,
                                                                   mesh_platform(mesh))[1]
 
 
+@functools.lru_cache(maxsize=None)
+def target_program(preset: str, strategy: str, target: str) -> str:
+    """`program` for the compile-only target named `target` (``"tpu-v5p-8"``, ``"h100-8"``),
+    compiled once per process."""
+    from zoo.train import target_devices
+    return program(preset, strategy, target_devices(target))
+
+
 def _fingerprint(text: str) -> dict:
     """What must not change between processes: instruction count and custom-call targets."""
     calls = re.findall(r'custom_call_target="([^"]+)"', text)
@@ -84,13 +97,12 @@ def _kernel_scopes(text: str, target: str) -> set[str]:
 
 
 @pytest.mark.slow
+@SHARED
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_mini_steps_hold_the_accelerator_kernels(preset):
-    from zoo.train import target_devices
-    tpu, gpu = target_devices("tpu-v5p-8"), target_devices("h100-8")
     scope = SCOPES[preset]
     for strategy in MESHES:
-        text = program(preset, strategy, tpu)
+        text = target_program(preset, strategy, "tpu-v5p-8")
         names = _kernel_scopes(text, "tpu_custom_call")
         # attention (forward, dK/dV, dQ) and the MoE's grouped matmul, inside their layers
         for kernel in ("zoo_attention_fwd", "zoo_attention_dkv", "zoo_attention_dq"):
@@ -98,7 +110,7 @@ def test_mini_steps_hold_the_accelerator_kernels(preset):
                                                                           names)
         if strategy == "ep_as_cp":
             assert "ragged-all-to-all" in text, strategy
-        text = program(preset, strategy, gpu)
+        text = target_program(preset, strategy, "h100-8")
         kernels = {c for c in re.findall(r'custom_call_target="([^"]+)"', text)}
         assert any(k.startswith(("mosaic_gpu", "__gpu$xla.gpu.triton")) for k in kernels), \
             (strategy, kernels)
@@ -135,15 +147,16 @@ print(json.dumps(_fingerprint(program({preset!r}, "ep_as_cp", jax.devices()[:8])
 
 
 @pytest.mark.slow
+@SHARED
 def test_cpu_program_is_the_same_after_accelerator_programs(devices):
-    """The CPU program built after TPU and GPU programs in this process equals the one a fresh
-    CPU-only process builds; the TPU program differs from it (its kernels)."""
+    """The CPU program built after TPU and GPU programs in this process (this test's, or the
+    kernels test's before it on the same worker) equals the one a fresh CPU-only process
+    builds; the TPU program differs from it (its kernels)."""
     from pathlib import Path
 
-    from zoo.train import target_devices
     preset = "deepseek3_mini"
-    tpu_text = program(preset, "ep_as_cp", target_devices("tpu-v5p-8"))
-    program(preset, "ep_as_cp", target_devices("h100-8"))
+    tpu_text = target_program(preset, "ep_as_cp", "tpu-v5p-8")
+    target_program(preset, "ep_as_cp", "h100-8")
     here = _fingerprint(program(preset, "ep_as_cp", devices[:8]))
     code = CPU_ONLY.format(tests=str(Path(__file__).parent), preset=preset)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -271,6 +271,12 @@ def test_roofline_bounds_the_step_from_the_reports_counts():
     assert decode.tokens_per_device == 0.5  # one token per row a step
     cpu = dataclasses.replace(r, target="cpu", device_kind="cpu")
     assert cpu.roofline() is None and "BOUND" not in str(cpu)
+    # a program the compiler refused (out of memory) has only its unpartitioned counts
+    refused = dataclasses.replace(r, oom=True)
+    assert refused.roofline() is None and "not per device" in str(refused)
+    row = refused.row()
+    assert row["HLO/model FLOPs"] == "-" and row["all-to-all GB"] == "-" and row["fits"] == "no"
+    assert r.row()["all-to-all GB"] == pytest.approx(240)
     assert targets.chip("TPU v5").peak_flops == 459e12 and targets.chip("TPU v4") is None
 
 

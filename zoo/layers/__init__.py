@@ -5,9 +5,12 @@ parameters are created already sharded. Subclass a layer and override one method
 """
 
 from zoo.layers.attention import Attention
+from zoo.layers.compressed_attention import (CompressedAttention, CompressedIndexer, Compressor,
+                                             GroupedOutputProjection)
 from zoo.layers.embed import Embed
 from zoo.layers.gated_attention import GatedAttention
 from zoo.layers.gated_deltanet import GatedDeltaNet
+from zoo.layers.hyper_connection import HyperConnection, HyperHead
 from zoo.layers.indexer import Indexer, LayerNorm
 from zoo.layers.linear import Linear
 from zoo.layers.mla import MLA
@@ -22,3 +25,5 @@ __all__ = ["MLA", "MLP", "Attention", "Embed", "Linear", "MoE", "RMSNorm", "RoPE
 __all__ += ["GatedAttention", "GatedDeltaNet", "GatedRMSNorm", "SharedExpertMoE",
             "ZeroCentredRMSNorm"]
 __all__ += ["Indexer", "LayerNorm"]
+__all__ += ["HyperConnection", "HyperHead"]
+__all__ += ["CompressedAttention", "CompressedIndexer", "Compressor", "GroupedOutputProjection"]

@@ -16,7 +16,11 @@ module sits under ``indexer`` in MLA's keys):
 
 `topk` turns scores into the selection (array indices, ``-1`` for an empty slot) that
 `zoo.ops.sparse_attention` reads; `select` is both, under ``stop_gradient`` (the selection is
-discrete: no gradient reaches the indexer through it). Under context parallelism `select` runs
+discrete: no gradient reaches the indexer through it), in bounded memory (`select_keys`): the
+queries in chunks (a `jax.lax.map`), the keys of a chunk in blocks whose per-head scores are
+summed over the heads at once, so [chunk, N, block] and [chunk, S] float32 live at a time, never
+[L, N, S]; a block no query of the chunk may see (the causal upper triangle, other documents) is
+not scored. The indices are `topk`'s exactly. Under context parallelism `select` runs
 under `jax.shard_map` over the attention sequence axes: each shard all-gathers the index keys
 (H values per token) with their positions and segment ids -- that is all that crosses the
 wire -- and scores its own queries against every key of the row, so the top-k is global and,
@@ -50,12 +54,35 @@ from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
 from zoo.ops.masks import Causal, Document, Mask, attention_mask
+from zoo.ops.sparse_attention import choose_query_chunk, map_query_chunks
 from zoo.partitioning import Partitioner, resolve
 
 
 # MLA's ``index_stage``: "off" (the sparse forward, no indexer loss), "warmup" (dense forward,
 # the indexer learns the attention's distribution), "sparse" (sparse forward, both learn)
 INDEX_STAGES = ("off", "warmup", "sparse")
+
+# `Indexer.select_keys`'s bounds: keys scored per step of a chunk (its per-head scores are
+# [chunk, N, KEY_BLOCK] float32), and the 32-bit values a chunk of queries may hold per row
+# (per query: N * key_block head scores plus about SORT_VALUES * S for the head-summed row and
+# the top-k sort's operands and results) -- 256 MiB; at DeepSeek-V3.2's 64 heads and 131,072
+# keys a chunk of 32 queries
+KEY_BLOCK = 2048
+SELECT_VALUES = 1 << 26
+SORT_VALUES = 8
+
+
+def check_chunks(query_chunk, key_block) -> None:
+    """`Indexer.select`'s ``query_chunk`` (a positive int, ``"auto"`` or None) and
+    ``key_block`` (a positive int or ``"auto"``)."""
+    if query_chunk not in ("auto", None) and (isinstance(query_chunk, bool) or not isinstance(
+            query_chunk, int) or query_chunk < 1):
+        raise ValueError(f"Indexer.select: query_chunk={query_chunk!r} must be a positive int "
+                         f"dividing the queries, 'auto' (bounded memory) or None (all at once)")
+    if key_block != "auto" and (isinstance(key_block, bool) or not isinstance(key_block, int)
+                                or key_block < 1):
+        raise ValueError(f"Indexer.select: key_block={key_block!r} must be a positive int (keys "
+                         f"scored per step) or 'auto' ({KEY_BLOCK})")
 
 
 class IndexerLoss(nnx.Intermediate):
@@ -217,10 +244,13 @@ class Indexer(nnx.Module):
                               q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
 
     def select(self, x: jax.Array, q_latent: jax.Array, k: int, *, positions: jax.Array,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, query_chunk: int | str | None = "auto",
+               key_block: int | str = "auto") -> jax.Array:
         """The ``k`` keys each query attends to: int32 array indices [B, L, min(k, L)] into the
         row (`topk`'s order and tie rule), computed under ``stop_gradient``; global under
-        context parallelism (module docstring)."""
+        context parallelism (module docstring). ``query_chunk``, ``key_block``: `select_keys`'s,
+        on each shard's queries."""
+        check_chunks(query_chunk, key_block)
         x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
         B, L = x.shape[:2]
         seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
@@ -236,22 +266,76 @@ class Indexer(nnx.Module):
             if seq_axes:
                 keys, kpos, kseg = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True)
                                     for a in (keys, kpos, kseg))
-            s = self.score(q, w, keys, q_positions=pos, kv_positions=kpos, q_segment_ids=seg,
-                           kv_segment_ids=kseg)
-            return self.topk(s, k, kpos)
+            return self.select_keys(q, w, keys, k, q_positions=pos, kv_positions=kpos,
+                                    q_segment_ids=seg, kv_segment_ids=kseg,
+                                    query_chunk=query_chunk, key_block=key_block)
 
-        if not seq_axes:
+        if p.mesh is None:
             return local(q, w, keys, pos, seg)
+        # per shard also without sequence axes: each skipped block's test stays local (a
+        # global one would all-reduce once per block)
         batch_axes = p.batch_axes("attention")
         while batch_axes and B % p.axis_size(batch_axes):
             batch_axes = batch_axes[:-1]
         b = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
-        s = seq_axes[0] if len(seq_axes) == 1 else seq_axes
-        with jax.named_scope("indexer_select_cp"):
+        s = None if not seq_axes else seq_axes[0] if len(seq_axes) == 1 else seq_axes
+        with jax.named_scope("indexer_select_cp" if seq_axes else "indexer_select"):
             return jax.shard_map(
                 local, mesh=p.mesh,
                 in_specs=(P(b, s, None, None), P(b, s, None), P(b, s, None), P(b, s), P(b, s)),
                 out_specs=P(b, s, None), check_vma=False)(q, w, keys, pos, seg)
+
+    def select_keys(self, q: jax.Array, w: jax.Array, keys: jax.Array, k: int, *,
+                    q_positions: jax.Array, kv_positions: jax.Array, q_segment_ids: jax.Array,
+                    kv_segment_ids: jax.Array, query_chunk: int | str | None = "auto",
+                    key_block: int | str = "auto") -> jax.Array:
+        """``topk(score(q, w, keys, ...), k, kv_positions)`` -- the same indices -- in bounded
+        memory: queries ``q [B, L, N, H]`` / ``w [B, L, N]`` in chunks of ``query_chunk`` (a
+        `jax.lax.map`; ``"auto"``: `zoo.ops.sparse_attention.choose_query_chunk` under
+        `SELECT_VALUES`; None: all at once), and within a chunk the keys ``[B, S, H]`` in
+        blocks of ``key_block`` (``"auto"``: `KEY_BLOCK`), so the per-head scores live as
+        [B, chunk, N, key_block] and the head-summed ones as [B, chunk, S], never [B, L, N, S].
+        A block no query of the chunk may see (the causal upper triangle, other documents,
+        padding; decided by ``self.mask`` on the positions and segment ids, so for any token
+        order) is not scored."""
+        B, L, N, _ = q.shape
+        S = keys.shape[1]
+        check_chunks(query_chunk, key_block)
+        kb = min(KEY_BLOCK if key_block == "auto" else int(key_block), S)
+        nb = -(-S // kb)
+        if nb * kb != S:  # pad the keys to whole blocks with padding (segment 0: never seen)
+            extra = nb * kb - S
+            kpad = jnp.pad(keys, ((0, 0), (0, extra), (0, 0)))
+            ppad, spad = (jnp.pad(a, ((0, 0), (0, extra))) for a in (kv_positions,
+                                                                     kv_segment_ids))
+        else:
+            kpad, ppad, spad = keys, kv_positions, kv_segment_ids
+        if query_chunk == "auto":
+            query_chunk = choose_query_chunk(L, N * kb + SORT_VALUES * S, SELECT_VALUES)
+
+        def chunk(args):
+            qc, wc, qpos, qseg = args
+            C = qc.shape[1]
+
+            def block(i, scores):
+                start = i * kb
+                kblk, kpos, kseg = (jax.lax.dynamic_slice_in_dim(a, start, kb, axis=1)
+                                    for a in (kpad, ppad, spad))
+                seen = jnp.any(attention_mask(qpos, kpos, qseg, kseg, mask=self.mask))
+                s = jax.lax.cond(
+                    seen,
+                    lambda: self.score(qc, wc, kblk, q_positions=qpos, kv_positions=kpos,
+                                       q_segment_ids=qseg, kv_segment_ids=kseg),
+                    lambda: jnp.full((B, C, kb), -jnp.inf, jnp.float32))
+                return jax.lax.dynamic_update_slice_in_dim(scores, s, start, axis=2)
+
+            scores = jax.lax.fori_loop(0, nb, block,
+                                       jnp.full((B, C, nb * kb), -jnp.inf, jnp.float32))
+            return self.topk(scores[:, :, :S], k, kv_positions)
+
+        with jax.named_scope("indexer_topk"):
+            return map_query_chunks(chunk, query_chunk, (q, w, q_positions, q_segment_ids),
+                                    what="Indexer.select")
 
     @staticmethod
     def topk(scores: jax.Array, k: int, kv_positions: jax.Array) -> jax.Array:

@@ -83,9 +83,10 @@ from zoo.layers.attention import (
     resolve_scores,
 )
 from zoo.layers.indexer import INDEX_STAGES, Indexer, IndexerLoss, distillation_loss
-from zoo.layers.linear import Linear
+from zoo.layers.linear import Linear, prequantized, record_fp8_stats
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
+from zoo.ops import fp8 as fp8_ops
 from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
                                mla_attention)
 from zoo.ops.masks import Mask, attention_mask, default_mask
@@ -238,6 +239,13 @@ class MLA(AttentionBlock):
         latent, k_pe = kv_a[..., :self.kv_lora_rank], kv_a[..., self.kv_lora_rank:]
         return k_pe[:, :, None, :], c(self.kv_a_layernorm(latent), _LATENT, SCOPE)
 
+    def project_all(self, x: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B, L, D] -> (q_latent, q, k_pe, latent): `project` with the query latent kept
+        (DSA's indexer reads it), one seam for the sparse, training-stage and decode paths."""
+        q_latent = self.q_latent(x)
+        return (q_latent, self.project_q(x, q_latent), *self.project_kv(x))
+
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, L, D] -> q [B, L, N, Hqk], k_pe [B, L, 1, Hr], latent [B, L, Rkv] (before
         RoPE); `attend` expands the latent into per-head K/V with ``kv_b_proj``."""
@@ -259,8 +267,18 @@ class MLA(AttentionBlock):
         if self.kv_wire == "expanded":
             k, v = self.expand_kv(k_pe, latent)
             return self.run_op(attention, q, k, v, positions=positions, segment_ids=segment_ids)
+        kv_up = self.kv_b_proj.kernel[...].astype(dtype)
+        if self.fp8 == "blockwise":  # the op expands the latent per shard: count it here
+            # the kernel as every FP8 Linear quantises it (param_dtype), or its FP8 copy
+            r = latent.shape[-1]
+            pre = prequantized(self.kv_b_proj, "kernel")
+            kv_up = self.kv_b_proj.kernel[...] if pre is None else pre
+            w_stats = (kv_up.stats if isinstance(kv_up, fp8_ops.QuantizedWeight) else
+                       fp8_ops.quantize_stats(kv_up.reshape(r, -1), block=fp8_ops.WEIGHT_BLOCK))
+            record_fp8_stats(self.kv_b_proj, fp8_ops.quantize_stats(
+                latent.astype(dtype).reshape(-1, r)), w_stats)
         return self.run_op(mla_attention, q, latent.astype(dtype), k_pe[:, :, 0].astype(dtype),
-                           self.kv_b_proj.kernel[...].astype(dtype),
+                           kv_up,
                            qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
                            segment_ids=segment_ids, fp8=self.fp8)
 
@@ -284,9 +302,7 @@ class MLA(AttentionBlock):
         with jax.named_scope(self.block_name):
             x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
             with jax.named_scope("project"):
-                q_latent = self.q_latent(x)
-                q = self.project_q(x, q_latent)
-                k_pe, latent = self.project_kv(x)
+                q_latent, q, k_pe, latent = self.project_all(x)
             with jax.named_scope("select"):  # detached input: only the KL trains the indexer
                 scores = self.indexer(jax.lax.stop_gradient(x),
                                       jax.lax.stop_gradient(q_latent), positions=positions,
@@ -341,9 +357,7 @@ class MLA(AttentionBlock):
         with jax.named_scope(self.block_name):
             x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
             with jax.named_scope("project"):
-                q_latent = self.q_latent(x)
-                q = self.project_q(x, q_latent)
-                k_pe, latent = self.project_kv(x)
+                q_latent, q, k_pe, latent = self.project_all(x)
             with jax.named_scope("select"):
                 indices = self.indexer.select(x, q_latent, self.index_topk, positions=positions,
                                               segment_ids=segment_ids)
@@ -380,9 +394,7 @@ class MLA(AttentionBlock):
         p = resolve(partitioner)
         Hn, R = self.qk_nope_head_dim, self.kv_lora_rank
         with jax.named_scope(self.block_name):
-            q_latent = self.q_latent(x)
-            q = self.project_q(x, q_latent)
-            k_pe, latent = self.project_kv(x)
+            q_latent, q, k_pe, latent = self.project_all(x)
             q, k_pe = self.apply_rope(q, k_pe, q_positions)
             iq, iw = self.indexer.queries(x, q_latent, q_positions)
             new_k = self.indexer.keys(x, q_positions)[:, None].astype(latent.dtype)

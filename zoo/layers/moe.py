@@ -3,6 +3,10 @@
 * Router (float32): ``logits = x @ router``; Mixtral (``scoring="softmax"``) or DeepSeek-V3
   (``scoring="sigmoid"``: a `RouterBias` for selection only, group-limited top-k, weights
   normalised and scaled). Semantics of Hugging Face's routers; see `zoo.ops.moe.route`.
+  DeepSeek-V4: ``scoring="sqrtsoftplus"`` (``sqrt(softplus(logits))``, with a `RouterBias`
+  as sigmoid) and hash routing (``hash_vocab_size=V``): a fixed ``tid2eid [V, k]`` table
+  (`ExpertTable`, loaded from the checkpoint, never trained) picks each token's experts from
+  its token id, ``y, aux = moe(x, tokens=ids)``; the router still weights them.
 * Routed experts: SwiGLU per expert, weights stacked ``wi_gate``/``wi_up`` ``[E, D, F]`` and
   ``wo`` ``[E, F, D]``; dropless (sort token copies by expert, grouped matmul) or, with
   ``capacity_factor`` (all_gather only), fixed capacity per expert that drops overflow.
@@ -68,6 +72,10 @@ chosen from the mesh; ``"blocked"``, ``"tokamax"`` and ``"ragged_dot"`` force on
 kernel cannot run (tokamax in float32 on a GPU mesh: its Triton kernel fails the shard_map's
 varying-axes check) XLA's ragged dot runs, and the execution says why.
 
+FP8 (``fp8="blockwise"``): the experts' grouped matmul in blockwise-scaled FP8 and, under
+``"all_to_all"``, the tokens on the wire as FP8 tiles with their scales (``fp8_dispatch``,
+recorded in the execution; the combine stays in the compute dtype): docs/fp8.md.
+
 Execution. The arguments that choose how the layer runs (``dispatch``, ``capacity_factor``,
 ``buffer_factor``, ``overflow``, ``grouped_matmul``, with ``dtype`` and the mesh) build one
 frozen value, ``MoE.execution`` (`zoo.ops.moe.MoEExecution`): resolved and validated once at
@@ -92,6 +100,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from zoo.layers import hf_keys as hfk
+from zoo.layers.linear import record_fp8_stats
 from zoo.layers.mlp import MLP
 from zoo.ops import fp8 as fp8_ops
 from zoo.ops import moe as ops
@@ -109,6 +118,24 @@ class RouterBias(nnx.Variable):
     gradients (not an `nnx.Param`, so ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees it)."""
 
 
+class ExpertTable(nnx.Variable):
+    """DeepSeek-V4's hash routing table ``tid2eid [vocab, k]`` (int32): token id -> its k
+    experts. Fixed (not an `nnx.Param`): its values come from the checkpoint."""
+
+
+def hash_table_init(num_experts: int):
+    """The initial ``tid2eid``: token ``t``'s experts ``(t * k + j) % E`` for ``j < k`` --
+    distinct per token, every expert equally often over a vocabulary of a multiple of E / k
+    (transformers starts from zeros, every token on expert 0; a checkpoint brings the real
+    table)."""
+    def init(key, shape, dtype=jnp.int32):
+        del key
+        vocab, k = shape
+        table = (np.arange(vocab)[:, None] * k + np.arange(k)[None, :]) % num_experts
+        return jnp.asarray(table, dtype)
+    return init
+
+
 def _entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -120,7 +147,13 @@ class MoE(nnx.Module):
       num_experts: E; num_experts_per_tok: k; mlp_dim: F, each expert's width.
       inputs_shape: ``(batch, length, embed)`` the layer will see (validated against the mesh).
       partitioner: shards parameters and tokens (None: unsharded).
-      scoring: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3, adds a `RouterBias`).
+      scoring: ``"softmax"`` (Mixtral), ``"sigmoid"`` (DeepSeek-V3) or ``"sqrtsoftplus"``
+        (DeepSeek-V4); the last two add a `RouterBias` (unless hashed).
+      hash_vocab_size: DeepSeek-V4's hash routing: an `ExpertTable` ``tid2eid
+        [hash_vocab_size, k]`` chooses the experts from the token ids passed as ``tokens=``
+        (no `RouterBias`, no groups); None: the router chooses.
+      shared_limit: the shared experts' SwiGLU clamp (`zoo.layers.MLP`'s ``limit``;
+        DeepSeek-V4 clamps them as its routed experts, ``activation=GLU(limit=...)``).
       n_group, topk_group: group-limited selection (``n_group=1``: off).
       routed_scaling_factor, norm_topk_prob: see `zoo.ops.moe.route`.
       num_shared_experts, shared_mlp_dim: shared experts' MLP width is
@@ -150,6 +183,10 @@ class MoE(nnx.Module):
       fp8: "blockwise": the routed experts' grouped matmul (``grouped_matmul="fp8_blockwise"``,
         `zoo.ops.fp8.ragged_dot`) and the shared experts' products (`zoo.layers.Linear`) in
         blockwise-scaled FP8; the router stays float32 (docs/fp8.md).
+      fp8_dispatch: whether the tokens cross the all_to_all wire as FP8 tiles with their
+        scales (`zoo.ops.moe.MoEExecution.fp8_dispatch`): None (the default) wherever the
+        experts run in FP8 behind the all_to_all dispatch, False never, True insists (an
+        error where the dispatch resolves to no all_to_all wire).
 
     Hugging Face names (``hf_names``, the DeepSeek/Qwen layout): router ``gate.weight``,
     ``gate.e_score_correction_bias``, experts ``experts.{e}.gate_proj|up_proj|down_proj``,
@@ -169,9 +206,18 @@ class MoE(nnx.Module):
                  overflow: str = "auto", router_bias: bool = False, expert_bias: bool = False,
                  activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
                  dtype=jnp.float32, param_dtype=jnp.float32, fp8: str | None = None,
-                 rngs: nnx.Rngs):
+                 hash_vocab_size: int | None = None, shared_limit: float | None = None,
+                 fp8_dispatch: bool | None = None, rngs: nnx.Rngs):
         p = resolve(partitioner)
         batch, length, embed = p.check_inputs_shape(inputs_shape, what="MoE")
+        if hash_vocab_size is not None and (isinstance(hash_vocab_size, bool) or not isinstance(
+                hash_vocab_size, (int, np.integer)) or hash_vocab_size < 1):
+            raise ValueError(f"MoE: hash_vocab_size={hash_vocab_size!r} must be a positive int "
+                             f"(the vocabulary the tid2eid table covers) or None (no hashing)")
+        if hash_vocab_size is not None and n_group > 1:
+            raise ValueError(f"MoE: hash routing (hash_vocab_size={hash_vocab_size}) takes its "
+                             f"experts from tid2eid, so n_group={n_group} has no meaning; "
+                             f"leave n_group=1")
         E, k = num_experts, num_experts_per_tok
         if scoring not in ops.SCORINGS:
             raise ValueError(f"scoring={scoring!r} must be one of {ops.SCORINGS}")
@@ -195,6 +241,7 @@ class MoE(nnx.Module):
             raise ValueError(f"gate_up={gate_up!r} must be one of {GATE_UPS} ('interleaved': one "
                              f"[E, D, 2F] weight, gate in the even columns, as gpt-oss)")
         plain = not expert_bias and activation == ops.SWIGLU
+        fp8_ops.check_target(fp8_ops.check_mode(fp8, what="MoE(fp8=)"), p.mesh)
         if fp8_ops.check_mode(fp8, what="MoE(fp8=)") == "blockwise":
             if grouped_matmul not in ("auto", "fp8_blockwise"):
                 raise ValueError(f"MoE: fp8='blockwise' runs the experts' grouped matmul as "
@@ -203,7 +250,8 @@ class MoE(nnx.Module):
             grouped_matmul = "fp8_blockwise"
         ops.MoEExecution.check(dispatch=dispatch, capacity_factor=capacity_factor,
                                buffer_factor=buffer_factor, overflow=overflow,
-                               grouped_matmul=grouped_matmul, plain=plain)
+                               grouped_matmul=grouped_matmul, plain=plain,
+                               fp8_dispatch=fp8_dispatch)
         shared_dim = shared_mlp_dim or num_shared_experts * mlp_dim
         p.check_split("num_experts", E, "experts", "moe", what="MoE",
                       role="experts are sharded over them",
@@ -224,7 +272,8 @@ class MoE(nnx.Module):
         # how it runs, settled for the mesh: the program traces that platform's path alone
         self.execution = self.resolve_execution(
             dispatch=dispatch, capacity_factor=capacity_factor, buffer_factor=buffer_factor,
-            overflow=overflow, grouped_matmul=grouped_matmul, plain=plain, dtype=dtype)
+            overflow=overflow, grouped_matmul=grouped_matmul, plain=plain, dtype=dtype,
+            fp8_dispatch=fp8_dispatch)
         if buffer_factor is not None and self.dispatch == "all_gather" and self.overflow == "drop":
             # "auto" chose the scheme without receive buffers: say so rather than ignore it
             # (with overflow="exact", as the full-size presets set, nothing is lost: all_gather
@@ -267,12 +316,16 @@ class MoE(nnx.Module):
         self.wo_bias = param(zeros, ("experts", "embed"), (E, embed), expert_bias)
         self.e_score_correction_bias = (RouterBias(p.param(
             nnx.initializers.zeros_init(), (None,), "moe")(rngs.params(), (E,), jnp.float32))
-            if scoring == "sigmoid" else None)
+            if scoring != "softmax" and hash_vocab_size is None else None)
+        self.tid2eid = None if hash_vocab_size is None else ExpertTable(p.param(
+            hash_table_init(E), (None, None), "moe")(
+                rngs.params(), (hash_vocab_size, k), jnp.int32))
         # Shared experts are a dense MLP: default scope, so their tokens stay sharded over
         # `expert` too (the "moe" scope would replicate them there and repeat the work).
         self.shared_experts = (MLP(embed_dim=embed, mlp_dim=shared_dim, partitioner=p,
                                    dtype=dtype, param_dtype=param_dtype,
-                                   kernel_init=kernel_init, fp8=fp8, rngs=rngs)
+                                   kernel_init=kernel_init, fp8=fp8, limit=shared_limit,
+                                   rngs=rngs)
                                if shared_dim else None)
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
@@ -285,6 +338,8 @@ class MoE(nnx.Module):
         if self.e_score_correction_bias is not None:
             rows.append(hfk.copy(("e_score_correction_bias",),
                                  f"{router}.e_score_correction_bias"))
+        if self.tid2eid is not None:
+            rows.append(hfk.copy(("tid2eid",), f"{router}.tid2eid"))
         if self.gate_up == "interleaved":  # the fused layout: one [E, in, out] tensor each
             for attr in ("wi_gate_up", "wo"):
                 key = f"{prefix}.experts.{hfk.hf_name(self, attr)}"
@@ -302,8 +357,10 @@ class MoE(nnx.Module):
         return rows + hfk.child(self, "shared_experts", prefix)
 
     # -- pieces a subclass may override ----------------------------------------------------
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``x [B, L, D]`` -> ``(weights [B, L, k], indices [B, L, k], scores [B, L, E])``."""
+    def route(self, x: jax.Array, tokens: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x [B, L, D]`` -> ``(weights [B, L, k], indices [B, L, k], scores [B, L, E])``;
+        hashed (``tid2eid``), the experts of ``tokens [B, L]``."""
         # full fp32 products (a TPU rounds fp32 matmul inputs to bf16 by default): which
         # experts a token gets must not hinge on bf16 rounding; [D, E] is a small product
         logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32),
@@ -312,10 +369,22 @@ class MoE(nnx.Module):
         if self.router_bias is not None:
             logits = logits + self.router_bias[...].astype(jnp.float32)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        fixed = None if self.tid2eid is None else self.hashed_experts(tokens, x.shape[:2])
         return ops.route(logits, k=self.num_experts_per_tok, scoring=self.scoring, bias=bias,
+                         indices=fixed,
                          n_group=self.n_group, topk_group=self.topk_group,
                          norm_topk_prob=self.norm_topk_prob,
                          routed_scaling_factor=self.routed_scaling_factor)
+
+    def hashed_experts(self, tokens: jax.Array | None, shape) -> jax.Array:
+        """``tid2eid[tokens]`` ``[B, L, k]`` int32, sharded as the tokens."""
+        if tokens is None or tuple(tokens.shape) != tuple(shape):
+            got = None if tokens is None else tuple(tokens.shape)
+            raise ValueError(f"MoE: hash routing (tid2eid) needs the token ids of the input, "
+                             f"tokens= of shape {tuple(shape)}, got {got}; call "
+                             f"moe(x, tokens=ids)")
+        ids = jnp.take(self.tid2eid[...], tokens.astype(jnp.int32), axis=0)
+        return self.partitioner.constrain(ids, ("batch", "length", None))
 
     def _token_plan(self):
         """``(tok spec, [(expert axis, token dim it shards)], expert axes sharding no token
@@ -473,7 +542,8 @@ class MoE(nnx.Module):
             y, stat = exchange(
                 x.reshape(t, D), indices.reshape(t, k), weights.reshape(t, k), wg, wu, wo,
                 axis_name=ep_axes[0] if len(ep_axes) == 1 else ep_axes, num_shards=n_ep,
-                capacity=cap, impl=self.grouped_matmul, device=self.execution.device, **extra)
+                capacity=cap, impl=self.grouped_matmul, device=self.execution.device,
+                fp8_dispatch=self.execution.fp8_dispatch, **extra)
             y = y.reshape(nb, nl, D).astype(dtype)
             if mlp_axes:
                 y = jax.lax.psum(y, mlp_axes)
@@ -492,8 +562,21 @@ class MoE(nnx.Module):
         y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]
 
+    def _record_fp8_stats(self, x: jax.Array) -> None:
+        """`zoo.layers.linear.record_fp8_stats` of the grouped matmul's FP8 operands: the
+        tokens (each copy a token sends is its row, quantised alike: the fractions are the
+        tokens') and the experts' gate, up and down weights. The down projection's input
+        (the activation between them, inside the dispatch) is not counted."""
+        dtype = self.dtype or x.dtype
+        wg, wu, wo, _ = self._split_experts([w[...].astype(dtype)
+                                             for w, _ in self._expert_arrays()])
+        record_fp8_stats(self, fp8_ops.quantize_stats(x.astype(dtype).reshape(-1, x.shape[-1])),
+                         *(fp8_ops.quantize_stats(w, block=fp8_ops.WEIGHT_BLOCK)
+                           for w in (wg, wu, wo)))
+
     # -- forward -------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"MoE expects [batch, length, {self.embed_dim}] inputs, got "
                              f"{x.shape}")
@@ -503,7 +586,8 @@ class MoE(nnx.Module):
         with jax.named_scope("moe"):
             x = p.constrain(x, ACT)
             with jax.named_scope("router"):
-                weights, indices, scores = self.route(x)
+                weights, indices, scores = (self.route(x) if self.tid2eid is None
+                                            else self.route(x, tokens))
             with jax.named_scope("balance"):
                 counts = ops.expert_counts(indices, self.num_experts)
                 loss = ops.load_balance_loss(scores, counts, k=self.num_experts_per_tok,
@@ -516,6 +600,8 @@ class MoE(nnx.Module):
                     rounds = jnp.ones((), jnp.int32)
                 if self.wo_bias is not None:
                     y = y + self._output_bias(weights, indices).astype(y.dtype)
+                if self.grouped_matmul == "fp8_blockwise" and self.capacity_factor is None:
+                    self._record_fp8_stats(x)
             if self.shared_experts is not None:
                 with jax.named_scope("shared_experts"):
                     y = y + self.shared_experts(x).astype(y.dtype)

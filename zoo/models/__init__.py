@@ -4,6 +4,8 @@
 * `zoo.models.deepseek3` -- `DeepSeek3Config`, `DeepSeek3`, `from_hf`, `to_hf`.
 * `zoo.models.deepseek_v32` -- `DeepSeekV32Config`, `DeepSeekV32`, `from_hf`, `to_hf`
   (DeepSeek-V3.2: sparse attention with a lightning indexer).
+* `zoo.models.deepseek_v4` -- `DeepSeekV4Config`, `DeepSeekV4`, `from_hf`, `to_hf` (DeepSeek-V4:
+  compressed attention, hyper-connections, hash-routed experts).
 * `zoo.models.qwen3_moe` -- `Qwen3MoeConfig`, `Qwen3Moe`, `from_hf`, `to_hf`.
 * `zoo.models.glm4_moe` -- `Glm4MoeConfig`, `Glm4Moe`, `from_hf`, `to_hf` (GLM-4.5).
 * `zoo.models.gpt_oss` -- `GptOssConfig`, `GptOss`, `from_hf`, `to_hf` (MXFP4 read).
@@ -21,6 +23,7 @@ from zoo.models.config import DecoderConfig
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config, DeepSeek3DecoderLayer
 from zoo.models.deepseek_v32 import DeepSeekV32, DeepSeekV32Config, DeepSeekV32DecoderLayer
+from zoo.models.deepseek_v4 import DeepSeekV4, DeepSeekV4Config, DeepSeekV4DecoderLayer
 from zoo.models.glm4_moe import Glm4Moe, Glm4MoeConfig, Glm4MoeDecoderLayer
 from zoo.models.gpt_oss import GptOss, GptOssConfig, GptOssDecoderLayer
 from zoo.models.mixtral import Mixtral, MixtralConfig, MixtralDecoderLayer
@@ -36,3 +39,4 @@ __all__ = ["CausalLM", "DecoderConfig", "DecoderLayer", "count_params", "DeepSee
            "MixtralDecoderLayer", "Qwen3Moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer",
            "Qwen3Next", "Qwen3NextConfig", "Qwen3NextDecoderLayer", "Qwen3_5Moe",
            "Qwen3_5MoeConfig", "Qwen3_5MoeDecoderLayer", "from_hf", "to_hf"]
+__all__ += ["DeepSeekV4", "DeepSeekV4Config", "DeepSeekV4DecoderLayer"]

@@ -415,8 +415,9 @@ class CausalLM(nnx.Module):
                                        moe_overflow="auto", attention_layout=None)
         if unsharded:
             changes.update(moe_dispatch="auto", attention_implementation="reference",
-                           moe_grouped_matmul=choose_grouped_matmul(
-                               self.config.moe_grouped_matmul, self.partitioner.platform))
+                           moe_grouped_matmul="fp8_blockwise" if self.config.fp8 == "blockwise"
+                           else choose_grouped_matmul(self.config.moe_grouped_matmul,
+                                                      self.partitioner.platform))
         return dataclasses.replace(self.config, **changes)
 
     def for_inference(self, *, unsharded: bool = False) -> CausalLM:

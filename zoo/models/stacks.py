@@ -204,7 +204,8 @@ def _write_back(layer: DecoderLayer, record, values, *, stacked: bool) -> None:
 
 
 def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
-               segment_ids: jax.Array | None = None, remat: str | None = None):
+               segment_ids: jax.Array | None = None, remat: str | None = None,
+               layer_kwargs: dict | None = None):
     """A layer, or a stack (``stack_size``) scanned with `jax.lax.scan`, each layer
     rematerialised as `remat` (a `remat_policy` name) says. Returns ``(x, aux)`` with aux
     entries stacked per layer (``[n, ...]``), or None for dense layers.
@@ -215,15 +216,17 @@ def run_layers(layer: DecoderLayer, x: jax.Array, *, positions: jax.Array,
     leading axis, as the unrolled model holds it in each layer (sown values: stacked per
     layer like the parameters, ``model.layer(i)`` gives layer ``i``'s). Parameters are scan
     inputs only (a forward pass that writes one is refused when scanned); state the forward
-    leaves alone is not returned.
+    leaves alone is not returned. ``layer_kwargs`` go to every layer's call as they are
+    (arrays the whole stack reads, e.g. DeepSeek-V4's token ids for its hash routing).
     """
     x, (aux,) = run_cycle((layer,), x, positions=positions, segment_ids=segment_ids,
-                          remat=remat)
+                          remat=remat, layer_kwargs=layer_kwargs)
     return x, aux
 
 
 def run_cycle(layers: Sequence[DecoderLayer], x: jax.Array, *, positions: jax.Array,
-              segment_ids: jax.Array | None = None, remat: str | None = None):
+              segment_ids: jax.Array | None = None, remat: str | None = None,
+              layer_kwargs: dict | None = None):
     """`run_layers` over the stacks of one cycle (`layer_groups`), scanned together: each step
     of the scan runs one layer of every stack in turn (layer ``first``, ``first + 1``, ...,
     then the next cycle), each rematerialised on its own. Returns ``(x, [aux of each
@@ -231,8 +234,10 @@ def run_cycle(layers: Sequence[DecoderLayer], x: jax.Array, *, positions: jax.Ar
     use_remat, policy = remat_policy(remat, layers[0].partitioner.platform)
     stacked = layers[0].stack_size is not None
 
+    extra = dict(layer_kwargs or {})
+
     def body(x, layer):
-        return layer(x, positions=positions, segment_ids=segment_ids)
+        return layer(x, positions=positions, segment_ids=segment_ids, **extra)
 
     def one_layer(aux):  # a single layer's aux entries as [1, ...]
         return None if aux is None else jax.tree.map(lambda a: a[None], aux)

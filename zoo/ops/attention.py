@@ -273,7 +273,9 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     """Multi-head latent attention with the latent on the wire.
 
     q [B,L,N,Hn+Hr] (rotated), latent [B,S,R] (normalised), k_pe [B,S,Hr] (rotated, shared by
-    every head), kv_up [R, N, Hn+Hv] (``kv_b_proj``'s kernel) -> [B,L,N,Hv]. Per head,
+    every head), kv_up [R, N, Hn+Hv] (``kv_b_proj``'s kernel; with FP8 also its
+    `zoo.ops.fp8.prequantize` as ``[R, N*(Hn+Hv)]``, whose FP8 copy each shard then uses
+    instead of quantising the kernel again) -> [B,L,N,Hv]. Per head,
     ``k = concat(latent @ kv_up[..., :Hn], k_pe)`` and ``v = latent @ kv_up[..., Hn:]``; under
     context parallelism only (latent, k_pe) -- R + Hr values per token instead of
     N * (Hn + Hr + Hv) -- cross the wire, and each shard expands what it receives.
@@ -283,13 +285,21 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
     _, _, N, Hqk = q.shape
     R = latent.shape[-1]
     Hn, Hr = qk_nope_head_dim, k_pe.shape[-1]
+    fp8 = fp8_ops.check_mode(fp8, what="mla_attention(fp8=)")
+    pre = isinstance(kv_up, fp8_ops.QuantizedWeight)
+    if pre and (fp8 != "blockwise" or kv_up.w.ndim != 2 or kv_up.w.shape[1] % N):
+        raise ValueError(f"mla_attention: a prequantized kv_up (zoo.ops.fp8.QuantizedWeight) "
+                         f"needs fp8='blockwise' (got {fp8!r}) and w [R, N*(Hn+Hv)] with N={N} "
+                         f"(got {kv_up.w.shape}); pass the kernel [R, N, Hn+Hv] otherwise")
+    kv_shape = (R, N, kv_up.w.shape[1] // N) if pre else kv_up.shape
     if (latent.ndim != 3 or k_pe.ndim != 3 or latent.shape[:2] != k_pe.shape[:2]
-            or kv_up.shape[:2] != (R, N) or Hn + Hr != Hqk or kv_up.shape[2] <= Hn):
+            or kv_shape[:2] != (R, N) or Hn + Hr != Hqk or kv_shape[2] <= Hn):
         raise ValueError(f"mla_attention expects q [B,L,N,Hn+Hr], latent [B,S,R], k_pe "
                          f"[B,S,Hr], kv_up [R,N,Hn+Hv] with Hn=qk_nope_head_dim={Hn}; got "
-                         f"{q.shape}, {latent.shape}, {k_pe.shape}, {kv_up.shape}")
-    fp8 = fp8_ops.check_mode(fp8, what="mla_attention(fp8=)")
-    expand = functools.partial(_mla_expand, Hn, fp8)
+                         f"{q.shape}, {latent.shape}, {k_pe.shape}, {kv_shape}")
+    if pre and _straddles(partitioner, kv_up.w.shape[1]):
+        kv_up = kv_up.w.reshape(kv_shape)  # quantised per shard, as without the FP8 copy
+    expand = functools.partial(_mla_expand, Hn, fp8, kv_shape[2])
     k, v = jax.eval_shape(expand, (kv_up,), (latent, k_pe))
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                   sliding_window, logits_soft_cap, sinks, score_mod)
@@ -308,10 +318,23 @@ def mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up: jax.A
                 head_dim=Hqk, v_head_dim=v.shape[-1])
 
 
-def _mla_expand(qk_nope_head_dim, fp8, params, payload):
-    """(kv_up,), (latent [B,S,R], k_pe [B,S,Hr]) -> k [B,S,N,Hn+Hr], v [B,S,N,Hv]."""
+def _straddles(partitioner: Partitioner | None, columns: int) -> bool:
+    """Whether the shard_map that splits heads cuts a prequantized kv_up's ``columns``
+    (``N*(Hn+Hv)``) inside a 128-column block: each shard then quantises its own columns (a
+    block may not straddle two shards), so the FP8 copy cannot cross."""
+    p = resolve(partitioner)
+    tp = p.axis_size(p.mesh_axes("act_heads", "attention")) if p.mesh is not None else 1
+    return tp > 1 and (columns % tp or (columns // tp) % fp8_ops.WEIGHT_BLOCK[1] != 0)
+
+
+def _mla_expand(qk_nope_head_dim, fp8, width, params, payload):
+    """(kv_up,), (latent [B,S,R], k_pe [B,S,Hr]) -> k [B,S,N,Hn+Hr], v [B,S,N,Hv]; `width`:
+    Hn+Hv (a prequantized kv_up is [R, N*(Hn+Hv)])."""
     (kv_up,), (latent, k_pe) = params, payload
-    if fp8 == "blockwise":
+    if isinstance(kv_up, fp8_ops.QuantizedWeight):
+        kv = fp8_ops.dot(latent, kv_up).astype(latent.dtype)
+        kv = kv.reshape(*latent.shape[:2], -1, width)
+    elif fp8 == "blockwise":
         r, n, d = kv_up.shape
         kv = fp8_ops.dot(latent, kv_up.reshape(r, n * d)).astype(latent.dtype)
         kv = kv.reshape(*latent.shape[:2], n, d)
@@ -394,6 +417,12 @@ def _unit_axes(mesh, *named: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in used)
 
 
+def _param_spec(w, unit, h):
+    if isinstance(w, fp8_ops.QuantizedWeight):
+        return fp8_ops.QuantizedWeight(P(unit, h), P(unit, h), P(unit, h), P())
+    return P(unit, h, None)
+
+
 def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qseg, kseg, *,
              plain):
     batch_axes, seq_axes, head_axes, repeat = _layout(p, q.shape[0], q.shape[2] if not plain
@@ -409,7 +438,7 @@ def _sharded(cfg, p: Partitioner, q, payload, params, sinks, ok, qpos, kpos, qse
     act, tok = P(b, s, h, None), P(b, s)
     # MLA: the latent and rotary key are not split by head; kv_up is [R, N, Hn+Hv]
     pay_specs = (act, act) if plain else (P(b, s, None), P(b, s, None))
-    par_specs = tuple(P(_entry(unit), h, None) for _ in params)
+    par_specs = tuple(_param_spec(w, _entry(unit), h) for w in params)
     sink_spec = P(_entry((*head_axes, *unit)))
     local = functools.partial(_ring.attend_shard, cfg=cfg)
     with jax.named_scope(f"attention_{cfg.strategy}"):

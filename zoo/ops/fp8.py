@@ -9,8 +9,19 @@
   accumulation, scales each partial product by its two scales and sums the blocks in float32
   (DeepSeek's promotion every 128 elements of K). Its VJP quantises the output gradient and runs
   both backward products in FP8 as well (see `dot`).
+* `prequantize(w)` makes a weight's FP8 copy once (`QuantizedWeight`: the weight, its float8
+  values, scales and `quantize_stats` counts; leading dims are batch dims, e.g. a stack's
+  layers); `dot` takes it in place of the weight, with the same values forward and backward.
 * `ragged_dot(x, w, group_sizes)` is the same for the MoE's grouped matmul (`jax.lax.ragged_dot`
   per 128-block of K, one 128x128-blocked weight per group).
+* `sharded_dot(x, w, mesh=, x_spec=, w_spec=)`: `dot` on a mesh as one `jax.shard_map` (the
+  weight, or its FP8 copy, gathered once; its gradient reduce-scattered). Left to XLA's
+  partitioner, `dot`'s loops over 128-blocks slice sharded axes and XLA gathers a whole
+  operand in every iteration.
+* `Tiles` (`quantize_tiles`): rows quantised per 1x128 tile in a form that moves like the rows,
+  with a straight-through gradient; `pack_tiles` / `unpack_tiles` put them on a wire as
+  ``K + 4 * ceil(K/128)`` bytes a row, and `ragged_dot` takes them without quantising again
+  (the MoE's FP8 dispatch, `zoo.ops.moe.all_to_all_experts`).
 
 Scales: ``scale = amax / fmax`` per block (``fmax`` = 448 for E4M3, 57344 for E5M2),
 DeepSeek-V3's choice, by default; ``power_of_two=True`` rounds it up to a power of two, so that
@@ -29,13 +40,22 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["ACTIVATION_BLOCK", "FP8_DTYPES", "MODES", "WEIGHT_BLOCK", "check_mode", "dot",
-           "quantize", "ragged_dot", "scaled_matmul"]
+from zoo.partitioning import mesh_platform
+
+__all__ = ["ACTIVATION_BLOCK", "FP8_DTYPES", "Fp8EmulatedWarning", "MODES", "STATS",
+           "TPU_FP8_KINDS", "WEIGHT_BLOCK", "check_mode", "check_target",
+           "dot", "pack_tiles", "prequantize", "QuantizedWeight", "quantize",
+           "quantize_stats", "quantize_tiles", "ragged_dot", "scaled_matmul",
+           "sharded_dot", "Tiles",
+           "unpack_tiles"]
 
 ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
@@ -80,6 +100,13 @@ def quantize(x: jax.Array, *, block: tuple[int, int] = ACTIVATION_BLOCK,
     br, bc = (int(b) for b in block)
     if br < 1 or bc < 1:
         raise ValueError(f"block {tuple(block)} must be two positive ints, e.g. (1, 128)")
+    return _quantize_parts(x, (br, bc), dtype, power_of_two)[:2]
+
+
+def _quantize_parts(x, block, dtype, power_of_two):
+    """`quantize`'s ``(q, scale)`` and its intermediates ``(|x| in blocks [..., nr, br, nc,
+    bc] float32, amax [..., nr, nc])``, which `quantize_stats` reuses (one amax per block)."""
+    br, bc = block
     fmax = float(jnp.finfo(dtype).max)
     *lead, rows, cols = x.shape
     nr, nc = -(-rows // br), -(-cols // bc)
@@ -96,7 +123,7 @@ def quantize(x: jax.Array, *, block: tuple[int, int] = ACTIVATION_BLOCK,
     # the tests' NumPy reference round alike
     q = jnp.clip(xb * (1 / scale)[..., :, None, :, None], -fmax, fmax).astype(dtype)
     q = q.reshape(*lead, nr * br, nc * bc)[..., :rows, :cols]
-    return q, scale
+    return q, scale, xb, amax
 
 
 def scaled_matmul(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array) -> jax.Array:
@@ -185,14 +212,16 @@ def _dot2d_bwd(options, res, dy):
 _dot2d.defvjp(_dot2d_fwd, _dot2d_bwd)
 
 
-def dot(x: jax.Array, w: jax.Array, *, grad_dtype=jnp.float8_e4m3fn,
+def dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, grad_dtype=jnp.float8_e4m3fn,
         power_of_two: bool = False) -> jax.Array:
     """float32 ``x @ w`` from blockwise-quantised FP8 operands, with an FP8 backward.
 
     Args:
       x: ``[..., K]`` unquantised; leading dims are flattened into rows (1x128 tiles never span
         rows, so this equals quantising each row separately).
-      w: ``[K, N]`` unquantised.
+      w: ``[K, N]`` unquantised, or its `prequantize` (`QuantizedWeight`): the product then
+        takes that FP8 copy instead of quantising ``w`` again (the same values, forward and
+        backward; ``w`` takes the gradient).
       grad_dtype: the output gradient's fp8 dtype: ``jnp.float8_e4m3fn`` (DeepSeek-V3's choice,
         default) or ``jnp.float8_e5m2`` (wider range, 2 mantissa bits).
       power_of_two: power-of-two scales everywhere (see `quantize`).
@@ -206,13 +235,167 @@ def dot(x: jax.Array, w: jax.Array, *, grad_dtype=jnp.float8_e4m3fn,
       float32 ``[..., N]``.
     """
     _check_dtype(grad_dtype)
+    pre = w if isinstance(w, QuantizedWeight) else None
+    w = w.w if pre is not None else w
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8.dot wants x [..., K] and w [K, N]; got x {x.shape}, w {w.shape}")
     lead = x.shape[:-1]
     options = (np.dtype(grad_dtype), bool(power_of_two), np.dtype(x.dtype), np.dtype(w.dtype))
-    x, w = _same_varying(x.reshape(math.prod(lead), x.shape[-1]), w)
-    y = _dot2d(x, w, options)
+    x = x.reshape(math.prod(lead), x.shape[-1])
+    if pre is not None:
+        pre.check(power_of_two)
+        y = _dot2d_pre(*_same_varying(x, w, pre.q, pre.scale), options)
+    else:
+        y = _dot2d(*_same_varying(x, w), options)
     return y.reshape(*lead, w.shape[1])
+
+
+# -- weights quantised once per step --------------------------------------------------------
+
+class QuantizedWeight(NamedTuple):
+    """A weight with its FP8 copy (`prequantize`): made once, used by every `dot` or
+    `ragged_dot` that takes it in place of the weight. ``w [..., K, N]`` is the weight (the
+    gradient's target), ``q`` its float8 E4M3 values and ``scale [..., ceil(K/128),
+    ceil(N/128)]`` float32 their 128x128 blocks' scales, ``stats [..., 4]`` float32
+    `quantize_stats` counts of each ``[K, N]``; leading dims are batch dims (a stack's layers,
+    a MoE's experts), sliced alike by `jax.lax.scan` or a `jax.shard_map`. ``q``, ``scale``
+    and ``stats`` carry no gradient. Its scales are ``amax / 448`` (products that take it
+    refuse ``power_of_two=True``)."""
+    w: jax.Array
+    q: jax.Array
+    scale: jax.Array
+    stats: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @staticmethod
+    def check(power_of_two: bool) -> None:
+        if power_of_two:
+            raise ValueError("power_of_two=True with a QuantizedWeight: prequantize makes "
+                             "amax/448 scales; pass the unquantised weight for power-of-two "
+                             "scales")
+
+    def map(self, fn) -> QuantizedWeight:
+        """`fn` applied to ``w``, ``q``, ``scale`` and ``stats`` (e.g. a slice of leading
+        dims, an all-gather along a 128-aligned dim)."""
+        return QuantizedWeight(*(fn(a) for a in self))
+
+
+def prequantize(w: jax.Array) -> QuantizedWeight:
+    """``w [..., K, N]`` with its FP8 copy per 128x128 block of each ``[K, N]`` (the values
+    `quantize` with `WEIGHT_BLOCK` gives, so `dot` and `ragged_dot` of the result equal those
+    of `w`, forward and backward) and its `quantize_stats` counts, from one reduction per
+    block. Gradients reach ``w`` only through the products' VJPs."""
+    if w.ndim < 2:
+        raise ValueError(f"prequantize wants a weight [..., K, N], got shape {w.shape}")
+    parts = _quantize_parts(w, WEIGHT_BLOCK, jnp.float8_e4m3fn, False)
+    q, scale, stats = jax.lax.stop_gradient(
+        (parts[0], parts[1], _block_counts(w, *parts, jnp.float8_e4m3fn)))
+    return QuantizedWeight(w, q, scale, stats)
+
+
+def _pre_forward(x, qw, sw, power_of_two):
+    qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
+    return scaled_matmul(qx, sx, qw, _expand_cols(sw, WEIGHT_BLOCK[1], qw.shape[1]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dot2d_pre(x, w, qw, sw, options):
+    """`_dot2d` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the gradient."""
+    return _pre_forward(x, qw, sw, options[1])
+
+
+def _dot2d_pre_fwd(x, w, qw, sw, options):
+    qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
+    return _pre_forward(x, qw, sw, options[1]), (qxt, sxt, qw, sw)
+
+
+def _dot2d_pre_bwd(options, res, dy):
+    return (*_dot2d_bwd(options, res, dy), None, None)
+
+
+_dot2d_pre.defvjp(_dot2d_pre_fwd, _dot2d_pre_bwd)
+
+
+# -- the product per shard (a mesh's dense layers) -----------------------------------------
+
+def sharded_dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, mesh, x_spec, w_spec,
+                grad_dtype=jnp.float8_e4m3fn, power_of_two: bool = False) -> jax.Array:
+    """`dot` of ``x [..., K]`` sharded ``x_spec`` and ``w [K, N]`` (or its `prequantize`)
+    sharded ``w_spec`` on `mesh`, as one `jax.shard_map`: each shard all-gathers the weight's
+    K dim once, multiplies its own rows, and the gather's transpose reduce-scatters the
+    weight's gradient (FSDP's pattern).
+
+    Why: `dot`'s loops over 128-blocks (`scaled_matmul`) slice one block per iteration; left
+    to XLA's partitioner, a sliced axis that is sharded (the weight's K under FSDP, the
+    tokens in the weight gradient) makes XLA all-gather the whole operand in every
+    iteration. Per shard, every loop is local.
+
+    Args:
+      x: ``[..., K]``; ``x_spec``'s entry for K is gathered before the product (a 1x128 tile
+        needs its whole row).
+      w: ``[K, N]`` or a `QuantizedWeight` of one; the FP8 copy's float8 values and scales
+        are what travels when each K shard holds whole 128-blocks (half the bytes of a
+        bfloat16 weight), else the weight, quantised after the gather (the same values).
+      mesh: the mesh both specs name. Inside a `jax.shard_map` over any axis the specs name
+        (the operands are that shard's already) this is `dot`.
+      x_spec, w_spec: `jax.sharding.PartitionSpec` (or tuples) of ``x`` and ``w``.
+      grad_dtype, power_of_two: as in `dot`.
+
+    Returns:
+      float32 ``[..., N]`` sharded ``(*x_spec[:-1], n)``, where ``n`` is ``w_spec``'s N entry
+      when its shards hold whole 128-column blocks and share no axis with ``x_spec``'s lead
+      dims (else N is gathered too).
+    """
+    pre = w if isinstance(w, QuantizedWeight) else None
+    k, n = (pre.w if pre is not None else w).shape
+    x_spec, w_spec = tuple(x_spec), tuple(w_spec)
+    if len(x_spec) > x.ndim or len(w_spec) > 2 or x.shape[-1] != k:
+        raise ValueError(f"sharded_dot wants x [..., K] with x_spec of at most x.ndim entries "
+                         f"and w [K, N] with w_spec of at most 2; got x {x.shape} {x_spec}, "
+                         f"w [{k}, {n}] {w_spec}")
+    x_spec += (None,) * (x.ndim - len(x_spec))
+    w_spec += (None,) * (2 - len(w_spec))
+    names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    size = lambda e: math.prod(mesh.shape[a] for a in names(e))
+    lead = x_spec[:-1]
+    named = {a for e in x_spec + w_spec for a in names(e)}
+    if named & set(jax.sharding.get_abstract_mesh().manual_axes):
+        return dot(x, w, grad_dtype=grad_dtype, power_of_two=power_of_two)
+    taken = {a for e in lead for a in names(e)}
+    keep_n = (size(w_spec[1]) > 1 and not taken & set(names(w_spec[1]))
+              and n % (size(w_spec[1]) * _TILE) == 0)
+    gathers = [(0, names(w_spec[0])), (1, () if keep_n else names(w_spec[1]))]
+    gathers = [(axis, a) for axis, a in gathers if a]
+    whole_blocks = all(dim % (size(e) * _TILE) == 0 for dim, e in zip((k, n), w_spec))
+    send_copy = pre is not None and whole_blocks
+
+    def gather(a):  # [..., K, N] shards -> the product's weight (leading dims: none here)
+        for axis, a_names in gathers:
+            a = jax.lax.all_gather(a, a_names, axis=a.ndim - 2 + axis, tiled=True)
+        return a
+
+    def local(x, w):
+        if isinstance(w, QuantizedWeight):
+            w = QuantizedWeight(gather(w.w), gather(w.q), gather(w.scale), w.stats)
+        else:
+            w = gather(w)
+        return dot(x, w, grad_dtype=grad_dtype, power_of_two=power_of_two)
+
+    w_in = P(*w_spec)
+    if send_copy:
+        w_in = QuantizedWeight(w_in, w_in, w_in, P())
+        w_arg = pre
+    else:
+        w_arg = pre.w if pre is not None else w
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, None), w_in),
+                         out_specs=P(*lead, w_spec[1] if keep_n else None))(x, w_arg)
 
 
 # -- the grouped (MoE) product ---------------------------------------------------------------
@@ -300,7 +483,7 @@ def _ragged_bwd(options, res, dy):
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+def ragged_dot(x: jax.Array | Tiles, w: jax.Array, group_sizes: jax.Array, *,
                grad_dtype=jnp.float8_e4m3fn, power_of_two: bool = False) -> jax.Array:
     """float32 `jax.lax.ragged_dot` ``(x, w, group_sizes)`` from blockwise-quantised FP8
     operands: the MoE's grouped matmul.
@@ -309,10 +492,207 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     zeros), ``w [G, K, N]`` one weight per group (expert). ``x`` is quantised per 1x128 tile,
     each ``w[g]`` per 128x128 block; the backward as in `dot`, with ``dw[g] = x_g^T dy_g`` over
     128-row tiles of ``x^T`` and ``dy`` (a tile may span two groups: it shares their scale).
+
+    ``x`` may come quantised already (`Tiles`, e.g. rows that crossed the MoE's all-to-all in
+    FP8): its tiles are used as they are, so the forward equals that of the rows they were
+    made from; the weight gradient's ``x^T`` tiles are cut from the dequantised rows (the
+    original rows are elsewhere), and ``x``'s gradient goes to ``Tiles.values``.
     """
     _check_dtype(grad_dtype)
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != w.shape[:1]:
+    rows = x.values if isinstance(x, Tiles) else x
+    if (rows.ndim != 2 or w.ndim != 3 or rows.shape[1] != w.shape[1]
+            or group_sizes.shape != w.shape[:1]):
         raise ValueError(f"fp8.ragged_dot wants x [M, K], w [G, K, N], group_sizes [G]; got "
-                         f"x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
-    options = (np.dtype(grad_dtype), bool(power_of_two), np.dtype(x.dtype), np.dtype(w.dtype))
+                         f"x {rows.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
+    options = (np.dtype(grad_dtype), bool(power_of_two), np.dtype(rows.dtype), np.dtype(w.dtype))
+    if isinstance(x, Tiles):
+        return _ragged_tiles(*_same_varying(x.values, x.scale, w, group_sizes), options)
     return _ragged(*_same_varying(x, w, group_sizes), options)
+
+
+# -- tiles that travel (the MoE's FP8 dispatch) ----------------------------------------------
+
+class Tiles(NamedTuple):
+    """Rows quantised per 1x128 tile (`quantize_tiles`) in a form that moves like the rows.
+
+    ``values [M, K]`` hold the E4M3 values exactly, in the rows' own float dtype (every E4M3
+    value is a bfloat16, float16 and float32 value), ``scale [M, ceil(K/128)]`` float32 their
+    dequantisation factors: ``rows ≈ values * scale``. Row moves (gathers, all-to-alls) apply
+    to both alike; `ragged_dot` takes them without quantising again, and a wire may send
+    ``values`` as float8 bytes (`zoo.ops.moe.all_to_all_experts`). Gradients are
+    straight-through, as in `dot`: the cotangent of ``values`` is the gradient with respect to
+    the dequantised rows, ``scale`` takes none.
+    """
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def take(self, idx: jax.Array, move) -> Tiles:
+        """The rows `idx` of both: ``values`` by ``move(values)`` (a differentiable row move,
+        e.g. `zoo.ops.moe.take_rows`), ``scale`` by plain indexing (it has no gradient)."""
+        return Tiles(move(self.values), jax.lax.stop_gradient(self.scale)[idx])
+
+    def dequantize(self) -> jax.Array:
+        """The rows these tiles stand for: float32 ``values * scale``."""
+        k = self.values.shape[-1]
+        return self.values.astype(jnp.float32) * _expand_cols(self.scale, _TILE, k)
+
+
+def pack_tiles(tiles: Tiles) -> jax.Array:
+    """`Tiles` ``[M, K]`` as one uint8 row each for a wire: the K float8 bytes, then the
+    ``ceil(K/128)`` float32 scales' bytes -- ``K + 4 * ceil(K/128)`` bytes a row against
+    ``2 * K`` in bfloat16. No gradient (`unpack_tiles` is its inverse)."""
+    values, scale = (jax.lax.stop_gradient(a) for a in tiles)
+    q = jax.lax.bitcast_convert_type(values.astype(jnp.float8_e4m3fn), jnp.uint8)
+    s = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)  # [M, Kb, 4]
+    return jnp.concatenate([q, s.reshape(*scale.shape[:-1], -1)], axis=-1)
+
+
+def unpack_tiles(rows: jax.Array, k: int, dtype) -> Tiles:
+    """`pack_tiles`' rows ``[M, K + 4 * ceil(K/128)]`` uint8 back to `Tiles` with values in
+    `dtype` (exact)."""
+    kb = -(-k // _TILE)
+    if rows.dtype != jnp.uint8 or rows.shape[-1] != k + 4 * kb:
+        raise ValueError(f"unpack_tiles wants uint8 rows of {k} + 4*{kb} bytes (pack_tiles of "
+                         f"K={k}), got {rows.dtype} {rows.shape}")
+    q = jax.lax.bitcast_convert_type(rows[..., :k], jnp.float8_e4m3fn)
+    s = rows[..., k:].reshape(*rows.shape[:-1], kb, 4)
+    return Tiles(q.astype(dtype), jax.lax.bitcast_convert_type(s, jnp.float32))
+
+
+def quantize_tiles(x: jax.Array, *, power_of_two: bool = False) -> Tiles:
+    """``x [M, K]`` quantised per 1x128 tile (`quantize` with `ACTIVATION_BLOCK`) as `Tiles`
+    in ``x``'s dtype; the gradient passes straight through to ``x``."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_tiles wants rows x [M, K], got shape {x.shape}; reshape "
+                         f"to (-1, K) first")
+    return Tiles(*_tiles(x, bool(power_of_two)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _tiles(x, power_of_two):
+    q, scale = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
+    return q.astype(x.dtype), scale
+
+
+def _tiles_fwd(x, power_of_two):
+    return _tiles(x, power_of_two), None
+
+
+def _tiles_bwd(power_of_two, res, cotangents):
+    return (cotangents[0],)
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_tiles(values, scale, w, group_sizes, options):
+    return _ragged_tiles_forward(values, scale, w, group_sizes, options[1])[0]
+
+
+def _ragged_tiles_forward(values, scale, w, group_sizes, power_of_two):
+    qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
+    qx = values.astype(jnp.float8_e4m3fn)  # exact: the values are E4M3 values
+    return _scaled_ragged(qx, scale, qw, sw, WEIGHT_BLOCK[1], group_sizes), (qw, sw)
+
+
+def _ragged_tiles_fwd(values, scale, w, group_sizes, options):
+    y, (qw, sw) = _ragged_tiles_forward(values, scale, w, group_sizes, options[1])
+    rows = Tiles(values, scale).dequantize()
+    qxt, sxt = quantize(rows.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
+    return y, (qxt, sxt, qw, sw, group_sizes)
+
+
+def _ragged_tiles_bwd(options, res, dy):
+    dx, dw, _ = _ragged_bwd(options, res, dy)
+    return dx, None, dw, None
+
+
+_ragged_tiles.defvjp(_ragged_tiles_fwd, _ragged_tiles_bwd)
+
+
+# -- statistics: what quantisation did (the train step's fp8/ metrics) ----------------------
+
+STATS = ("blocks", "saturated_blocks", "nonzero", "underflow")  # `quantize_stats`' entries
+_CLIP_SLACK = 1 + 2.0 ** -20  # a quotient past fmax by this much is a clip, not rounding
+
+
+def quantize_stats(x: jax.Array, *, block: tuple[int, int] = ACTIVATION_BLOCK,
+                   dtype=jnp.float8_e4m3fn, power_of_two: bool = False) -> jax.Array:
+    """float32 ``[4]`` counts (`STATS`) of what `quantize` does to `x` with these arguments.
+
+    * ``blocks``: the blocks (partial edge blocks count as one).
+    * ``saturated_blocks``: blocks whose scale hit an extreme: a nonzero block whose
+      ``amax / fmax`` fell below the smallest normal float32, so it took ``scale = 1`` and its
+      values underflow; a block with a non-finite value (no finite scale holds it); or a block
+      with a value clipped to ``±fmax`` (``|x| > fmax * scale`` beyond float32 rounding of
+      the quotient -- with ``amax / fmax`` scales only the first two kinds occur).
+    * ``nonzero``: the nonzero values of `x`; ``underflow``: those that are zero in FP8.
+
+    Counts are float32 sums (exact below 2**24; fractions of them are what the metrics
+    report). `x` is ``[..., rows, cols]`` as in `quantize`.
+    """
+    _check_dtype(dtype)
+    parts = _quantize_parts(x, tuple(int(b) for b in block), dtype, power_of_two)
+    return jnp.sum(_block_counts(x, *parts, dtype).reshape(-1, len(STATS)), axis=0)
+
+
+def _block_counts(x, q, scale, xb, amax, dtype) -> jax.Array:
+    """`quantize_stats`' counts per leading index of ``x [..., rows, cols]``: ``[..., 4]``,
+    from `_quantize_parts`' ``(q, scale, xb, amax)``."""
+    fmax = float(jnp.finfo(dtype).max)
+    bound = (scale * jnp.float32(fmax * _CLIP_SLACK))[..., :, None, :, None]
+    clipped = jnp.any(jnp.abs(xb) > bound, axis=(-3, -1))
+    tiny = (amax > 0) & (amax * jnp.float32(1 / fmax) < jnp.finfo(jnp.float32).tiny)
+    saturated = tiny | ~jnp.isfinite(amax) | clipped
+    nonzero = x.astype(jnp.float32) != 0
+    under = nonzero & (q.astype(jnp.float32) == 0)
+    count = lambda a: jnp.sum(a, axis=(-2, -1), dtype=jnp.float32)
+    blocks = jnp.full(scale.shape[:-2], scale.shape[-2] * scale.shape[-1], jnp.float32)
+    return jnp.stack([blocks, count(saturated), count(nonzero), count(under)], axis=-1)
+
+
+# -- targets: which chips multiply float8 ----------------------------------------------------
+
+class Fp8EmulatedWarning(UserWarning):
+    """``fp8="blockwise"`` on a TPU with no FP8 matrix unit: it runs emulated (`check_target`).
+    ``warnings.simplefilter("error", Fp8EmulatedWarning)`` refuses such runs instead."""
+
+
+# TPU generations whose matrix units multiply float8 (Ironwood); v4, v5e, v5p and v6e do not
+TPU_FP8_KINDS = ("TPU7x", "TPU v7")
+
+
+def check_target(mode: str | None, mesh) -> None:
+    """Warn (`Fp8EmulatedWarning`) when FP8 `mode` is asked for on a mesh of TPU chips without
+    an FP8 matrix unit (TPU v4, v5e, v5p, v6e: the platform is read from the mesh's devices,
+    never from the process's backend). zoo runs it there anyway, as on the CPU: the same
+    quantisation and float8 products (XLA:TPU compiles them; its MXU multiplies them without
+    an FP8 mode) -- FP8's numerics, none of its speed. GPUs (H100/H200: FP8 tensor cores),
+    CPUs (the development emulation) and meshes without devices pass silently."""
+    if check_mode(mode) != "blockwise" or mesh is None:
+        return
+    try:
+        devices = mesh.devices
+    except ValueError:  # an AbstractMesh: no devices, no target yet
+        return
+    if not isinstance(devices, np.ndarray) or not devices.size:
+        return
+    kind = getattr(devices.flat[0], "device_kind", "")
+    if mesh_platform(mesh) != "tpu" or kind.startswith(TPU_FP8_KINDS):
+        return
+    warnings.warn(
+        f"fp8='blockwise' on {kind!r}: this TPU has no FP8 matrix unit (FP8 MXUs start with "
+        f"TPU7x/Ironwood), so zoo runs FP8 emulated -- the same blockwise quantisation and "
+        f"float8 products, which XLA:TPU compiles without FP8 throughput: FP8's numerics "
+        f"without its speed-up. Use fp8=None for speed, or keep it to study FP8 numerics "
+        f"(docs/fp8.md); warnings.simplefilter('error', zoo.ops.fp8.Fp8EmulatedWarning) "
+        f"refuses instead.", Fp8EmulatedWarning, stacklevel=3)

@@ -6,7 +6,9 @@ dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exc
 * `route` -- router logits -> top-k expert indices and combine weights, in float32, with the
   semantics of Hugging Face's ``MixtralTopKRouter`` (``scoring="softmax"``) and
   ``DeepseekV3TopkRouter`` (``scoring="sigmoid"``: selection bias, group-limited top-k,
-  ``norm_topk_prob``, ``routed_scaling_factor``).
+  ``norm_topk_prob``, ``routed_scaling_factor``) and DeepSeek-V4's ``DeepseekV4TopKRouter``
+  (``scoring="sqrtsoftplus"``: ``sqrt(softplus(logits))`` with a selection bias) and
+  ``DeepseekV4HashRouter`` (``indices=``: a fixed token-id -> experts table chose them).
 * `expert_counts`, `load_balance_loss` -- balance statistics over the tokens given.
 * `grouped_swiglu` -- the experts' SwiGLU on rows sorted by expert. What runs where:
   ``"auto"`` picks, when the program is lowered (`jax.lax.platform_dependent`), the blocked
@@ -22,7 +24,10 @@ dispatch inside `jax.shard_map` (`all_to_all_experts` names the mesh axis it exc
   holding its expert (`jax.lax.ragged_all_to_all` on GPU/TPU, a padded `jax.lax.all_to_all`
   on CPU, chosen at lowering), into ``capacity`` rows per peer (`a2a_capacity`: dropless by
   default, or ``buffer_factor`` times the balanced share, overflow counted); results come
-  back the same way. Sends, expert math and the k-way combine run in the compute dtype.
+  back the same way. Sends, expert math and the k-way combine run in the compute dtype;
+  with ``fp8_dispatch`` the sends carry FP8 tiles and their scales (`send_tiles`; the
+  receiver's FP8 grouped matmul takes them as they are), their gradients the compute dtype.
+  `dispatch_rows` / `return_rows` are the wire (ragged or padded) both ways.
 * `capacity_experts` -- fixed capacity per expert (``[E, C, D]`` buffers, batched matmul);
   copies beyond the capacity are dropped, first choices before second choices.
 * `dispatch_bytes` -- analytic per-device bytes of either scheme (what ``dispatch="auto"``
@@ -45,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +58,20 @@ import numpy as np
 
 from zoo.ops import fp8
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def router_scores(logits: jax.Array, scoring: str) -> jax.Array:
+    """Float32 router scores: ``softmax`` over experts, ``sigmoid`` (DeepSeek-V3) or
+    ``sqrtsoftplus`` = ``sqrt(softplus(logits))`` (DeepSeek-V4), elementwise."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring={scoring!r} is not one of {SCORINGS}")
+    logits = logits.astype(jnp.float32)
+    if scoring == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if scoring == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jax.nn.softplus(logits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +110,8 @@ def _row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
 # -- routing ---------------------------------------------------------------------------------
 def route(logits: jax.Array, *, k: int, scoring: str = "softmax", bias: jax.Array | None = None,
           n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-          routed_scaling_factor: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+          routed_scaling_factor: float = 1.0, indices: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k routing. Returns ``(weights [..., k] f32, indices [..., k] int32, scores [..., E])``.
 
     ``scores`` are the unbiased router scores (softmax probabilities or sigmoid scores), which
@@ -102,13 +121,22 @@ def route(logits: jax.Array, *, k: int, scoring: str = "softmax", bias: jax.Arra
     unbiased scores of the selected experts, divided by their sum when ``norm_topk_prob``
     (+1e-20 for sigmoid, as DeepSeek-V3 does), times ``routed_scaling_factor``. With softmax and
     ``norm_topk_prob`` this is Mixtral's "softmax over all, top-k, renormalise", which equals a
-    softmax over the k selected logits.
+    softmax over the k selected logits. ``sqrtsoftplus`` (DeepSeek-V4) is handled as
+    ``sigmoid`` with its own scores. ``indices [..., k]`` given (hash routing: DeepSeek-V4's
+    ``tid2eid[token]``) skip the selection: the weights are those experts' scores,
+    normalised and scaled the same way (``bias``, groups ignored).
     """
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring={scoring!r} is not one of {SCORINGS}")
-    logits = logits.astype(jnp.float32)
+    scores = router_scores(logits, scoring)
     num_experts = logits.shape[-1]
-    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    if indices is not None:
+        if indices.shape != (*scores.shape[:-1], k):
+            raise ValueError(f"route: indices of shape {indices.shape} must be the scores' "
+                             f"leading shape plus k={k}: {(*scores.shape[:-1], k)}")
+        indices = indices.astype(jnp.int32)
+        weights = _combine_weights(scores, indices, scoring=scoring,
+                                   norm_topk_prob=norm_topk_prob,
+                                   routed_scaling_factor=routed_scaling_factor)
+        return weights, indices, scores
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     choice = jax.lax.stop_gradient(choice)  # selection is discrete; weights carry the gradient
     if n_group > 1:
@@ -120,11 +148,19 @@ def route(logits: jax.Array, *, k: int, scoring: str = "softmax", bias: jax.Arra
         keep = jnp.repeat(keep, per_group, axis=-1)  # [..., E]
         choice = jnp.where(keep, choice, -jnp.inf)
     _, indices = jax.lax.top_k(choice, k)
+    weights = _combine_weights(scores, indices, scoring=scoring, norm_topk_prob=norm_topk_prob,
+                               routed_scaling_factor=routed_scaling_factor)
+    return weights, indices.astype(jnp.int32), scores
+
+
+def _combine_weights(scores, indices, *, scoring, norm_topk_prob, routed_scaling_factor):
+    """The selected experts' scores, normalised (``+1e-20`` unless softmax, as DeepSeek does)
+    and scaled."""
     weights = jnp.take_along_axis(scores, indices, axis=-1)
     if norm_topk_prob:
         denom = weights.sum(-1, keepdims=True)
-        weights = weights / (denom + 1e-20 if scoring == "sigmoid" else denom)
-    return weights * routed_scaling_factor, indices.astype(jnp.int32), scores
+        weights = weights / (denom if scoring == "softmax" else denom + 1e-20)
+    return weights * routed_scaling_factor
 
 
 def expert_counts(indices: jax.Array, num_experts: int) -> jax.Array:
@@ -139,13 +175,14 @@ def load_balance_loss(scores: jax.Array, counts: jax.Array, *, k: int,
 
     ``f_e = counts_e / (T * k)``: the fraction of token copies routed to expert ``e`` (no
     gradient); ``P_e``: the mean over tokens of the router probability of ``e`` (softmax), or of
-    the sigmoid score normalised over experts (``s / sum(s)``, DeepSeek-V3's sequence-wise loss).
+    the sigmoid (or sqrtsoftplus) score normalised over experts (``s / sum(s)``, DeepSeek-V3's
+    sequence-wise loss).
     Hugging Face's ``load_balancing_loss_func`` uses ``counts / T`` instead, i.e. ``k`` times
     this value (per layer).
     """
     num_experts = scores.shape[-1]
     scores = scores.astype(jnp.float32)
-    if scoring == "sigmoid":
+    if scoring != "softmax":  # sigmoid, sqrtsoftplus: normalised over experts
         scores = scores / scores.sum(-1, keepdims=True)
     prob = scores.mean(tuple(range(scores.ndim - 1)))  # over all tokens
     frac = counts.astype(jnp.float32) / (scores.size // num_experts * k)
@@ -207,6 +244,10 @@ class MoEExecution:
       them when tokamax's kernels must be traced for it (a GPU mesh on another host's
       platform, `zoo.Partitioner.target_device`), else None.
     * ``requested_dispatch``, ``requested_overflow``: what was asked (``"auto"`` or a scheme).
+    * ``fp8_dispatch``: the tokens cross the all_to_all wire as FP8 tiles with their float32
+      scales (`all_to_all_experts`); their gradients and the expert outputs travel in the
+      compute dtype. On by default wherever the experts run ``"fp8_blockwise"`` behind the
+      all_to_all dispatch on a mesh (``fp8_dispatch=None`` asked), else off.
 
     ``dropless()`` is the same execution with nothing dropped (what generation runs).
     """
@@ -221,11 +262,13 @@ class MoEExecution:
     device: Any = None
     requested_dispatch: str = "auto"
     requested_overflow: str = "auto"
+    fp8_dispatch: bool = False
 
     @staticmethod
     def check(*, dispatch: str = "auto", capacity_factor: float | None = None,
               buffer_factor: float | None = None, overflow: str = "auto",
-              grouped_matmul: str = "auto", plain: bool = True) -> None:
+              grouped_matmul: str = "auto", plain: bool = True,
+              fp8_dispatch: bool | None = None) -> None:
         """The requested options and the rules between them, with the fix in each message
         (``plain``: the experts are SwiGLU without biases, which the rounds need)."""
         if capacity_factor is not None and not capacity_factor > 0:
@@ -258,6 +301,18 @@ class MoEExecution:
             raise ValueError("overflow='exact' runs the plain SwiGLU experts; expert_bias and a "
                              "clamped activation need overflow='drop' (with buffer_factor=None "
                              "nothing is dropped)")
+        if fp8_dispatch not in (None, True, False):
+            raise ValueError(f"fp8_dispatch={fp8_dispatch!r} must be None (FP8 tokens on the "
+                             f"all_to_all wire whenever the experts run in FP8), True or False")
+        if fp8_dispatch and grouped_matmul != "fp8_blockwise":
+            raise ValueError(f"fp8_dispatch=True sends the tokens as FP8 tiles for the FP8 "
+                             f"grouped matmul, but grouped_matmul={grouped_matmul!r}; set "
+                             f"fp8='blockwise' (grouped_matmul 'fp8_blockwise') or "
+                             f"fp8_dispatch=None")
+        if fp8_dispatch and (dispatch == "all_gather" or capacity_factor is not None):
+            raise ValueError("fp8_dispatch=True is the all_to_all wire's; dispatch='all_gather' "
+                             "(or a capacity_factor, which only it has) gathers the tokens in "
+                             "the compute dtype; use dispatch='all_to_all' or fp8_dispatch=None")
 
     @classmethod
     def resolve(cls, *, dispatch: str = "auto", capacity_factor: float | None = None,
@@ -266,7 +321,7 @@ class MoEExecution:
                 platform: str = "cpu", device: Any = None, sharded: bool = False,
                 expert_shards: int = 1, unsharded_token_axes: tuple = (),
                 tokens_per_device: int = 1, num_experts: int = 1, k: int = 1,
-                embed: int = 1) -> MoEExecution:
+                embed: int = 1, fp8_dispatch: bool | None = None) -> MoEExecution:
         """The execution the requested options stand for on a mesh: `check`, then ``"auto"``
         settled (dispatch by `dispatch_bytes`; overflow by the rounds' buffers, see
         `zoo.layers.moe`; the grouped matmul by ``platform``, falling back to XLA's ragged dot
@@ -274,10 +329,11 @@ class MoEExecution:
         the expert axes' size; ``unsharded_token_axes``: expert axes that shard no token
         dimension (all_to_all needs each device's own tokens); ``tokens_per_device``,
         ``num_experts``, ``k``, ``embed``: the sizes "auto" weighs; ``dtype``: the experts'
-        computation dtype (None: the input's)."""
+        computation dtype (None: the input's); ``fp8_dispatch``: see the class docstring
+        (True where the dispatch resolves to no all_to_all wire is an error)."""
         cls.check(dispatch=dispatch, capacity_factor=capacity_factor,
                   buffer_factor=buffer_factor, overflow=overflow,
-                  grouped_matmul=grouped_matmul, plain=plain)
+                  grouped_matmul=grouped_matmul, plain=plain, fp8_dispatch=fp8_dispatch)
         scheme = dispatch
         if not sharded:
             scheme = "all_gather" if dispatch == "auto" else dispatch
@@ -308,11 +364,18 @@ class MoEExecution:
         if (platform == "gpu" and sharded and kernel == "tokamax"
                 and floating != jnp.dtype(jnp.bfloat16)):
             kernel, reason = "ragged_dot", TRITON_FP32_REASON
+        wire = sharded and scheme == "all_to_all"
+        if fp8_dispatch and not wire:
+            raise ValueError(f"fp8_dispatch=True needs the all_to_all wire, but dispatch="
+                             f"{dispatch!r} resolves to {scheme!r}" + ("" if sharded else
+                             " without a mesh") + "; pass dispatch='all_to_all' on a mesh "
+                             "that shards the experts, or fp8_dispatch=None")
         return cls(dispatch=scheme, capacity_factor=capacity_factor,
                    buffer_factor=buffer_factor, overflow=flow, exchange_buffer_factor=exchange,
                    grouped_matmul=kernel, kernel_reason=reason, platform=platform,
                    device=device if platform == "gpu" else None, requested_dispatch=dispatch,
-                   requested_overflow=overflow)
+                   requested_overflow=overflow,
+                   fp8_dispatch=wire and kernel == "fp8_blockwise" and fp8_dispatch is not False)
 
     @property
     def drops(self) -> bool:
@@ -597,7 +660,9 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
         and on a v5e chip XLA's ragged dot ran a SwiGLU's forward and backward about 10x
         faster than the Mosaic kernel at its default tiles (docs/benchmarks.md).
       * ``"fp8_blockwise"``: `zoo.ops.fp8.ragged_dot`, blockwise-scaled FP8 operands (XLA's
-        ragged dot per 128-block of D or F), forward and backward (docs/fp8.md).
+        ragged dot per 128-block of D or F), forward and backward (docs/fp8.md). ``x`` may
+        then be `zoo.ops.fp8.Tiles` (rows quantised already, e.g. by the FP8 dispatch): the
+        gate and up products take its tiles as they are.
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
@@ -609,6 +674,9 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
     """
     if impl not in GROUPED_MATMULS:
         raise ValueError(f"grouped matmul {impl!r} is not one of {GROUPED_MATMULS}")
+    if isinstance(x, fp8.Tiles) and impl != "fp8_blockwise":
+        raise ValueError(f"grouped_swiglu: x is FP8 tiles (zoo.ops.fp8.Tiles), which only "
+                         f"impl='fp8_blockwise' takes, not {impl!r}")
     with jax.named_scope("grouped_matmul"):  # profiles and HLO read the experts' matmuls by it
         return _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order,
                                inverse, activation, bias, device)
@@ -629,7 +697,9 @@ def _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, ord
             if order is None:
                 return _ragged_swiglu(dot, x, *rest, activation, bias)
             inv = inverse_permutation(order) if inverse is None else inverse
-            out = _ragged_swiglu(dot, take_rows(x, order, inv), *rest, activation, bias)
+            move = lambda v: take_rows(v, order, inv)
+            x = x.take(order, move) if isinstance(x, fp8.Tiles) else move(x)
+            out = _ragged_swiglu(dot, x, *rest, activation, bias)
             return take_rows(out, inv, order)
         return run
     if impl == "blocked":
@@ -703,7 +773,8 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
                        wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *,
                        axis_name, num_shards: int, capacity: int, impl: str = "auto",
                        transport: str = "auto", activation: GLU = SWIGLU,
-                       bias=None, device=None) -> tuple[jax.Array, jax.Array]:
+                       bias=None, device=None, fp8_dispatch: bool = False
+                       ) -> tuple[jax.Array, jax.Array]:
     """Expert-parallel dispatch by all-to-all, inside `jax.shard_map` over `axis_name`.
 
     Each device holds its own tokens ``x [T, D]`` (with ``indices/weights [T, k]``) and the
@@ -721,38 +792,31 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
     ``"padded"`` (a dense `jax.lax.all_to_all` of ``[EP, capacity, D]``; XLA:CPU has no ragged
     all-to-all) or ``"auto"``: padded when lowered for CPU, ragged elsewhere
     (`jax.lax.platform_dependent`).
+    ``fp8_dispatch`` (with ``impl="fp8_blockwise"``): the tokens travel as FP8 tiles with their
+    scales (`send_tiles`: ``D + 4 * ceil(D/128)`` bytes a row) and the experts' FP8 grouped
+    matmul takes those tiles as they are; their gradients come back in the compute dtype, and
+    the expert outputs (the combine) travel in it both ways.
     Returns ``(y [T, D] float32, dropped copies int32 on this device)``.
     """
+    if fp8_dispatch and impl != "fp8_blockwise":
+        raise ValueError(f"fp8_dispatch=True sends FP8 tiles that only the 'fp8_blockwise' "
+                         f"grouped matmul takes, but impl={impl!r}; pass "
+                         f"impl='fp8_blockwise' (MoE(fp8='blockwise')) or fp8_dispatch=False")
     num_tokens, k = indices.shape
     num_local = wi_gate.shape[0]
     copies, cap, n = num_tokens * k, capacity, num_shards
-    me = jax.lax.axis_index(axis_name)
     plan = _send_plan(indices.T.reshape(-1), num_local, n, cap)  # copy j*T + t: priority order
     x = x.astype(wi_gate.dtype)
     # each peer's rows for me, per local expert of mine, and where my rows sit on each peer
     recv_counts = jax.lax.all_to_all(plan.per_expert, axis_name, 0, 0, tiled=True)  # [EP, E_l]
-    recv_sizes = recv_counts.sum(1)
-    their_offsets = jax.lax.all_to_all(plan.offsets, axis_name, 0, 0, tiled=True)
-    vary = lambda v, like: mark_varying(v, varying_axes(like))
-
-    def ragged_go(x):
-        xs = take_rows(x, plan.order % num_tokens, plan.pos)  # copies in send order [M, D]
-        at = jnp.full((n,), me * cap, jnp.int32)  # my rows on every peer
-        return jax.lax.ragged_all_to_all(xs, vary(jnp.zeros((n * cap, x.shape[-1]), x.dtype), xs),
-                                         plan.offsets, plan.sent, at, recv_sizes,
-                                         axis_name=axis_name)
-
-    def padded_go(x):
-        slot = jnp.arange(cap)
-        src = plan.order[jnp.clip(plan.offsets[:, None] + slot, 0, copies - 1)]  # [EP, C]
-        send = jnp.where((slot < plan.sent[:, None])[..., None], x[src % num_tokens], 0)
-        return jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True).reshape(n * cap, -1)
-
-    go = dict(ragged=ragged_go, padded=padded_go)
-    if transport == "auto":
-        recv_x = jax.lax.platform_dependent(x, cpu=padded_go, default=ragged_go)
-    else:
-        recv_x = go[transport](x)
+    route = Route(order=plan.order, pos=plan.pos, dest=plan.dest, kept=plan.kept,
+                  sent=plan.sent, offsets=plan.offsets, me=jax.lax.axis_index(axis_name),
+                  recv_sizes=recv_counts.sum(1),
+                  their_offsets=jax.lax.all_to_all(plan.offsets, axis_name, 0, 0, tiled=True))
+    wire = Wire(axis_name, n, cap, num_tokens, transport)
+    with jax.named_scope("moe_dispatch"):  # hlo.collective_bytes(scope=) reads the wire by it
+        recv_x = (send_tiles(wire, route, fp8.quantize_tiles(x)) if fp8_dispatch
+                  else dispatch_rows(wire, route, x))
 
     # on the receiver: [EP * C] rows, peer-major, each peer's grouped by expert
     arrival, order2, valid, group_sizes = _arrival_layout(recv_counts, cap)
@@ -760,24 +824,113 @@ def all_to_all_experts(x: jax.Array, indices: jax.Array, weights: jax.Array,
                          order=order2, inverse=arrival, activation=activation,
                          bias=bias, device=device)  # in arrival order
     out = jnp.where(valid[:, None], out, 0)
-
-    def ragged_back(out):
-        back = jax.lax.ragged_all_to_all(
-            out, vary(jnp.zeros((copies, out.shape[-1]), out.dtype), out), jnp.arange(n) * cap,
-            recv_sizes, their_offsets, plan.sent, axis_name=axis_name)  # my send order
-        return take_rows(back, plan.pos, plan.order)
-
-    def padded_back(out):
-        back = jax.lax.all_to_all(out.reshape(n, cap, -1), axis_name, 0, 0, tiled=True)
-        return back[plan.dest, jnp.clip(plan.pos - plan.offsets[plan.dest], 0, cap - 1)]
-
-    back = dict(ragged=ragged_back, padded=padded_back)
-    if transport == "auto":
-        got = jax.lax.platform_dependent(out, cpu=padded_back, default=ragged_back)
-    else:
-        got = back[transport](out)
+    with jax.named_scope("moe_combine"):
+        got = return_rows(wire, route, out)
     got = jnp.where(plan.kept[:, None], got, 0).reshape(k, num_tokens, -1)
     return combine_copies(got, weights), (copies - plan.sent.sum()).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """The static side of one `all_to_all_experts` exchange over ``axis_name``: ``n`` peers,
+    ``cap`` receive rows per peer, ``num_tokens`` tokens on each device, the ``transport``."""
+    axis_name: Any
+    n: int
+    cap: int
+    num_tokens: int
+    transport: str = "auto"
+
+
+class Route(NamedTuple):
+    """The traced side: `_send_plan`'s arrays (``order``, ``pos``, ``dest``, ``kept``, ``sent``,
+    ``offsets``), this device's index ``me`` on the axis, the rows each peer sends it
+    (``recv_sizes [EP]``) and where its own rows sit on each peer (``their_offsets [EP]``)."""
+    order: jax.Array
+    pos: jax.Array
+    dest: jax.Array
+    kept: jax.Array
+    sent: jax.Array
+    offsets: jax.Array
+    me: jax.Array
+    recv_sizes: jax.Array
+    their_offsets: jax.Array
+
+
+def _by_transport(wire: Wire, padded, ragged, rows):
+    if wire.transport == "auto":
+        return jax.lax.platform_dependent(rows, cpu=padded, default=ragged)
+    return dict(padded=padded, ragged=ragged)[wire.transport](rows)
+
+
+def dispatch_rows(wire: Wire, route: Route, x: jax.Array) -> jax.Array:
+    """Each token copy's row of ``x [T, W]`` (any dtype) to its expert's device: the
+    receiver's ``[EP * C, W]`` rows, peer-major (`_arrival_layout`); differentiable."""
+    n, cap, r = wire.n, wire.cap, route
+
+    def ragged(x):
+        xs = take_rows(x, r.order % wire.num_tokens, r.pos)  # copies in send order [M, W]
+        at = jnp.full((n,), r.me * cap, jnp.int32)  # my rows on every peer
+        into = mark_varying(jnp.zeros((n * cap, x.shape[-1]), x.dtype), varying_axes(xs))
+        return jax.lax.ragged_all_to_all(xs, into, r.offsets, r.sent, at, r.recv_sizes,
+                                         axis_name=wire.axis_name)
+
+    def padded(x):
+        slot = jnp.arange(cap)
+        src = r.order[jnp.clip(r.offsets[:, None] + slot, 0, r.order.shape[0] - 1)]  # [EP, C]
+        send = jnp.where((slot < r.sent[:, None])[..., None], x[src % wire.num_tokens], 0)
+        return jax.lax.all_to_all(send, wire.axis_name, 0, 0, tiled=True).reshape(n * cap, -1)
+    return _by_transport(wire, padded, ragged, x)
+
+
+def return_rows(wire: Wire, route: Route, out: jax.Array) -> jax.Array:
+    """The receiver's ``out [EP * C, W]`` back to the copies they came from: ``[M, W]`` in
+    copy order (``j*T + t``); rows of copies that were not sent (``route.kept`` False) are
+    undefined. Up to that mask and the sum over a token's copies, the transpose of
+    `dispatch_rows`."""
+    n, cap, r = wire.n, wire.cap, route
+    copies = r.order.shape[0]
+
+    def ragged(out):
+        into = mark_varying(jnp.zeros((copies, out.shape[-1]), out.dtype), varying_axes(out))
+        back = jax.lax.ragged_all_to_all(out, into, jnp.arange(n) * cap, r.recv_sizes,
+                                         r.their_offsets, r.sent,
+                                         axis_name=wire.axis_name)  # my send order
+        return take_rows(back, r.pos, r.order)
+
+    def padded(out):
+        back = jax.lax.all_to_all(out.reshape(n, cap, -1), wire.axis_name, 0, 0, tiled=True)
+        return back[r.dest, jnp.clip(r.pos - r.offsets[r.dest], 0, cap - 1)]
+    return _by_transport(wire, padded, ragged, out)
+
+
+def send_tiles(wire: Wire, route: Route, tiles: fp8.Tiles) -> fp8.Tiles:
+    """`dispatch_rows` of FP8 `zoo.ops.fp8.Tiles`: each row crosses the wire as its float8
+    bytes and float32 scales (`zoo.ops.fp8.pack_tiles`, one uint8 row); the receiver gets the
+    same tiles. The gradient of ``tiles.values`` (straight-through: the dequantised rows')
+    comes back by `return_rows` in the values' dtype, summed over each token's copies."""
+    axes = varying_axes(tiles.values) | varying_axes(tiles.scale)
+    values, scale = (mark_varying(v, axes) for v in tiles)
+    return fp8.Tiles(*_send_tiles(wire, axes, route, values, scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _send_tiles(wire, axes, route, values, scale):
+    recv = dispatch_rows(wire, route, fp8.pack_tiles(fp8.Tiles(values, scale)))
+    return tuple(fp8.unpack_tiles(recv, values.shape[-1], values.dtype))
+
+
+def _send_tiles_fwd(wire, axes, route, values, scale):
+    return _send_tiles(wire, axes, route, values, scale), route
+
+
+def _send_tiles_bwd(wire, axes, route, cotangents):
+    got = return_rows(wire, route, cotangents[0])  # [M, D], copy order
+    got = jnp.where(route.kept[:, None], got.astype(jnp.float32), 0)
+    dx = got.reshape(-1, wire.num_tokens, got.shape[-1]).sum(0)
+    return None, as_varying(dx.astype(cotangents[0].dtype), axes), None
+
+
+_send_tiles.defvjp(_send_tiles_fwd, _send_tiles_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

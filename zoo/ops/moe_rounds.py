@@ -17,6 +17,10 @@ the input rows' gradients back. Memory is that of one round (the ``capacity`` bu
 ``[M, D]`` accumulators of the per-copy outputs (forward) or input gradients (backward), and
 the expert-weight gradient accumulators; time grows with the rounds.
 
+With ``fp8_dispatch`` the rows cross the wire as FP8 tiles with their scales
+(`zoo.ops.fp8.pack_tiles`), in the backward's re-sends too, beside the cotangent rows in the
+compute dtype; the receiver's FP8 grouped matmul takes the tiles as they are.
+
 Legend as in `zoo.ops.moe`: T tokens, k copies per token, M = T*k copies, D embed, C rows per
 peer per round, EP (``n``) expert shards.
 """
@@ -30,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zoo.ops import fp8
 from zoo.ops.moe import combine_copies, grouped_swiglu, mark_varying, varying_axes
 
 __all__ = ["all_to_all_rounds"]
@@ -38,7 +43,8 @@ __all__ = ["all_to_all_rounds"]
 def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
                       wi_gate: jax.Array, wi_up: jax.Array, wo: jax.Array, *, axis_name,
                       num_shards: int, capacity: int, impl: str = "auto",
-                      transport: str = "auto", device=None) -> tuple[jax.Array, jax.Array]:
+                      transport: str = "auto", device=None, fp8_dispatch: bool = False
+                      ) -> tuple[jax.Array, jax.Array]:
     """Exact expert-parallel dispatch by all-to-all in rounds of ``capacity`` rows per peer,
     inside `jax.shard_map` over `axis_name` (arguments as `zoo.ops.moe.all_to_all_experts`;
     ``device``, static, reaches the backward's kernels too).
@@ -46,11 +52,15 @@ def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
     Returns ``(y [T, D] float32, rounds int32)``: ``rounds`` is the number of rounds this
     expert group ran (the same on each of its devices); nothing is dropped.
     """
+    if fp8_dispatch and impl != "fp8_blockwise":
+        raise ValueError(f"fp8_dispatch=True sends FP8 tiles that only the 'fp8_blockwise' "
+                         f"grouped matmul takes, but impl={impl!r}; pass "
+                         f"impl='fp8_blockwise' (MoE(fp8='blockwise')) or fp8_dispatch=False")
     x = x.astype(wi_gate.dtype)
     axes = frozenset().union(*(varying_axes(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
     x, wi_gate, wi_up, wo = (mark_varying(v, axes) for v in (x, wi_gate, wi_up, wo))
     indices = mark_varying(indices, axes)
-    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, device)
+    cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, device, bool(fp8_dispatch))
     got, rounds = _exchange(cfg, x, wi_gate, wi_up, wo, indices)
     num_tokens, k = indices.shape
     return combine_copies(got.reshape(k, num_tokens, -1), weights), rounds
@@ -65,6 +75,7 @@ class _Cfg:
     impl: str
     transport: str
     device: Any = None  # the kernels' target device (`zoo.ops.moe.tokamax_dot`)
+    fp8: bool = False  # rows on the wire as FP8 tiles (`zoo.ops.fp8.pack_tiles`)
 
 
 class _Plan:
@@ -165,17 +176,27 @@ def _expert_rows(cfg: _Cfg, recv_x, recv_e, wg, wu, wo, copies: int):
     return jnp.where((keys < num_local)[:, None], out, 0)
 
 
-def _source_rows(plan: _Plan, x):
+def _source_rows(cfg: _Cfg, plan: _Plan, x):
+    """Each copy's row of ``x [T, D]`` as the wire carries it: ``[M, D]``, or FP8 tiles packed
+    into ``[M, D + 4 * ceil(D/128)]`` bytes (each token quantised once)."""
+    if cfg.fp8:
+        x = fp8.pack_tiles(fp8.quantize_tiles(x))
     return x[jnp.arange(plan.copies) % plan.num_tokens]
+
+
+def _arrived(cfg: _Cfg, recv, width: int, dtype):
+    """Received rows as the experts take them: the rows, or `zoo.ops.fp8.Tiles`."""
+    return fp8.unpack_tiles(recv, width, dtype) if cfg.fp8 else recv
 
 
 def _forward(cfg: _Cfg, x, wg, wu, wo, indices):
     plan = _Plan(cfg, indices, wg.shape[0])
-    rows = _source_rows(plan, x)
+    rows = _source_rows(cfg, plan, x)
 
     def body(carry):
         r, acc = carry
         recv_x, recv_e = _go(cfg, plan, r, rows, plan.e_local)
+        recv_x = _arrived(cfg, recv_x, x.shape[-1], x.dtype)
         out = _expert_rows(cfg, recv_x, recv_e, wg, wu, wo, plan.copies)
         return r + 1, _back(cfg, plan, r, out, acc)
 
@@ -201,17 +222,26 @@ def _exchange_bwd(cfg, res, cotangents):
     x, wg, wu, wo, indices = res
     d_got = cotangents[0].astype(x.dtype)
     plan = _Plan(cfg, indices, wg.shape[0])
-    rows = _source_rows(plan, x)
-    # the cotangent rows travel with their copies' local expert ids packed beside them
-    width = x.shape[-1]
-    both = jnp.concatenate([rows, d_got], axis=-1)
+    rows = _source_rows(cfg, plan, x)
+    # the cotangent rows travel beside their copies' rows (as bytes beside FP8 tiles)
+    width, sent_width = x.shape[-1], rows.shape[-1]
+    d_rows = (jax.lax.bitcast_convert_type(d_got, jnp.uint8).reshape(plan.copies, -1)
+              if cfg.fp8 else d_got)
+    both = jnp.concatenate([rows, d_rows], axis=-1)
 
     def body(carry):
         r, dx_acc, dwg, dwu, dwo = carry
         recv, recv_e = _go(cfg, plan, r, both, plan.e_local)
-        recv_x, recv_d = recv[:, :width], recv[:, width:]
-        _, vjp = jax.vjp(lambda a, g, u, o: _expert_rows(cfg, a, recv_e, g, u, o, plan.copies),
-                         recv_x, wg, wu, wo)
+        recv_x = _arrived(cfg, recv[:, :sent_width], width, x.dtype)
+        recv_d = recv[:, sent_width:]
+        if cfg.fp8:
+            recv_d = jax.lax.bitcast_convert_type(
+                recv_d.reshape(recv_d.shape[0], width, -1), x.dtype)
+        scale = recv_x.scale if cfg.fp8 else None
+        as_rows = (lambda a: fp8.Tiles(a, scale)) if cfg.fp8 else (lambda a: a)
+        _, vjp = jax.vjp(lambda a, g, u, o: _expert_rows(cfg, as_rows(a), recv_e, g, u, o,
+                                                         plan.copies),
+                         recv_x.values if cfg.fp8 else recv_x, wg, wu, wo)
         d_rx, d_g, d_u, d_o = vjp(recv_d)
         dx_acc = _back(cfg, plan, r, d_rx, dx_acc)
         return r + 1, dx_acc, dwg + d_g.astype(dwg.dtype), dwu + d_u.astype(dwu.dtype), \

@@ -589,8 +589,8 @@ def _payload_vjp(cfg, params, pl):
     k, v = (y.astype(s.dtype) for y, s in zip(kv32, shapes))
 
     def back(g):
-        dparams, dpl = vjp(tuple(g))
-        return dparams, tuple(x.astype(F32) for x in dpl)
+        dparams, dpl = vjp(tuple(g))  # fp32 too (float8 cotangents of an FP8 copy: zeros)
+        return jax.tree.map(lambda x: x.astype(F32), dparams), tuple(x.astype(F32) for x in dpl)
 
     return (k, v), back
 

@@ -38,6 +38,9 @@ marks an empty slot. Indices of one query must be distinct (a top-k is).
   token order (`zoo.data.load_balance`): the indices name places in the gathered row, and the
   mask is evaluated on the gathered positions and segment ids.
 
+`choose_query_chunk` and `map_query_chunks` bound the per-step arrays of a computation over
+queries (this op's ``"gather"``, `zoo.layers.Indexer`'s selection, `zoo.ops.compressed_attention`).
+
 Where `TopK` works: as a mask of `zoo.ops.masks.attention_mask` and
 `zoo.ops.attention.dot_product_attention` (the dense reference paths, where the mask sees
 whole query rows), and (as ``indices``) in both implementations here. Block kernels and the
@@ -212,24 +215,13 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array | None, indices: j
     with jax.named_scope(f"sparse_attention_{implementation}"):
         if implementation == "dense":
             return _dense(*args, mask=mask, scale=scale, v_head_dim=v_head_dim)
-        if query_chunk is None or query_chunk >= L:
-            return _gather(*args, mask=mask, scale=scale, v_head_dim=v_head_dim)
-        if L % query_chunk:
-            raise ValueError(f"sparse_attention: query_chunk={query_chunk} must divide the "
-                             f"{L} queries")
-        c = L // query_chunk
-
-        def split(a):  # [B, L, ...] -> [c, B, query_chunk, ...]
-            return jnp.moveaxis(a.reshape(B, c, query_chunk, *a.shape[2:]), 1, 0)
-
         def one(xs):
             qc, ic, pc, sc = xs
             return _gather(qc, k, v, ic, pc, kv_positions, sc, kv_segment_ids, mask=mask,
                            scale=scale, v_head_dim=v_head_dim)
 
-        out = jax.lax.map(one, (split(q), split(indices), split(q_positions),
-                                split(q_segment_ids)))
-        return jnp.moveaxis(out, 0, 1).reshape(B, L, N, out.shape[-1])
+        return map_query_chunks(one, query_chunk, (q, indices, q_positions, q_segment_ids),
+                                what="sparse_attention")
 
 
 def _softmax_out(s: jax.Array, visible: jax.Array) -> jax.Array:
@@ -347,15 +339,40 @@ def sparse_mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up
 GATHERED_KEYS = 1 << 18  # keys one step of the "gather" implementation holds per row (auto)
 
 
-def choose_query_chunk(num_queries: int, k: int) -> int:
-    """``query_chunk="auto"``: the largest divisor of `num_queries` whose chunk gathers at most
-    `GATHERED_KEYS` keys (``chunk * k``) per row -- all queries at once at short lengths; at
-    DeepSeek-V3.2's k = 2048 a chunk of 128 queries ([128, 2048, 576] values a row)."""
+def choose_query_chunk(num_queries: int, keys_per_query: int,
+                       budget: int = GATHERED_KEYS) -> int:
+    """The largest divisor of `num_queries` whose chunk holds at most `budget` key slots per row
+    (``chunk * keys_per_query``): all queries at once at short lengths. ``query_chunk="auto"``
+    here gathers at most `GATHERED_KEYS` keys a step (at DeepSeek-V3.2's k = 2048 a chunk of
+    128 queries, [128, 2048, 576] values a row); `zoo.layers.Indexer` and
+    `zoo.ops.compressed_attention` bound their per-step arrays with it too."""
     best = 1
     for c in range(1, num_queries + 1):
-        if num_queries % c == 0 and c * k <= GATHERED_KEYS:
+        if num_queries % c == 0 and c * keys_per_query <= budget:
             best = c
     return best
+
+
+def map_query_chunks(fn, query_chunk: int | None, per_query: tuple, *,
+                     what: str = "map_query_chunks"):
+    """``fn(per_query)`` over chunks of ``query_chunk`` queries (a `jax.lax.map`, so only one
+    chunk's intermediates live at a time; None: one call): each array of ``per_query`` is
+    [B, L, ...] (None passes through), and so is ``fn``'s result, reassembled. ``what`` names
+    the caller in the error for a chunk that does not divide L."""
+    B, L = next(a for a in per_query if a is not None).shape[:2]
+    if query_chunk is None or query_chunk >= L:
+        return fn(per_query)
+    if L % query_chunk:
+        raise ValueError(f"{what}: query_chunk={query_chunk} must divide the {L} queries; "
+                         f"pass a divisor of {L} or None")
+    c = L // query_chunk
+
+    def split(a):  # [B, L, ...] -> [c, B, query_chunk, ...]
+        return None if a is None else jnp.moveaxis(a.reshape(B, c, query_chunk, *a.shape[2:]),
+                                                   1, 0)
+
+    out = jax.lax.map(fn, tuple(split(a) for a in per_query))
+    return jnp.moveaxis(out, 0, 1).reshape(B, L, *out.shape[3:])
 
 
 def _entry(axes):

@@ -49,7 +49,7 @@ __all__ = ["Hook", "LoggingFailed", "MetricsFile", "Progress", "TensorBoard", "W
 SCALARS = ("loss", "aux_loss", "objective", "grad_norm", "param_norm", "lr", "tokens_per_s",
            "model_flops_per_s", "step_time_s", "data_time_s", "target_tokens", "dropped_tokens",
            "expert_max_over_mean", "eval_loss", "eval_ppl", "mtp_loss", "moe_rounds",
-           "indexer_loss")
+           "indexer_loss", "fp8/saturated_blocks", "fp8/underflow")
 
 
 class LoggingFailed(RuntimeError):
@@ -257,7 +257,7 @@ def metrics_row(f, out: Mapping[str, Any], dt: float, tokens_per_step: int,
     for key in ("dropped_tokens", "moe_rounds"):  # MoE copies over all_to_all buffers
         if key in out:
             row[key] = int(out[key])
-    for key in ("mtp_loss", "indexer_loss"):
+    for key in ("mtp_loss", "indexer_loss", "fp8/saturated_blocks", "fp8/underflow"):
         if key in out:
             row[key] = float(out[key])
     counts = out.get("expert_counts")
@@ -291,8 +291,11 @@ class Progress(Hook):
     def on_step(self, trainer, step, row) -> None:
         if self._bar is not None:
             self._bar.update(1)
+            fp8 = ({} if "fp8/underflow" not in row else  # FP8 layers: quantisation's losses
+                   dict(fp8_sat=f"{row['fp8/saturated_blocks']:.1e}",
+                        fp8_under=f"{row['fp8/underflow']:.1e}"))
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
-                                  refresh=False)
+                                  **fp8, refresh=False)
             if "eval_loss" in row:
                 self._bar.write(f"{self.name}: step {step}: eval_loss {row['eval_loss']:.3f}, "
                                 f"perplexity {row['eval_ppl']:.2f} (held out)")

@@ -126,7 +126,8 @@ class Rehearsal:
 
     def roofline(self) -> dict[str, Any] | None:
         """A lower bound on the step's time from this report's own counts and the target
-        chip's published peaks (`zoo.targets.chip`; None where none is known, e.g. CPU): the
+        chip's published peaks (`zoo.targets.chip`; None where none is known, e.g. CPU, or for a
+        program the compiler refused): the
         larger of compute -- the program's dot FLOPs (custom-call kernels' are not counted,
         so at least the model's) at the bf16 peak -- and collectives -- each kind's bytes per
         device at the chip's whole ICI bandwidth (GPUs: NVLink within a host, and the bytes of
@@ -136,7 +137,7 @@ class Rehearsal:
         it."""
         from zoo.targets import chip
         c = chip(self.device_kind)
-        if c is None:
+        if c is None or self.oom:  # a refused program's counts are not a device's
             return None
         compute_s = max(self.hlo_flops, self.model_flops) / c.peak_flops
         cross = self.cross_host_bytes if c.network_bytes_per_s else {}
@@ -170,7 +171,16 @@ class Rehearsal:
                "HLO/model FLOPs": self.flops_ratio,
                "fits": {True: "yes", False: "no", None: "?"}[self.fits]}
         out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
-        return out
+        return self._unpartitioned_marked(out)
+
+    def _unpartitioned_marked(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`out` with the FLOPs and collective columns "-" when the compiler refused the
+        program (out of memory): they would be the unpartitioned lowered program's figures,
+        not a device's."""
+        if not self.oom:
+            return out
+        return {k: "-" if k == "HLO/model FLOPs" or k.endswith(" GB") else v
+                for k, v in out.items()}
 
     def _decode_row(self) -> dict[str, Any]:
         out = {"model": self.label, "target": self.device_kind or self.target,
@@ -183,7 +193,7 @@ class Rehearsal:
                "HLO ops": self.hlo_instructions, "HLO/model FLOPs": self.flops_ratio,
                "fits": {True: "yes", False: "no", None: "?"}[self.fits]}
         out.update({f"{k} GB": v / 1e9 for k, v in self.collective_bytes.items()})
-        return out
+        return self._unpartitioned_marked(out)
 
     def __str__(self) -> str:
         if self.step == "decode":
@@ -210,6 +220,9 @@ class Rehearsal:
                      f"{self.peak_bytes / GiB:.2f} GiB" + (
                          "" if self.hbm_bytes is None else
                          f" of {self.hbm_bytes / GiB:.2f} GiB: {verdict}"))
+        if self.oom:
+            lines.append("  (the compiler refused the program: the FLOPs and collectives "
+                         "below are the unpartitioned lowered program's, not per device)")
         lines.append(f"  FLOPs per device per step: HLO {self.hlo_flops:.4g}, model "
                      f"{self.model_flops:.4g} (ratio {self.flops_ratio:.3f}); XLA cost "
                      f"analysis {self.xla_flops:.4g}")

@@ -41,12 +41,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zoo.layers.linear import Fp8Stats, prequantized_weights
 from zoo.models import registry
+from zoo.ops.fp8 import STATS
 from zoo.ops.loss import cross_entropy
 
 __all__ = ["default_warmup", "lr_schedule", "make_tx", "loss_fn", "make_train_step",
            "create_sharded", "abstract_state", "make_global_batch", "check_process_layout",
-           "nonfinite_state",
+           "nonfinite_state", "pop_fp8_stats", "fp8_metrics",
            "BATCH_KEYS"]
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
@@ -168,7 +170,9 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
     (`mtp_targets`); the objective adds ``mtp_loss_weight`` (default the model config's) times
     the mean over depths of their cross-entropy, returned as ``aux["mtp_loss"]``. A model
     that returns ``aux["indexer_loss"]`` (DeepSeek-V3.2's indexer training) adds its config's
-    ``index_loss_weight`` times it.
+    ``index_loss_weight`` times it. FP8 layers' statistics (`pop_fp8_stats`) are
+    ``aux["fp8_stats"]``; their weights are quantised once, before the forward pass
+    (`zoo.layers.linear.prequantized_weights`).
     """
     depth = len(getattr(model, "mtp", None) or ())
     kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
@@ -176,11 +180,15 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
         with jax.named_scope("mtp_targets"):
             mtp_tokens, mtp_tgt, mtp_w = mtp_targets(batch, depth)
         kw["mtp_tokens"] = mtp_tokens
-    logits, aux = model(batch["inputs"], **kw)  # [B, L, V]
+    with prequantized_weights(model):  # FP8 weight copies: made once here, used by every layer
+        logits, aux = model(batch["inputs"], **kw)  # [B, L, V]
+    stats = pop_fp8_stats(model)
     with jax.named_scope("loss"):
         w = batch["loss_weights"].astype(jnp.float32)
         ce = _weighted_ce(logits, batch["targets"], w)
         aux = dict(aux or {})
+        if stats is not None:
+            aux["fp8_stats"] = stats
         aux_loss = jnp.asarray(aux.get("load_balance_loss", 0.0), jnp.float32)
         objective = ce + aux_loss_weight * aux_loss
         if depth:
@@ -194,6 +202,25 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
             weight = getattr(model.config, "index_loss_weight", 1.0)
             objective = objective + weight * aux["indexer_loss"]
         return objective, (ce, aux_loss, aux)
+
+
+def pop_fp8_stats(model) -> jax.Array | None:
+    """The `zoo.layers.linear.Fp8Stats` the model's FP8 layers recorded in its last call,
+    summed to one float32 ``[4]`` (`zoo.ops.fp8.STATS`) and removed from the model; None when
+    it holds none (no layer runs in FP8)."""
+    leaves = jax.tree.leaves(nnx.pop(model, Fp8Stats))
+    if not leaves:
+        return None
+    return sum(jnp.sum(jnp.reshape(v, (-1, len(STATS))), axis=0) for v in leaves)
+
+
+def fp8_metrics(stats: jax.Array) -> dict[str, jax.Array]:
+    """``fp8/saturated_blocks`` (the fraction of quantised blocks whose scale hit an extreme)
+    and ``fp8/underflow`` (the fraction of nonzero values that became zero in FP8) of
+    `pop_fp8_stats`' counts: the forward pass's FP8 operands, activations and weights."""
+    blocks, saturated, nonzero, underflow = (stats[i] for i in range(len(STATS)))
+    return {"fp8/saturated_blocks": saturated / jnp.maximum(blocks, 1.0),
+            "fp8/underflow": underflow / jnp.maximum(nonzero, 1.0)}
 
 
 def _find(tree, match: Callable[[Any], bool]) -> list[Any]:
@@ -296,10 +323,12 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
     ``param_norm`` (after the update), ``lr`` (when known, see above), ``weight_sum`` (tokens
     with a target), for MoE models ``expert_counts`` ``[num_moe_layers, E]``, and
     ``nonfinite_state`` (`nonfinite_state`, after the after-step hook) when the model holds
-    floating-point state besides its parameters, and ``indexer_loss`` when the model returns
-    one. A model with a ``frozen_state`` filter (DeepSeek-V3.2's indexer warm-up) keeps those
-    variables exactly as they were: the update (weight decay included) and the after-step
-    hook are undone for them.
+    floating-point state besides its parameters, ``indexer_loss`` when the model returns
+    one, and ``fp8/saturated_blocks`` and ``fp8/underflow`` (`fp8_metrics`) when layers run
+    in FP8 (``fp8="blockwise"``; nothing is computed otherwise). A model with a
+    ``frozen_state`` filter (DeepSeek-V3.2's indexer warm-up) keeps those variables exactly as
+    they were: the update (weight decay included) and the after-step hook are undone for
+    them.
     """
 
     def train_step(model, optimizer, batch, lr=None):
@@ -324,6 +353,8 @@ def make_train_step(*, aux_loss_weight: float = 0.0, expert_bias_rate: float = 0
             metrics["mtp_loss"] = aux["mtp_loss"]
         if aux.get("indexer_loss") is not None:  # DSA indexer training (index_stage)
             metrics["indexer_loss"] = aux["indexer_loss"]
+        if aux.get("fp8_stats") is not None:  # FP8 layers: what quantisation did
+            metrics.update(fp8_metrics(aux["fp8_stats"]))
         if aux.get("moe_rounds") is not None:  # exact overflow: the most rounds any layer ran
             metrics["moe_rounds"] = jnp.max(aux["moe_rounds"])
         counts = aux.get("expert_counts")

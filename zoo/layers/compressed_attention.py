@@ -1,0 +1,665 @@
+"""DeepSeek-V4 attention: sliding window, compressed sparse (CSA) and heavily compressed (HCA).
+
+Follows Hugging Face ``DeepseekV4Attention`` (attribute names match its checkpoint keys under
+``self_attn``):
+
+* queries: ``q_a_proj`` D -> Rq, ``q_a_norm`` (RMSNorm), ``q_b_proj`` Rq -> (N, H), then an
+  unweighted RMS norm per head; the query latent ``q_a_norm(q_a_proj(x))`` also feeds the CSA
+  indexer.
+* one key/value head shared by all query heads (single-KV-head MQA, keys = values):
+  ``kv_proj`` D -> H, ``kv_norm`` (RMSNorm).
+* RoPE on the *trailing* ``rope_head_dim`` dims of each head, interleaved pairs; sliding layers
+  use the main base, CSA/HCA layers the compressed branches' base (the model passes the
+  `RoPE`). Because values are the rotated keys, the output's rotary dims are rotated back by
+  the query's position (the conjugate rotation) before the output projection.
+* the attention of each query: the tokens of its document within ``sliding_window`` (causal;
+  gathered per query through `zoo.ops.compressed_attention.sliding_band`, O(L * window)),
+  the compressed entries it may see (a `Compressor` over windows of ``compress_rate`` tokens:
+  all complete entries of its document for HCA, the ``index_topk`` a `CompressedIndexer` picks
+  for CSA), and a learned sink logit per head (``sinks``), in one float32 softmax with scale
+  ``H**-0.5`` (`zoo.ops.compressed_attention.attend`).
+* ``GroupedOutputProjection``: heads in ``o_groups`` groups, each group's ``N*H/o_groups``
+  values projected to ``o_lora_rank`` (``o_a_proj``, block diagonal), then ``o_b_proj``
+  ``o_groups*o_lora_rank`` -> D.
+
+Documents: compression windows follow each document from its first token (positions and
+segment ids, 0 = padding; `zoo.ops.compressed_attention`), so packed rows and lengths that are
+not multiples of the rate are exact; transformers has no packed rows (its windows start at the
+row's first token).
+
+Context parallelism (a partitioner whose attention sequence axes are > 1): per-token projections
+run sharded; then, under `jax.shard_map`, each shard all-gathers the positions and segment ids
+(2 int32 per token) to number the row's windows, reduces its own tokens into the row's entry
+slots and all-reduces the partial softmax sums (pmax + psum of ``[B, L/rate, H]``: a window
+that straddles shards is completed from its neighbours, every shard gets all entries; for CSA
+the indexer's entries ``[B, L/rate, index_head_dim]`` too), so the indexer's top-k is global
+over the row; and all-gathers the sliding keys ``[B, L, H]`` with their positions (the sliding
+branch needs each query's previous ``sliding_window - 1`` tokens, whichever shard holds them).
+Backward, the all-gather's transpose reduce-scatters the keys' gradient and the all-reduce's
+transpose all-reduces the entries'. Exact for every `zoo.data.load_balance` order.
+
+Generation (`CompressedAttention.prefill` / `decode`, one document per row from position 0):
+the cache is the layer's state as a dict of arrays (`cache_shape`): the last
+``sliding_window`` rotated keys in a ring by position, the compressed entries written as their
+windows close, the open window's per-token projections (the partial window), CSA's carried
+``Ca`` half of the last complete window (the overlap), and for CSA the indexer's own entries,
+partial window and overlap (the index keys). A decode step that closes a window writes its
+entry before the query attends, as transformers does. Per token at long context that is
+``H / rate`` values of entries (plus ``index_head_dim / rate`` for CSA) and a constant window.
+
+Legend: B batch, L length, D embed, Rq q_lora_rank, N heads, H head dim, Hr rotary dims,
+E entry slots (L // rate), G o_groups, Ro o_lora_rank, Ni/Hi index heads / head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from zoo.layers import hf_keys as hfk
+from zoo.layers.indexer import Indexer
+from zoo.layers.linear import Linear
+from zoo.layers.norm import RMSNorm
+from zoo.layers.rope import RoPE
+from zoo.ops import compressed_attention as ca
+from zoo.ops.masks import Causal, Document
+from zoo.ops.sparse_attention import choose_query_chunk, map_query_chunks
+from zoo.partitioning import Partitioner, resolve
+
+KINDS = ("sliding", "csa", "hca")
+DEFAULT_RATES = {"csa": 4, "hca": 128}
+SCOPE = "attention"
+_HEADS = ("batch", "length", "act_heads", "act_head_dim")
+F32 = jnp.float32
+
+
+def rotate_trailing(rope: RoPE, x: jax.Array, positions: jax.Array, rope_head_dim: int,
+                    *, inverse: bool = False) -> jax.Array:
+    """RoPE (interleaved pairs) on the trailing ``rope_head_dim`` dims of ``x [B, L, N, H]``;
+    ``inverse``: the conjugate rotation (angle ``-positions``)."""
+    r = rope_head_dim
+    pos = -positions if inverse else positions
+    return jnp.concatenate([x[..., :-r], rope.apply(x[..., -r:], pos)], axis=-1)
+
+
+def _v4_rope(rope: RoPE | None) -> RoPE:
+    base = RoPE(theta=10000.0) if rope is None else rope
+    return dataclasses.replace(base, interleaved=True, partial_rotary_factor=1.0)
+
+
+def _check_positive(what: str, **values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{what}: {name}={value!r} must be a positive int")
+
+
+class Compressor(nnx.Module):
+    """Compresses every ``rate`` tokens of a document into one entry (module docstring;
+    `zoo.ops.compressed_attention`): ``kv_proj`` / ``gate_proj`` D -> cH, ``position_bias``
+    [rate, cH], the gated mix per channel, ``kv_norm`` (RMSNorm over H), RoPE at the window's
+    first position. ``overlap`` (CSA): c = 2, windows of ``2*rate`` with stride ``rate``; else
+    c = 1 (HCA). ``indexer``: CSA's `CompressedIndexer`, a submodule here as in transformers.
+
+    ``compressor(x, positions=..., segment_ids=...)`` -> (entries [B, E, H], entry_start [B, E],
+    entry_segment_ids [B, E]) of whole rows.
+    """
+
+    def __init__(self, *, rate: int, head_dim: int, rope_head_dim: int, overlap: bool,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 rope: RoPE | None = None, rms_norm_eps: float = 1e-6,
+                 indexer: CompressedIndexer | None = None, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        _check_positive("Compressor", rate=rate, head_dim=head_dim)
+        if not isinstance(rope_head_dim, int) or rope_head_dim < 2 or rope_head_dim % 2 \
+                or rope_head_dim > head_dim:
+            raise ValueError(f"Compressor: rope_head_dim={rope_head_dim!r} must be an even int "
+                             f"in 2..head_dim={head_dim} (RoPE rotates pairs of trailing dims)")
+        _, _, embed = p.check_inputs_shape(inputs_shape, what="Compressor")
+        self.rate, self.head_dim, self.rope_head_dim = rate, head_dim, rope_head_dim
+        self.overlap = bool(overlap)
+        self.rope = _v4_rope(rope)
+        width = (2 if self.overlap else 1) * head_dim
+        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.kv_proj = Linear(embed, width, in_axes=("embed",), out_axes=(None,), **kw)
+        self.gate_proj = Linear(embed, width, in_axes=("embed",), out_axes=(None,), **kw)
+        self.position_bias = nnx.Param(p.param(nnx.initializers.zeros_init(), (None, None))(
+            rngs.params(), (rate, width), jnp.float32))
+        self.kv_norm = RMSNorm(head_dim, eps=rms_norm_eps, partitioner=p,
+                               param_dtype=param_dtype, rngs=rngs)
+        self.indexer = indexer
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, L, D] -> (kv, gate) [B, L, cH] per token."""
+        return self.kv_proj(x), self.gate_proj(x)
+
+    def pool(self, kv, gate, positions, slots, next_slots, *, bias, num_entries, axes=()):
+        """`zoo.ops.compressed_attention.compress` with this compressor's overlap."""
+        return ca.compress(kv, gate, bias, positions, slots,
+                           next_slots if self.overlap else None, num_entries=num_entries,
+                           axes=axes)
+
+    def finish(self, pooled: jax.Array, entry_start: jax.Array, norm_scale: jax.Array,
+               dtype) -> jax.Array:
+        """``kv_norm`` (with ``norm_scale``, its weight) and RoPE at each entry's first
+        position: pooled [B, E, H] float32 -> entries [B, E, H] in ``dtype``."""
+        y = (norm_scale.astype(F32) * self.kv_norm.normalise(pooled)).astype(dtype)
+        return rotate_trailing(self.rope, y[:, :, None], entry_start, self.rope_head_dim)[:, :, 0]
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None):
+        B, L = x.shape[:2]
+        seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+        table = ca.window_table(positions, seg, self.rate)
+        slots, nxt = ca.window_slots(table, positions, seg, self.rate)
+        kv, gate = self.project(x)
+        pooled = self.pool(kv, gate, positions, slots, nxt, bias=self.position_bias[...],
+                           num_entries=L // self.rate)
+        entries = self.finish(pooled, table.entry_start, self.kv_norm.scale[...], kv.dtype)
+        return entries, table.entry_start, table.entry_segment_ids
+
+    # -- generation: the compressor's state (one document per row, from position 0) ----------
+    # ``entries`` [B, E, H] (E = max_length // rate: slot e holds window e once complete),
+    # ``buffer_kv`` / ``buffer_gate`` [B, rate, cH] (the open window's tokens at slot
+    # ``position % rate``, gates with their position bias, float32) and, with overlap, the last
+    # complete window's ``Ca`` half ``prev_kv`` / ``prev_gate`` [B, rate, H] (gate -inf: none)
+    def state_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        m, H = self.rate, self.head_dim
+        c = (2 if self.overlap else 1) * H
+        shapes = {"entries": (batch, max_length // m, H), "buffer_kv": (batch, m, c),
+                  "buffer_gate": (batch, m, c)}
+        if self.overlap:
+            shapes |= {"prev_kv": (batch, m, H), "prev_gate": (batch, m, H)}
+        return shapes
+
+    def prefill_state(self, x: jax.Array, max_length: int) -> dict[str, jax.Array]:
+        """The state after the tokens ``x [B, P, D]`` at positions 0..P-1."""
+        B, P, _ = x.shape
+        m, H = self.rate, self.head_dim
+        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        shapes = self.state_shape(B, max_length)
+        entries, _, _ = self(x, positions=pos)
+        kv, gate = self.project(x)
+        g = gate.astype(F32) + jnp.take(self.position_bias[...], pos % m, axis=0)
+        n, r = P // m, P % m
+        state = {"entries": jnp.zeros(shapes["entries"], kv.dtype).at[:, :n].set(entries),
+                 "buffer_kv": jnp.zeros(shapes["buffer_kv"], kv.dtype).at[:, :r].set(
+                     kv[:, n * m:]),
+                 "buffer_gate": jnp.zeros(shapes["buffer_gate"], F32).at[:, :r].set(
+                     g[:, n * m:])}
+        if self.overlap:
+            if n:
+                last = slice((n - 1) * m, n * m)
+                state["prev_kv"], state["prev_gate"] = kv[:, last, :H], g[:, last, :H]
+            else:
+                state["prev_kv"] = jnp.zeros(shapes["prev_kv"], kv.dtype)
+                state["prev_gate"] = jnp.full(shapes["prev_gate"], -jnp.inf, F32)
+        return state
+
+    def decode_state(self, state: dict[str, jax.Array], x: jax.Array,
+                     positions: jax.Array) -> dict[str, jax.Array]:
+        """The state after one more token per row: ``x [B, 1, D]`` at ``positions [B, 1]``; a
+        token that closes its window writes the window's entry."""
+        m, H = self.rate, self.head_dim
+        t = positions[:, 0].astype(jnp.int32)
+        rows = jnp.arange(x.shape[0])
+        kv, gate = self.project(x)
+        g = gate[:, 0].astype(F32) + jnp.take(self.position_bias[...], t % m, axis=0)
+        buf_kv = state["buffer_kv"].at[rows, t % m].set(kv[:, 0].astype(state["buffer_kv"].dtype))
+        buf_g = state["buffer_gate"].at[rows, t % m].set(g)
+        if self.overlap:
+            pooled = ca.pool_window(buf_kv[..., H:], buf_g[..., H:], state["prev_kv"],
+                                    state["prev_gate"])
+        else:
+            pooled = ca.pool_window(buf_kv, buf_g)
+        start = (t // m) * m
+        entry = self.finish(pooled[:, None], start[:, None], self.kv_norm.scale[...],
+                            state["entries"].dtype)[:, 0]
+        closes = t % m == m - 1
+        E = state["entries"].shape[1]
+        out = dict(state, buffer_kv=buf_kv, buffer_gate=buf_g)
+        out["entries"] = state["entries"].at[rows, jnp.where(closes, t // m, E)].set(
+            entry, mode="drop")
+        if self.overlap:
+            c = closes[:, None, None]
+            out["prev_kv"] = jnp.where(c, buf_kv[..., :H], state["prev_kv"])
+            out["prev_gate"] = jnp.where(c, buf_g[..., :H], state["prev_gate"])
+        return out
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm`` (+ ``indexer.*``)."""
+        bias = hfk.copy(("position_bias",), hfk.join(prefix, "position_bias"))
+        return [*hfk.children(self, prefix, ("kv_proj", "gate_proj")), bias,
+                *hfk.children(self, prefix, ("kv_norm", "indexer"))]
+
+
+class CompressedIndexer(Indexer):
+    """DeepSeek-V4's lightning indexer: `zoo.layers.Indexer`'s scoring and top-k (the same
+    ``sum_n w_n * relu(Hi**-0.5 * q_n . k)`` and tie rule) over *compressed* keys.
+
+    Where it differs from DeepSeek-V3.2's (which `Indexer` keeps exactly): the keys are its own
+    CSA `Compressor`'s entries at ``head_dim`` (``kv_proj``, ``gate_proj``, ``position_bias``,
+    ``kv_norm``: Hugging Face keys directly under ``indexer``), not one key per token; queries
+    ``q_b_proj`` Rq -> (Ni, Hi) rotate their trailing ``rope_head_dim`` dims (interleaved, the
+    compressed branches' RoPE) with no norm; the head weights are ``scorer.weights_proj``. A
+    query sees an entry of its document once the entry's window is complete.
+
+    ``indexer(x, q_latent, positions=..., segment_ids=...)`` -> scores [B, L, E];
+    ``select(...)`` -> indices [B, L, min(k, E)] into the row's entries (unsharded;
+    `CompressedAttention` selects under context parallelism).
+    """
+
+    hf_names: ClassVar[dict[str, str]] = {"weights_proj": "scorer.weights_proj"}
+
+    def __init__(self, *, num_heads: int, head_dim: int, rope_head_dim: int, q_lora_rank: int,
+                 rate: int, inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 rope: RoPE | None = None, rms_norm_eps: float = 1e-6, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        _check_positive("CompressedIndexer", num_heads=num_heads, head_dim=head_dim,
+                        q_lora_rank=q_lora_rank)
+        _, _, embed = p.check_inputs_shape(inputs_shape, what="CompressedIndexer")
+        self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
+        self.q_lora_rank, self.rate = q_lora_rank, rate
+        self.inputs_shape = tuple(inputs_shape)
+        self.partitioner = p
+        self.rope = _v4_rope(rope)
+        self.mask = Causal() & Document()
+        self.softmax_scale = head_dim ** -0.5
+        kw = dict(partitioner=p, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.compressor = Compressor(rate=rate, head_dim=head_dim, rope_head_dim=rope_head_dim,
+                                     overlap=True, inputs_shape=inputs_shape, rope=rope,
+                                     rms_norm_eps=rms_norm_eps, **kw)
+        self.q_b_proj = Linear(q_lora_rank, (num_heads, head_dim), in_axes=("q_lora",),
+                               out_axes=(None, None), **kw)
+        self.weights_proj = Linear(embed, num_heads, in_axes=("embed",), out_axes=(None,),
+                                   **{**kw, "dtype": jnp.float32})
+
+    def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return rotate_trailing(self.rope, x, positions, self.rope_head_dim)
+
+    def queries(self, x: jax.Array, q_latent: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, L, D], q_latent [B, L, Rq] -> rotated q [B, L, Ni, Hi], float32 weights
+        [B, L, Ni]."""
+        q = self.rotate(self.q_b_proj(q_latent), positions)
+        return q, self.weights_proj(x).astype(F32) * self.num_heads ** -0.5
+
+    def keys(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None):
+        """The row's compressed index keys: (entries [B, E, Hi], entry_start, entry_segment_ids)."""
+        return self.compressor(x, positions=positions, segment_ids=segment_ids)
+
+    def entry_scores(self, q, w, entries, entry_start, entry_segment_ids, *, positions,
+                     segment_ids):
+        """Scores [B, L, E] of queries against entries, ``-inf`` where not visible."""
+        last = jnp.where(entry_segment_ids > 0, entry_start + self.rate - 1, 0)
+        return self.score(q, w, entries, q_positions=positions, kv_positions=last,
+                          q_segment_ids=segment_ids, kv_segment_ids=entry_segment_ids)
+
+    def __call__(self, x: jax.Array, q_latent: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        seg = jnp.ones(positions.shape, jnp.int32) if segment_ids is None else segment_ids
+        with jax.named_scope("compressed_indexer"):
+            q, w = self.queries(x, q_latent, positions)
+            entries, start, eseg = self.keys(x, positions, seg)
+            return self.entry_scores(q, w, entries, start, eseg, positions=positions,
+                                     segment_ids=seg)
+
+    def select(self, x: jax.Array, q_latent: jax.Array, k: int, *, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+        """Each query's top ``k`` entries: int32 indices [B, L, min(k, E)] (``-1`` empty),
+        under ``stop_gradient``; ties: the later entry first."""
+        x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+        seg = jnp.ones(positions.shape, jnp.int32) if segment_ids is None else segment_ids
+        scores = self(x, q_latent, positions=positions, segment_ids=seg)
+        table = ca.window_table(positions, seg, self.rate)
+        return self.topk(scores, k, table.entry_start)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """The compressor's keys directly under ``prefix``, ``q_b_proj``,
+        ``scorer.weights_proj``."""
+        return ([dataclasses.replace(r, path=("compressor", *r.path))
+                 for r in self.compressor.hf_keys(prefix)]
+                + hfk.children(self, prefix, ("q_b_proj", "weights_proj")))
+
+
+class GroupedOutputProjection(nnx.Module):
+    """Heads [B, L, N, H] -> [B, L, D]: ``o_groups`` groups of ``N/G`` heads, each group's
+    ``N*H/G`` values projected to ``o_lora_rank`` by its own block of ``o_a_proj`` (kernel
+    [N*H/G, G, Ro], Hugging Face ``[G*Ro, N*H/G]``), then ``o_b_proj`` (G, Ro) -> D."""
+
+    def __init__(self, *, num_heads: int, head_dim: int, o_groups: int, o_lora_rank: int,
+                 embed: int, partitioner: Partitioner | None, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        _check_positive("GroupedOutputProjection", num_heads=num_heads, head_dim=head_dim,
+                        o_groups=o_groups, o_lora_rank=o_lora_rank, embed=embed)
+        if num_heads % o_groups:
+            raise ValueError(f"GroupedOutputProjection: num_heads={num_heads} is not divisible "
+                             f"by o_groups={o_groups}; each group takes whole heads (pick "
+                             f"o_groups dividing num_heads)")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
+        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.o_a_proj = Linear(num_heads * head_dim // o_groups, (o_groups, o_lora_rank),
+                               in_axes=(None,), out_axes=(None, None), **kw)
+        self.o_b_proj = Linear((o_groups, o_lora_rank), embed, in_axes=(None, None),
+                               out_axes=("embed",), **kw)
+
+    def __call__(self, o: jax.Array) -> jax.Array:
+        B, L, N, H = o.shape
+        G = self.o_groups
+        dtype = self.o_a_proj.dtype or o.dtype
+        grouped = o.reshape(B, L, G, N * H // G).astype(dtype)
+        y = jnp.einsum("blgi,igr->blgr", grouped, self.o_a_proj.kernel[...].astype(dtype))
+        return self.o_b_proj(y)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return hfk.children(self, prefix, ("o_a_proj", "o_b_proj"))
+
+
+class CompressedAttention(nnx.Module):
+    """DeepSeek-V4's attention of one layer kind (module docstring).
+
+    Args:
+      kind: ``"sliding"``, ``"csa"`` or ``"hca"``.
+      num_heads: N; head_dim: H (V4: 512); rope_head_dim: Hr (V4: 64), the trailing dims that
+        rotate.
+      q_lora_rank: Rq; o_groups, o_lora_rank: the grouped output projection.
+      sliding_window: how many tokens (the query's included) each query sees directly.
+      compress_rate: tokens per entry (default 4 for CSA, 128 for HCA; unused when sliding).
+      index_n_heads, index_head_dim, index_topk: CSA's indexer.
+      inputs_shape: ``(batch, length, embed)``; partitioner: how the mesh cuts it (None:
+        unsharded).
+      rope: this layer kind's `RoPE` (main base for sliding, compressed base for CSA/HCA);
+        used interleaved on the trailing Hr dims.
+      rms_norm_eps: of every RMS norm.
+      query_chunk: queries per step of the attention (`zoo.ops.compressed_attention.attend`;
+        ``"auto"``: `choose_query_chunk`, all at once at short lengths).
+      dtype / param_dtype: computation / storage.
+    """
+
+    def __init__(self, *, kind: str, num_heads: int, head_dim: int, rope_head_dim: int,
+                 q_lora_rank: int, o_groups: int, o_lora_rank: int, sliding_window: int,
+                 inputs_shape: Sequence[int], partitioner: Partitioner | None,
+                 compress_rate: int | None = None, index_n_heads: int = 64,
+                 index_head_dim: int = 128, index_topk: int = 512, rope: RoPE | None = None,
+                 rms_norm_eps: float = 1e-6, query_chunk: int | str = "auto", dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        p = resolve(partitioner)
+        if kind not in KINDS:
+            raise ValueError(f"CompressedAttention: kind={kind!r} must be one of {KINDS}")
+        _check_positive("CompressedAttention", num_heads=num_heads, head_dim=head_dim,
+                        q_lora_rank=q_lora_rank, sliding_window=sliding_window)
+        if not isinstance(rope_head_dim, int) or rope_head_dim < 2 or rope_head_dim % 2 \
+                or rope_head_dim > min(head_dim, index_head_dim if kind == "csa" else head_dim):
+            raise ValueError(f"CompressedAttention: rope_head_dim={rope_head_dim!r} must be an "
+                             f"even int in 2..head_dim={head_dim} (and index_head_dim for CSA)")
+        batch, length, embed = p.check_inputs_shape(inputs_shape, what="CompressedAttention")
+        p.check_tokens(batch, length, SCOPE, what="CompressedAttention", balanced=True)
+        rate = None
+        if kind != "sliding":
+            rate = DEFAULT_RATES[kind] if compress_rate is None else compress_rate
+            _check_positive("CompressedAttention", compress_rate=rate)
+        if kind == "csa":
+            _check_positive("CompressedAttention", index_n_heads=index_n_heads,
+                            index_head_dim=index_head_dim, index_topk=index_topk)
+        if query_chunk != "auto" and (not isinstance(query_chunk, int) or query_chunk < 1):
+            raise ValueError(f"CompressedAttention: query_chunk={query_chunk!r} must be a "
+                             f"positive int dividing each shard's queries, or 'auto'")
+        self.kind, self.rate, self.query_chunk = kind, rate, query_chunk
+        self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
+        self.q_lora_rank, self.sliding_window = q_lora_rank, sliding_window
+        self.index_topk = index_topk if kind == "csa" else None
+        self.inputs_shape = (batch, length, embed)
+        self.partitioner = p
+        self.rope = _v4_rope(rope)
+        self.eps = rms_norm_eps
+        self.scale = head_dim ** -0.5
+        kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        norm_kw = dict(eps=rms_norm_eps, partitioner=p, param_dtype=param_dtype, rngs=rngs)
+        self.q_a_proj = Linear(embed, q_lora_rank, in_axes=("embed",), out_axes=(None,), **kw)
+        self.q_a_norm = RMSNorm(q_lora_rank, **norm_kw)
+        self.q_b_proj = Linear(q_lora_rank, (num_heads, head_dim), in_axes=("q_lora",),
+                               out_axes=("heads", "head_dim"), **kw)
+        self.kv_proj = Linear(embed, head_dim, in_axes=("embed",), out_axes=(None,), **kw)
+        self.kv_norm = RMSNorm(head_dim, **norm_kw)
+        self.output = GroupedOutputProjection(
+            num_heads=num_heads, head_dim=head_dim, o_groups=o_groups, o_lora_rank=o_lora_rank,
+            embed=embed, partitioner=p, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.sinks = nnx.Param(p.param(nnx.initializers.zeros_init(), ("heads",), SCOPE)(
+            rngs.params(), (num_heads,), jnp.float32))
+        indexer = None
+        if kind == "csa":
+            indexer = CompressedIndexer(
+                num_heads=index_n_heads, head_dim=index_head_dim, rope_head_dim=rope_head_dim,
+                q_lora_rank=q_lora_rank, rate=rate, inputs_shape=inputs_shape, partitioner=p,
+                rope=self.rope, rms_norm_eps=rms_norm_eps, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+        self.compressor = None if kind == "sliding" else Compressor(
+            rate=rate, head_dim=head_dim, rope_head_dim=rope_head_dim, overlap=kind == "csa",
+            inputs_shape=inputs_shape, partitioner=p, rope=self.rope,
+            rms_norm_eps=rms_norm_eps, indexer=indexer, dtype=dtype, param_dtype=param_dtype,
+            rngs=rngs)
+
+    # -- steps a subclass may override ----------------------------------------------------------
+    def q_latent(self, x: jax.Array) -> jax.Array:
+        """``q_a_norm(q_a_proj(x))`` [B, L, Rq] (also the indexer's input)."""
+        return self.q_a_norm(self.q_a_proj(x))
+
+    def project(self, x: jax.Array, q_latent: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotated queries [B, L, N, H] and the shared rotated key/value [B, L, H]."""
+        q = self.q_b_proj(q_latent)
+        q32 = q.astype(F32)
+        q = q * jax.lax.rsqrt(jnp.mean(q32 * q32, -1, keepdims=True) + self.eps).astype(q.dtype)
+        q = self.partitioner.constrain(rotate_trailing(self.rope, q, positions,
+                                                       self.rope_head_dim), _HEADS, SCOPE)
+        kv = self.kv_norm(self.kv_proj(x))
+        kv = rotate_trailing(self.rope, kv[:, :, None], positions, self.rope_head_dim)[:, :, 0]
+        return q, kv
+
+    def out(self, o: jax.Array, positions: jax.Array) -> jax.Array:
+        """Undo the values' rotation at the query position, then the grouped projection."""
+        o = rotate_trailing(self.rope, o, positions, self.rope_head_dim, inverse=True)
+        return self.output(o)
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """x [B, L, D] -> [B, L, D]; positions and segment ids [B, L] (None: one document)."""
+        B, L, _ = x.shape
+        if positions.shape != (B, L) or (segment_ids is not None
+                                          and segment_ids.shape != (B, L)):
+            raise ValueError(f"CompressedAttention: positions {positions.shape} and segment_ids "
+                             f"{None if segment_ids is None else segment_ids.shape} must be "
+                             f"[B, L] = [{B}, {L}] as x {x.shape}")
+        seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+        pos, seg = positions.astype(jnp.int32), seg.astype(jnp.int32)
+        with jax.named_scope(f"compressed_attention_{self.kind}"):
+            q_lat = self.q_latent(x)
+            q, kv = self.project(x, q_lat, pos)
+            comp = idx = ()
+            params = {"sinks": self.sinks[...]}
+            if self.compressor is not None:
+                comp = self.compressor.project(x)
+                params["bias"] = self.compressor.position_bias[...]
+                params["norm"] = self.compressor.kv_norm.scale[...]
+            if self.kind == "csa":
+                ix = self.compressor.indexer
+                iq, iw = ix.queries(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat), pos)
+                idx = (iq, iw, *ix.compressor.project(jax.lax.stop_gradient(x)))
+                params["ibias"] = jax.lax.stop_gradient(ix.compressor.position_bias[...])
+                params["inorm"] = jax.lax.stop_gradient(ix.compressor.kv_norm.scale[...])
+            o = self._attend(q, kv, comp, idx, params, pos, seg)
+            return self.out(o, pos)
+
+    # -- the cross-token part: one shard's queries (or the whole row) -----------------------------
+    def _attend(self, q, kv, comp, idx, params, pos, seg):
+        p = self.partitioner
+        seq_axes = tuple(p.sequence_axes(SCOPE)) if p.mesh is not None else ()
+        local = functools.partial(self.attend_local, axes=seq_axes)
+        if not seq_axes:
+            return local(q, kv, comp, idx, params, pos, seg)
+        B, _, N, _ = q.shape
+        batch_axes = p.batch_axes(SCOPE)
+        while batch_axes and B % p.axis_size(batch_axes):
+            batch_axes = batch_axes[:-1]
+        head_axes = p.mesh_axes("act_heads", SCOPE)
+        if N % p.axis_size(head_axes):
+            head_axes = ()
+        b, s, h = (None if not a else a[0] if len(a) == 1 else tuple(a)
+                   for a in (batch_axes, seq_axes, head_axes))
+        tok3, tok4 = P(b, s, None), P(b, s, None, None)
+        par = {k: P(h) if k == "sinks" else P() for k in params}
+        specs = (P(b, s, h, None), tok3, tuple(tok3 for _ in comp),
+                 tuple((tok4, tok3, tok3, tok3)[:len(idx)]), par, P(b, s), P(b, s))
+        with jax.named_scope("compressed_attention_cp"):
+            return jax.shard_map(local, mesh=p.mesh, in_specs=specs,
+                                 out_specs=P(b, s, h, None), check_vma=False)(
+                q, kv, comp, idx, params, pos, seg)
+
+    def attend_local(self, q, kv, comp, idx, params, pos, seg, *, axes=()):
+        """Attention of these queries (one shard's, or the row's when ``axes`` is empty) over
+        their sliding window and the row's compressed entries (module docstring)."""
+        kv_pos, kv_seg, kv_all = pos, seg, kv
+        if axes:
+            kv_all, kv_pos, kv_seg = (jax.lax.all_gather(a, axes, axis=1, tiled=True)
+                                      for a in (kv, pos, seg))
+        entries = start = eseg = indices = None
+        if self.compressor is not None:
+            c = self.compressor
+            E = kv_pos.shape[1] // self.rate
+            table = ca.window_table(kv_pos, kv_seg, self.rate, E)
+            slots, nxt = ca.window_slots(table, pos, seg, self.rate)
+            pooled = c.pool(*comp, pos, slots, nxt, bias=params["bias"], num_entries=E,
+                            axes=axes)
+            entries = c.finish(pooled, table.entry_start, params["norm"], kv.dtype)
+            start, eseg = table.entry_start, table.entry_segment_ids
+            if self.kind == "csa":
+                ix = c.indexer
+                iq, iw, ikv, igate = idx
+                ipooled = ix.compressor.pool(ikv, igate, pos, slots, nxt, bias=params["ibias"],
+                                             num_entries=E, axes=axes)
+                ikeys = ix.compressor.finish(ipooled, start, params["inorm"], ikv.dtype)
+                L = pos.shape[1]
+
+                def select(args):  # one chunk of queries: dense scores [B, c, E], top-k
+                    q_c, w_c, pos_c, seg_c = args
+                    scores = ix.entry_scores(q_c, w_c, ikeys, start, eseg, positions=pos_c,
+                                             segment_ids=seg_c)
+                    return ix.topk(scores, self.index_topk, start)
+
+                chunk = self.query_chunk if self.query_chunk != "auto" else \
+                    choose_query_chunk(L, ix.num_heads * E)
+                indices = jax.lax.stop_gradient(map_query_chunks(select, chunk,
+                                                                    (iq, iw, pos, seg)))
+        L = pos.shape[1]
+        first = jax.lax.axis_index(axes) * L if axes else 0
+        query_index = jnp.broadcast_to(first + jnp.arange(L, dtype=jnp.int32), pos.shape)
+        band = ca.sliding_band(query_index, kv_pos, kv_seg, self.sliding_window)
+        chunk = self.query_chunk
+        if chunk == "auto":
+            per_query = self.sliding_window + (0 if entries is None else indices.shape[2]
+                                               if indices is not None else entries.shape[1])
+            chunk = choose_query_chunk(L, per_query)
+        return ca.attend(q, kv_all, entries, q_positions=pos, q_segment_ids=seg,
+                         kv_positions=kv_pos, kv_segment_ids=kv_seg,
+                         window=self.sliding_window, entry_start=start,
+                         entry_segment_ids=eseg, rate=self.rate or 1, indices=indices,
+                         sinks=params["sinks"], scale=self.scale, band=band,
+                         query_chunk=chunk)
+
+    # -- generation ----------------------------------------------------------------------------
+    # The cache is a dict of arrays, each the layer's state for a batch of single-document
+    # rows: ``window_kv`` [B, W, H] / ``window_pos`` [B, W] (the last W tokens' rotated keys at
+    # slot ``position % W``, -1: empty), then the compressor's state (`Compressor.state_shape`)
+    # and for CSA the indexer's, its names prefixed ``index_``.
+    def cache_shape(self, batch: int, max_length: int) -> dict[str, tuple[int, ...]]:
+        W = self.sliding_window
+        shapes = {"window_kv": (batch, W, self.head_dim), "window_pos": (batch, W)}
+        if self.compressor is not None:
+            shapes |= self.compressor.state_shape(batch, max_length)
+        if self.kind == "csa":
+            ix = self.compressor.indexer.compressor
+            shapes |= {f"index_{k}": v for k, v in ix.state_shape(batch, max_length).items()}
+        return shapes
+
+    def prefill(self, x: jax.Array, *, max_length: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The prompt ``x [B, P, D]`` (positions 0..P-1, one document per row) -> (its
+        outputs [B, P, D], the cache for decoding up to ``max_length`` tokens)."""
+        B, P, _ = x.shape
+        if not 0 < P <= max_length:
+            raise ValueError(f"CompressedAttention.prefill: prompt length {P} must be in "
+                             f"1..max_length={max_length}")
+        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        out = self(x, positions=pos)
+        _, kv = self.project(x, self.q_latent(x), pos)
+        W = self.sliding_window
+        keep = jnp.arange(max(0, P - W), P)
+        cache = {"window_kv": jnp.zeros((B, W, self.head_dim), kv.dtype).at[:, keep % W].set(
+                     kv[:, keep]),
+                 "window_pos": jnp.full((B, W), -1, jnp.int32).at[:, keep % W].set(
+                     keep.astype(jnp.int32))}
+        if self.compressor is not None:
+            cache |= self.compressor.prefill_state(x, max_length)
+        if self.kind == "csa":
+            ix = self.compressor.indexer.compressor
+            cache |= {f"index_{k}": v for k, v in ix.prefill_state(x, max_length).items()}
+        return out, cache
+
+    def decode(self, x: jax.Array, cache: dict[str, jax.Array], *,
+               positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One token per row, ``x [B, 1, D]`` at ``positions [B, 1]`` (the next position of
+        each row) -> (its output [B, 1, D], the cache after it)."""
+        B = x.shape[0]
+        if x.shape[1] != 1 or positions.shape != (B, 1):
+            raise ValueError(f"CompressedAttention.decode: x {x.shape} and positions "
+                             f"{positions.shape} must be [B, 1, D] and [B, 1] (one token a row)")
+        pos = positions.astype(jnp.int32)
+        t, rows, W = pos[:, 0], jnp.arange(B), self.sliding_window
+        q_lat = self.q_latent(x)
+        q, kv = self.project(x, q_lat, pos)
+        new = dict(cache)
+        new["window_kv"] = cache["window_kv"].at[rows, t % W].set(
+            kv[:, 0].astype(cache["window_kv"].dtype))
+        new["window_pos"] = cache["window_pos"].at[rows, t % W].set(t)
+        ones = jnp.ones((B, 1), jnp.int32)
+        entries = start = eseg = indices = None
+        if self.compressor is not None:
+            names = self.compressor.state_shape(B, 1)
+            new |= self.compressor.decode_state({k: cache[k] for k in names}, x, pos)
+            entries = new["entries"]
+            E = entries.shape[1]
+            start = jnp.broadcast_to(jnp.arange(E, dtype=jnp.int32) * self.rate, (B, E))
+            eseg = jnp.ones((B, E), jnp.int32)
+        if self.kind == "csa":
+            ix = self.compressor.indexer
+            state = ix.compressor.decode_state({k: cache[f"index_{k}"] for k in names}, x, pos)
+            new |= {f"index_{k}": v for k, v in state.items()}
+            iq, iw = ix.queries(x, q_lat, pos)
+            scores = ix.entry_scores(iq, iw, state["entries"], start, eseg, positions=pos,
+                                     segment_ids=ones)
+            indices = ix.topk(scores, self.index_topk, start)
+        o = ca.attend(q, new["window_kv"], entries, q_positions=pos, q_segment_ids=ones,
+                      kv_positions=new["window_pos"],
+                      kv_segment_ids=(new["window_pos"] >= 0).astype(jnp.int32),
+                      window=W, entry_start=start, entry_segment_ids=eseg,
+                      rate=self.rate or 1, indices=indices, sinks=self.sinks[...],
+                      scale=self.scale)
+        return self.out(o, pos), new
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        """Hugging Face ``DeepseekV4Attention``'s keys under ``prefix`` (``...self_attn``)."""
+        out = [dataclasses.replace(r, path=("output", *r.path))
+               for r in self.output.hf_keys(prefix)]
+        return (hfk.children(self, prefix, ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj",
+                                            "kv_norm"))
+                + out + [hfk.copy(("sinks",), hfk.join(prefix, "sinks"))]
+                + hfk.child(self, "compressor", prefix))

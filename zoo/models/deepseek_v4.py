@@ -1,0 +1,511 @@
+"""DeepSeek-V4: compressed attention, manifold-constrained hyper-connections, hash-routed MoE.
+
+* Residual stream as ``hc_mult`` streams ``[B, L, n, D]`` (the embedding copied into each);
+  around each block a `zoo.layers.HyperConnection` collapses them into the block's input and
+  expands its output back, mixing the streams with a Sinkhorn-Knopp doubly stochastic matrix;
+  a `zoo.layers.HyperHead` collapses them before the final RMSNorm.
+* Attention (`zoo.layers.compressed_attention.CompressedAttention`), one kind per layer
+  (``layer_types``): ``sliding_attention`` (a window of ``sliding_window`` tokens, main RoPE
+  base ``rope_theta``), ``compressed_sparse_attention`` (CSA: entries of 4 tokens over
+  overlapping windows, a lightning indexer picks each query's ``index_topk``) and
+  ``heavily_compressed_attention`` (HCA: entries of 128 tokens, all visible), both with the
+  sliding branch and the compressed branches' RoPE (``compress_rope_theta`` with YaRN,
+  ``rope_scaling``); single-KV-head MQA of ``head_dim`` 512, attention sinks, a grouped
+  low-rank output projection (``o_groups``, ``o_lora_rank``).
+* Every layer an MoE (`zoo.layers.MoE`) of ``n_routed_experts`` SwiGLU experts clamped at
+  ``swiglu_limit`` plus ``n_shared_experts`` shared ones (clamped too): the first layers
+  (``mlp_layer_types == "hash_moe"``) take each token's experts from a fixed token-id table
+  (``tid2eid``, from the checkpoint; the model passes its token ids down), the others rank
+  ``sqrtsoftplus`` scores plus a selection bias (aux-loss-free balancing, as DeepSeek-V3);
+  weights normalised and scaled by ``routed_scaling_factor``.
+* Scanned as cycles: layers of one (attention kind, MoE kind) share a stack, and a pattern
+  that repeats (V4-Flash: sliding, sliding, CSA, then (HCA, CSA) x 20) runs as one scan over
+  the cycle (`zoo.models.stacks.layer_cycles`).
+* `DeepSeekV4Config` has Hugging Face's ``DeepseekV4Config`` field names (``model_type``
+  ``deepseek_v4``). Presets: `deepseek_v4_flash` (284B, what transformers' defaults build),
+  `deepseek_v4_pro` (1.6T) and `mini`. Multi-token prediction is not built (transformers
+  builds none either; ``num_nextn_predict_layers`` is carried through config.json).
+* `from_hf(path)` / `to_hf(model, path)`: the layout transformers' ``save_pretrained`` writes
+  and ``from_pretrained`` reads for ``deepseek_v4`` (DeepSeek's names: ``model.layers.{i}.attn
+  .wq_a``, ``.ffn.experts.{e}.w1``, ``.hc_attn_fn``, ``head.weight``, ...; `published_key`
+  maps transformers' module names, which the layers own, to them).
+
+Legend: B batch, L length, n streams (hc_mult), D hidden_size, E routed experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.layers import hf_keys as hfk
+from zoo.layers.compressed_attention import CompressedAttention
+from zoo.layers.hyper_connection import STREAMS, HyperConnection, HyperHead, expand_streams
+from zoo.layers.rope import RoPE, YaRN
+from zoo.models import hf, registry
+from zoo.models.config import DecoderConfig, check_hf_types, check_positive, zoo_field
+from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
+from zoo.models.deepseek3 import update_selection_bias
+from zoo.models.stacks import interleave_aux, layer_groups, run_cycle, run_layers
+from zoo.ops import moe as moe_ops
+
+__all__ = ["DeepSeekV4Config", "DeepSeekV4DecoderLayer", "DeepSeekV4", "from_hf", "to_hf",
+           "published_key"]
+
+SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention")
+LAYER_TYPES = (SLIDING, CSA, HCA)
+KIND = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}  # CompressedAttention(kind=)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+
+# DeepSeek-V4's context extension of the compressed branches: YaRN x16 over 64k, cos/sin
+# unscaled (transformers pins attention_factor=1.0 for them)
+V4_YARN = YaRN(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0,
+               beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0, attention_factor=1.0)
+
+
+def default_layer_types(n: int) -> tuple[str, ...]:
+    """transformers' default: two HCA layers, then CSA and HCA interleaved (HCA first)."""
+    return (HCA,) * min(n, 2) + tuple(CSA if i % 2 else HCA for i in range(max(n - 2, 0)))
+
+
+def flash_layer_types(n: int = 43) -> tuple[str, ...]:
+    """DeepSeek-V4-Flash's pattern: two sliding layers, one CSA, then (HCA, CSA) repeated."""
+    return ((SLIDING, SLIDING, CSA) + (HCA, CSA) * n)[:n]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekV4Config(DecoderConfig):
+    """DeepSeek-V4 hyper-parameters, Hugging Face ``DeepseekV4Config``'s names and defaults
+    (V4-Flash's shape). ``layer_types`` / ``mlp_layer_types`` None: transformers' defaults
+    (two HCA layers then CSA/HCA interleaved; ``num_hash_layers`` hash layers, then routed);
+    ``rope_scaling``: the compressed branches' YaRN (None: plain RoPE)."""
+
+    hf_model_type: ClassVar[str] = "deepseek_v4"
+    hf_architecture: ClassVar[str] = "DeepseekV4ForCausalLM"
+    hf_supported: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **DecoderConfig.hf_supported, "attention_bias": (False,), "mlp_bias": (False,),
+        "num_key_value_heads": (1,), "topk_method": ("noaux_tc",)}
+    hf_constants: ClassVar[dict[str, Any]] = {
+        **DecoderConfig.hf_constants, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 0, "eos_token_id": 1}
+    aux_loss_field: ClassVar[str] = "aux_loss_alpha"
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    intermediate_size: int = zoo_field(0)  # the shared expert's width: moe_intermediate_size
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: YaRN | None = V4_YARN
+    layer_types: tuple[str, ...] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
+    num_hash_layers: int = zoo_field(3)  # how many hash_moe layers mlp_layer_types=None means
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1  # carried through config.json; zoo builds no MTP
+    aux_loss_alpha: float = zoo_field(1e-4)  # weight of aux["load_balance_loss"]
+
+    def __post_init__(self):
+        what = type(self).__name__
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        if isinstance(self.rope_scaling, dict):
+            set_("rope_scaling", YaRN(**self.rope_scaling))
+        set_("intermediate_size", self.moe_intermediate_size)
+        n = self.num_hidden_layers
+        layers = default_layer_types(n) if self.layer_types is None else tuple(self.layer_types)
+        hashed = min(n, self.num_hash_layers)
+        mlps = (("hash_moe",) * hashed + ("moe",) * (n - hashed)
+                if self.mlp_layer_types is None else tuple(self.mlp_layer_types))
+        set_("layer_types", layers)
+        set_("mlp_layer_types", mlps)
+        set_("num_hash_layers", sum(t == "hash_moe" for t in mlps))  # one spelling per config
+        super().__post_init__()
+        check_positive(self, ("moe_intermediate_size", "head_dim", "qk_rope_head_dim",
+                              "q_lora_rank", "num_experts_per_tok", "n_routed_experts",
+                              "compress_rate_csa", "compress_rate_hca", "hc_mult",
+                              "hc_sinkhorn_iters", "sliding_window", "o_groups", "o_lora_rank",
+                              "index_n_heads", "index_head_dim", "index_topk"))
+        for name, values, allowed in (("layer_types", layers, LAYER_TYPES),
+                                      ("mlp_layer_types", mlps, MLP_LAYER_TYPES)):
+            if len(values) != n:
+                raise ValueError(f"{what}: {name} has {len(values)} entries but "
+                                 f"num_hidden_layers={n}; give one per layer")
+            bad = sorted({v for v in values if v not in allowed})
+            if bad:
+                raise ValueError(f"{what}: {name} entries {bad} are not among {allowed}")
+        if self.num_key_value_heads != 1:
+            raise ValueError(f"{what}: num_key_value_heads={self.num_key_value_heads}; "
+                             f"DeepSeek-V4's attention has one shared key/value head")
+        if self.scoring_func not in moe_ops.SCORINGS:
+            raise ValueError(f"{what}: scoring_func={self.scoring_func!r} must be one of "
+                             f"{moe_ops.SCORINGS} (DeepSeek-V4: 'sqrtsoftplus')")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"{what}: n_shared_experts={self.n_shared_experts} must be >= 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YaRN):
+            raise ValueError(f"{what}: rope_scaling={self.rope_scaling!r} must be a "
+                             f"zoo.layers.YaRN, a dict of its fields, or None")
+
+    # -- presets -------------------------------------------------------------------------------
+    @classmethod
+    def deepseek_v4_flash(cls, **overrides) -> DeepSeekV4Config:
+        """deepseek-ai/DeepSeek-V4-Flash: 43 layers (sliding, sliding, CSA, then HCA and CSA
+        alternating), hidden 4096, 64 heads of 512, 256 experts (top-6) of width 2048 + 1
+        shared, 3 hash layers. Layers rematerialised; MoE exact in bounded buffers is not
+        available for clamped experts, so it runs dropless."""
+        return cls(**{"layer_types": flash_layer_types(43), "remat_policy": "full",
+                      **overrides})
+
+    @classmethod
+    def deepseek_v4_pro(cls, **overrides) -> DeepSeekV4Config:
+        """deepseek-ai/DeepSeek-V4-Pro: 61 layers (transformers' default pattern: two HCA
+        layers, then CSA and HCA interleaved), hidden 7168, 128 heads of 512, query LoRA 1536,
+        16 output groups, 384 experts (top-6) of width 3072 + 1 shared, CSA top-1024."""
+        return cls(**{**dict(
+            hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+            q_lora_rank=1536, o_groups=16, moe_intermediate_size=3072, n_routed_experts=384,
+            index_topk=1024, remat_policy="full"), **overrides})
+
+    @classmethod
+    def mini(cls, **overrides) -> DeepSeekV4Config:
+        """A V4-shaped reduction that trains on a CPU: 4 layers (sliding, CSA, HCA, CSA; the
+        first hash-routed), hidden 64, 4 heads of 32 (8 rotary), HCA entries of 16 tokens,
+        8 experts (top-2) + 1 shared, vocab 264 (the byte tokenizer's ids, padded)."""
+        return cls(**{**dict(
+            vocab_size=264, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32,
+            num_experts_per_tok=2, n_routed_experts=8, layer_types=(SLIDING, CSA, HCA, CSA),
+            num_hash_layers=1, compress_rate_hca=16, sliding_window=16, o_groups=2,
+            o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=8,
+            max_position_embeddings=4096, num_nextn_predict_layers=0,
+            rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=1024,
+                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0,
+                              attention_factor=1.0)), **overrides})
+
+    # -- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], **overrides) -> DeepSeekV4Config:
+        """A ``deepseek_v4`` config.json: transformers' (nested ``rope_parameters`` with
+        ``main``/``compress``, ``compress_rates``, ``partial_rotary_factor``) or the published
+        spelling (``compress_ratios`` per layer, ``num_hash_layers``, ``rope_scaling``)."""
+        what = f"{cls.__name__}.from_hf_config"
+        hf.check_fields(cfg, cls.hf_supported, what=what)
+        skip = {"rope_theta", "rope_scaling", "layer_types", "mlp_layer_types",
+                "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim"}
+        kwargs = {f.name: cfg[f.name] for f in cls.hf_fields()
+                  if f.name not in skip and cfg.get(f.name) is not None}
+        check_hf_types(cls, kwargs, what=what)
+        rates = dict(cfg.get("compress_rates") or {})
+        for key, name in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+            value = rates.get(key, cfg.get(name))
+            if value is not None:
+                kwargs[name] = value
+        ratios = cfg.get("compress_ratios")
+        if cfg.get("layer_types") is not None:
+            kwargs["layer_types"] = tuple(cfg["layer_types"])
+        elif ratios is not None:  # published: 0 sliding, else the layer kind of that rate
+            by_rate = {0: SLIDING, kwargs.get("compress_rate_csa", 4): CSA,
+                       kwargs.get("compress_rate_hca", 128): HCA}
+            n = cfg.get("num_hidden_layers", cls.num_hidden_layers)
+            try:
+                kwargs["layer_types"] = tuple(by_rate[int(r)] for r in ratios[:n])
+            except KeyError as e:
+                raise ValueError(f"{what}: compress_ratios holds {e.args[0]}, not 0 or a "
+                                 f"compression rate {sorted(by_rate)}") from None
+        if cfg.get("mlp_layer_types") is not None:
+            kwargs["mlp_layer_types"] = tuple(cfg["mlp_layer_types"])
+        elif cfg.get("num_hash_layers") is not None:
+            kwargs["num_hash_layers"] = int(cfg["num_hash_layers"])
+        head_dim = kwargs.get("head_dim", cls.head_dim)
+        if cfg.get("qk_rope_head_dim") is not None:
+            kwargs["qk_rope_head_dim"] = int(cfg["qk_rope_head_dim"])
+        elif cfg.get("partial_rotary_factor") is not None:
+            kwargs["qk_rope_head_dim"] = int(head_dim * cfg["partial_rotary_factor"])
+        params = cfg.get("rope_parameters") or {}
+        main, compress = params.get("main"), params.get("compress")
+        if isinstance(main, dict) and isinstance(compress, dict):
+            kwargs["rope_theta"], _ = hf.rope_from_hf({"rope_parameters": main}, what=what,
+                                                      default_theta=cls.rope_theta)
+            kwargs["compress_rope_theta"], kwargs["rope_scaling"] = hf.rope_from_hf(
+                {"rope_parameters": compress,
+                 "max_position_embeddings": cfg.get("max_position_embeddings")},
+                what=what, default_theta=cls.compress_rope_theta)
+        else:  # published: rope_theta for the main rotary, rope_scaling for the compressed one
+            flat = {k: v for k, v in (cfg.get("rope_scaling") or params).items()
+                    if k not in ("main", "compress")}
+            kwargs["rope_theta"] = float(cfg.get("rope_theta") or cls.rope_theta)
+            rope = {**flat, "rope_theta": cfg.get("compress_rope_theta",
+                                                  cls.compress_rope_theta)}
+            if rope.get("rope_type", rope.get("type")) == "yarn":
+                rope.setdefault("attention_factor", 1.0)  # as transformers
+            kwargs["compress_rope_theta"], kwargs["rope_scaling"] = hf.rope_from_hf(
+                {"rope_parameters": rope,
+                 "max_position_embeddings": cfg.get("max_position_embeddings")},
+                what=what, default_theta=cls.compress_rope_theta)
+        return cls(**{**kwargs, **overrides})
+
+    def to_hf_config(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in self.hf_fields()
+               if f.name not in ("rope_scaling", "compress_rate_csa", "compress_rate_hca")}
+        out["layer_types"] = list(self.layer_types)
+        out["mlp_layer_types"] = list(self.mlp_layer_types)
+        out["compress_rates"] = {CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}
+        factor = self.qk_rope_head_dim / self.head_dim
+        out["partial_rotary_factor"] = factor
+        out["rope_parameters"] = {
+            "main": {**hf.rope_to_hf(self.rope_theta, None), "partial_rotary_factor": factor},
+            "compress": {**hf.rope_to_hf(self.compress_rope_theta, self.rope_scaling),
+                         "partial_rotary_factor": factor}}
+        out.update(self.hf_constants)
+        out.update(architectures=[self.hf_architecture], model_type=self.hf_model_type,
+                   dtype=jnp.dtype(self.param_dtype).name)
+        return out
+
+    # -- derived quantities --------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.n_routed_experts
+
+    def rope(self, layer_type: str) -> RoPE:
+        """The layer kind's `RoPE`: the main base for sliding layers, the compressed branches'
+        (with YaRN) for CSA/HCA."""
+        if layer_type == SLIDING:
+            return RoPE(theta=self.rope_theta, interleaved=True)
+        return RoPE(theta=self.compress_rope_theta, interleaved=True, scaling=self.rope_scaling)
+
+    def num_params(self) -> int:
+        """Parameter count from `nnx.eval_shape` (allocates nothing; buffers excluded)."""
+        return count_params(DeepSeekV4.abstract(self))
+
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies with, from the abstract model: everything but the
+        embedding and the routed experts, plus k routed experts per layer."""
+        model = DeepSeekV4.abstract(self)
+        total = count_params(model)
+        F, D = self.moe_intermediate_size, self.hidden_size
+        routed = 3 * D * F * self.n_routed_experts * self.num_hidden_layers
+        active = 3 * D * F * self.num_experts_per_tok * self.num_hidden_layers
+        return total - routed + active - self.vocab_size * D
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Training FLOPs per token: ``6 * active_matmul_params`` plus attention ``3 * 2 * N *
+        2H`` per key a query sees: its sliding window, and per layer kind the compressed
+        entries it reads (CSA: ``min(index_topk, entries)``, HCA: all of them)."""
+        keys_seen = (seq_len + 1) / 2 if causal else seq_len
+        window = min(self.sliding_window, keys_seen)
+        attn = 0.0
+        for kind in self.layer_types:
+            keys = window
+            if kind == CSA:
+                keys += min(self.index_topk, keys_seen / self.compress_rate_csa)
+            elif kind == HCA:
+                keys += keys_seen / self.compress_rate_hca
+            attn += 2 * self.num_attention_heads * 2 * self.head_dim * keys
+        return 3 * (2 * self.active_matmul_params() + attn)
+
+
+# transformers' module names (what the layers own) -> the checkpoint's names
+# (``save_pretrained`` / ``from_pretrained`` for deepseek_v4), applied in order
+_PUBLISHED = [(re.compile(a), b) for a, b in (
+    (r"\.mlp\.(experts\.\d+|shared_experts)\.gate_proj\.", r".ffn.\1.w1."),
+    (r"\.mlp\.(experts\.\d+|shared_experts)\.up_proj\.", r".ffn.\1.w3."),
+    (r"\.mlp\.(experts\.\d+|shared_experts)\.down_proj\.", r".ffn.\1.w2."),
+    (r"\.mlp\.gate\.e_score_correction_bias$", r".ffn.gate.bias"),
+    (r"\.mlp\.", r".ffn."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.input_layernorm\.", r".attn_norm."),
+    (r"\.post_attention_layernorm\.", r".ffn_norm."),
+    (r"^lm_head\.weight$", r"head.weight"),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", r".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", r".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", r".attn.indexer.compressor."),
+    (r"\.self_attn\.", r".attn."),
+    (r"\.sinks$", r".attn_sink"),
+    (r"\.kv_norm\.", r".norm."),
+    (r"\.position_bias$", r".ape"),
+    (r"\.q_a_proj\.", r".wq_a."),
+    (r"\.q_b_proj\.", r".wq_b."),
+    (r"\.kv_proj\.", r".wkv."),
+    (r"\.gate_proj\.", r".wgate."),
+    (r"\.o_a_proj\.", r".wo_a."),
+    (r"\.o_b_proj\.", r".wo_b."),
+    (r"\.q_a_norm\.", r".q_norm."),
+)]
+
+
+def published_key(key: str) -> str:
+    """A key in transformers' module names (``model.layers.1.self_attn.q_a_proj.weight``) as
+    the checkpoint names it (``model.layers.1.attn.wq_a.weight``): the reverse of
+    transformers' ``deepseek_v4`` weight conversion."""
+    for pattern, repl in _PUBLISHED:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def _published(row):
+    if isinstance(row, hf.LayerStack):
+        return dataclasses.replace(row, rows=tuple(_published(r) for r in row.rows))
+    return dataclasses.replace(row, keys=tuple(published_key(k) for k in row.keys))
+
+
+class DeepSeekV4DecoderLayer(DecoderLayer):
+    """``x = attn_hc(x, self_attn . input_layernorm)``, then ``x = ffn_hc(x, mlp .
+    post_attention_layernorm)`` on the streams ``[B, L, n, D]``; the MoE gets the token ids
+    (hash routing). Pieces swap as in `DecoderLayer` (``attention_cls``, ``moe_cls``)."""
+
+    attention_cls: ClassVar[type] = CompressedAttention
+    hyper_connection_cls: ClassVar[type] = HyperConnection
+
+    def __init__(self, config: DeepSeekV4Config, *, layer_idx: int, inputs_shape,
+                 partitioner=None, rngs: nnx.Rngs):
+        super().__init__(config, layer_idx=layer_idx, inputs_shape=inputs_shape,
+                         partitioner=partitioner, rngs=rngs)
+        hc = lambda: self.hyper_connection_cls(
+            embed_dim=config.hidden_size, hc_mult=config.hc_mult,
+            sinkhorn_iters=config.hc_sinkhorn_iters, eps=config.hc_eps,
+            norm_eps=config.rms_norm_eps, partitioner=self.partitioner,
+            param_dtype=config.param_dtype, rngs=rngs)
+        self.attn_hc, self.ffn_hc = hc(), hc()
+
+    @classmethod
+    def uses_moe(cls, config, layer_idx: int) -> bool:
+        return True
+
+    @classmethod
+    def layer_kind(cls, config: DeepSeekV4Config, layer_idx: int):
+        return config.layer_types[layer_idx], config.mlp_layer_types[layer_idx]
+
+    def make_attention(self, config: DeepSeekV4Config, *, inputs_shape, partitioner, rngs):
+        kind = config.layer_types[self.layer_idx]
+        rate = {CSA: config.compress_rate_csa, HCA: config.compress_rate_hca}.get(kind)
+        return self.attention_cls(
+            kind=KIND[kind], num_heads=config.num_attention_heads, head_dim=config.head_dim,
+            rope_head_dim=config.qk_rope_head_dim, q_lora_rank=config.q_lora_rank,
+            o_groups=config.o_groups, o_lora_rank=config.o_lora_rank,
+            sliding_window=config.sliding_window, compress_rate=rate,
+            index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
+            index_topk=config.index_topk, rope=config.rope(kind),
+            rms_norm_eps=config.rms_norm_eps, dtype=config.dtype,
+            param_dtype=config.param_dtype, inputs_shape=inputs_shape,
+            partitioner=partitioner, rngs=rngs)
+
+    def make_moe(self, config: DeepSeekV4Config, *, inputs_shape, partitioner, rngs):
+        hashed = config.mlp_layer_types[self.layer_idx] == "hash_moe"
+        return self.moe_cls(
+            num_experts=config.n_routed_experts, num_experts_per_tok=config.num_experts_per_tok,
+            mlp_dim=config.moe_intermediate_size, inputs_shape=inputs_shape,
+            partitioner=partitioner, scoring=config.scoring_func,
+            routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob, num_shared_experts=config.n_shared_experts,
+            activation=moe_ops.GLU(limit=config.swiglu_limit),
+            shared_limit=config.swiglu_limit,
+            hash_vocab_size=config.vocab_size if hashed else None,
+            **config.moe_options(), rngs=rngs)
+
+    def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
+        return super().hf_keys(prefix) + hfk.children(self, prefix, ("attn_hc", "ffn_hc"))
+
+    def block(self, x, attention):
+        raise NotImplementedError(
+            "DeepSeekV4DecoderLayer.block: generation (zoo.inference) needs caches of the "
+            "compressed entries, which DeepSeek-V4 does not have yet; call the model itself "
+            "(a full forward pass) instead")
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None, tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Streams ``x [B, L, n, D]`` -> ``(streams, the MoE's aux)``; ``tokens [B, L]``: the
+        ids the hash-routed layers look up."""
+        with jax.named_scope(f"layer_{self.layer_idx}"):
+            h, post, comb = self.attn_hc.collapse(x)
+            a = self.self_attn(self.input_layernorm(h), positions=positions,
+                               segment_ids=segment_ids)
+            x = self.attn_hc.expand(jax.ad_checkpoint.checkpoint_name(
+                a.astype(x.dtype), "attention_out"), x, post, comb)
+            h, post, comb = self.ffn_hc.collapse(x)
+            m, aux = self.mlp(self.post_attention_layernorm(h), tokens)
+            x = self.ffn_hc.expand(jax.ad_checkpoint.checkpoint_name(
+                m.astype(x.dtype), "mlp_out"), x, post, comb)
+            return x, aux
+
+
+class DeepSeekV4(CausalLM):
+    """The DeepSeek-V4 causal LM: ``logits, aux = model(tokens, positions=..., segment_ids=...)``
+    (see `zoo.models.decoder.CausalLM`); the trunk runs on ``hc_mult`` streams and the
+    `HyperHead` (``hc_head``) collapses them before the final norm."""
+
+    config_cls: ClassVar[type] = DeepSeekV4Config
+    decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeekV4DecoderLayer
+    hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
+    hf_names: ClassVar[dict[str, str]] = {**CausalLM.hf_names, "hc_head": "model.hc_head"}
+
+    def __init__(self, config: DeepSeekV4Config, *, rngs: nnx.Rngs, **kwargs):
+        super().__init__(config, rngs=rngs, **kwargs)
+        self.hc_head = HyperHead(embed_dim=config.hidden_size, hc_mult=config.hc_mult,
+                                 eps=config.hc_eps, norm_eps=config.rms_norm_eps,
+                                 partitioner=self.partitioner, param_dtype=config.param_dtype,
+                                 rngs=rngs)
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+        """Embedding copied into the streams, every layer (each reads the token ids), then
+        the hyper head: ``(hidden [B, L, D] before the final norm, per-group aux dicts)``."""
+        p, remat = self.partitioner, self.config.remat_policy
+        x = p.constrain(expand_streams(self.embed_tokens(tokens), self.config.hc_mult),
+                        STREAMS)
+        extra = {"tokens": tokens}
+        auxes = []
+        for group in layer_groups(self.layers):
+            kw = dict(positions=positions, segment_ids=segment_ids, remat=remat,
+                      layer_kwargs=extra)
+            if len(group) == 1:
+                x, aux = run_layers(group[0], x, **kw)
+            else:
+                x, group_aux = run_cycle(group, x, **kw)
+                aux = interleave_aux(group_aux)
+            auxes.append(aux)
+        return self.hc_head(x), auxes
+
+    def hf_keys(self, prefix: str = "") -> list:
+        """The base's rows plus the hyper head's, every key in the checkpoint's names
+        (`published_key`)."""
+        rows = super().hf_keys(prefix) + hfk.child(self, "hc_head", prefix)
+        return [_published(r) for r in rows]
+
+
+from_hf, to_hf = family_io(DeepSeekV4, "DeepSeek-V4",
+                           "transformers' deepseek_v4 layout, bf16/fp32")
+
+registry.register(registry.Family(
+    name="deepseek_v4", config_cls=DeepSeekV4Config, model_cls=DeepSeekV4,
+    presets={"deepseek_v4_flash": DeepSeekV4Config.deepseek_v4_flash,
+             "deepseek_v4_pro": DeepSeekV4Config.deepseek_v4_pro,
+             "mini": DeepSeekV4Config.mini},
+    after_step=update_selection_bias))
