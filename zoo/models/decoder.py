@@ -53,7 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zoo import _flax_compat
 from zoo.layers.embed import Embed
-from zoo.layers.linear import Linear
+from zoo.layers.linear import Fp8Stats, Linear, prequantized_weights  # noqa: F401
 from zoo.layers.mlp import MLP
 from zoo.layers.moe import MoE
 from zoo.layers.norm import RMSNorm

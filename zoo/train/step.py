@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zoo.layers.linear import Fp8Stats, prequantized_weights
+from zoo.models.decoder import Fp8Stats, prequantized_weights
 from zoo.models import registry
 from zoo.ops.fp8 import STATS
 from zoo.ops.loss import cross_entropy
@@ -172,7 +172,7 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
     that returns ``aux["indexer_loss"]`` (DeepSeek-V3.2's indexer training) adds its config's
     ``index_loss_weight`` times it. FP8 layers' statistics (`pop_fp8_stats`) are
     ``aux["fp8_stats"]``; their weights are quantised once, before the forward pass
-    (`zoo.layers.linear.prequantized_weights`).
+    (`zoo.models.decoder.prequantized_weights`).
     """
     depth = len(getattr(model, "mtp", None) or ())
     kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
@@ -205,7 +205,7 @@ def loss_fn(model, batch: Mapping[str, jax.Array], *, aux_loss_weight: float = 0
 
 
 def pop_fp8_stats(model) -> jax.Array | None:
-    """The `zoo.layers.linear.Fp8Stats` the model's FP8 layers recorded in its last call,
+    """The `zoo.models.decoder.Fp8Stats` the model's FP8 layers recorded in its last call,
     summed to one float32 ``[4]`` (`zoo.ops.fp8.STATS`) and removed from the model; None when
     it holds none (no layer runs in FP8)."""
     leaves = jax.tree.leaves(nnx.pop(model, Fp8Stats))
