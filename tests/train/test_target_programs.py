@@ -1,7 +1,8 @@
 """The mini MoE families' train steps compiled for accelerator targets on this CPU host: what
 the programs hold, and that no program decision reads the process's backend.
 
-DeepSeek-V3's and Mixtral's mini presets (MLA and GQA attention; sequence 2048, two layers) under fsdp, cp and ep_as_cp compiles for
+DeepSeek-V3's and Mixtral's mini presets (MLA and GQA attention; sequence 2048, two
+layers) under fsdp, cp and ep_as_cp compiles for
 8 TPU v5p chips (``"tpu-v5p-8"``, libtpu) and 8 H100s (``"h100-8"``, the CUDA plugin) through
 the public building blocks (`zoo.make_mesh(devices=...)`, `zoo.Partitioner`,
 `zoo.train.step.abstract_state`, `make_tx`, `make_train_step(donate=True)`, `BATCH_KEYS`).
@@ -75,7 +76,7 @@ def program(preset: str, strategy: str, devices, mesh: str | None = None,
                                                                   mesh_platform(mesh))[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_program(preset: str, strategy: str, target: str) -> str:
     """`program` for the compile-only target named `target` (``"tpu-v5p-8"``, ``"h100-8"``),
     compiled once per process."""
