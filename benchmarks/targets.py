@@ -12,8 +12,10 @@ and Adam, remat full, ``moe_buffer_factor=2`` with overflow dropped, no MTP laye
 Columns: per-device temporaries and peak (arguments + temporaries + outputs) against the
 device's memory, compile seconds, HLO/model FLOPs (kernels' custom calls are not in the HLO
 count), collective GB per device per step, the custom calls (kernels) and the roofline bound
-(`Rehearsal.roofline`, a lower bound on the step's time, with the MFU at it). A TPU target
-needs libtpu (``.[tpu-compile]``), a GPU target the CUDA plugin (``.[gpu-compile]``).
+(`Rehearsal.roofline`, a lower bound on the step's time, with the MFU at it; compute at the
+chip's bf16 peak, or its FP8 peak for ``--set fp8=blockwise`` where it has one: "(FP8 peak)"
+in the "bound by" column). A TPU target needs libtpu (``.[tpu-compile]``), a GPU target the
+CUDA plugin (``.[gpu-compile]``).
 
 The MoE program space, one verdict per cell::
 
@@ -250,7 +252,9 @@ def row(r) -> dict:
                for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")},
             "kernels": kernels,
             "bound ms": "-" if bound is None else bound["bound_s"] * 1e3,
-            "bound by": "-" if bound is None else bound["bound_by"],
+            # an FP8 program's bound is at the chip's FP8 peak where it has one (MFU too)
+            "bound by": "-" if bound is None else bound["bound_by"] + (
+                " (FP8 peak)" if bound["peak"] == "fp8" else ""),
             "MFU at bound": "-" if bound is None else f"{bound['mfu']:.1%}"}
 
 

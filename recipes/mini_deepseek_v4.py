@@ -12,8 +12,9 @@ that straddle shards are completed from the neighbours, the CSA indexer's top-k 
 the built-in corpus (the Python standard library's sources, byte tokens). The hash layer's
 token -> experts table stays at zoo's initial one (`zoo.layers.moe.hash_table_init`: token
 ``t`` to experts ``(t * k + j) % E``; a checkpoint brings DeepSeek's), and the indexer's
-selection is under ``stop_gradient``. No end-of-run sample: generation does not cover the
-compressed attention yet. On GPUs/TPUs it uses the real devices with FSDP. Rerunning the
+selection is under ``stop_gradient``. The run ends with a greedy sample (`zoo.inference`: each
+layer's sliding ring, compressed entries and open windows). On GPUs/TPUs it uses the real
+devices with FSDP. Rerunning the
 same command resumes from ``runs/mini_deepseek_v4/checkpoints``; SIGTERM/Ctrl-C saves and
 exits.
 """
@@ -29,7 +30,6 @@ RECIPE = cli.Recipe(
         lr=3e-3,                               # peak; warmup min(100, steps/10), cosine to 10%
         checkpoint_every=50,
         expert_bias_rate=1e-2,                 # as recipes/mini_deepseek3.py
-        sample_tokens=0,                       # no cached decode for compressed attention yet
     ),
 )
 

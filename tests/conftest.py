@@ -89,21 +89,31 @@ if _RESOURCE_LOG:
                     return int(line.split()[1]) // 1024  # MiB
         return -1
 
+    def _cpu_seconds():
+        """(this worker's, its waited-for children's) user + system CPU seconds so far."""
+        own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         """One line per test (``ZOO_TEST_RESOURCE_LOG=path``): wall time, the worker's
-        resident memory before/peak/after (MiB), its mapping count, children's peak."""
+        resident memory before/peak/after (MiB), its mapping count, children's peak, and the
+        CPU seconds the worker and its children spent (cpu / wall below 1: the test waited)."""
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak resident size
         except OSError:
             pass
         rss0, t0 = _status("VmRSS"), time.time()
+        cpu0 = _cpu_seconds()
         yield
         maps = _mapping_count()
+        cpu = _cpu_seconds()
         row = dict(test=item.nodeid, worker=os.environ.get("PYTEST_XDIST_WORKER", "-"),
                    start=round(t0, 1), wall=round(time.time() - t0, 1), rss0=rss0,
                    hwm=_status("VmHWM"), rss=_status("VmRSS"), maps=maps,
-                   children=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)
+                   children=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,
+                   cpu=round(cpu[0] - cpu0[0], 1), children_cpu=round(cpu[1] - cpu0[1], 1))
         with open(_RESOURCE_LOG, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -28,3 +28,22 @@ def attention_fwd_bwd(fn, q, k, v, pos, seg, w):
     out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_positions=pos, kv_positions=pos,
                                           q_segment_ids=seg, kv_segment_ids=seg), q, k, v)
     return (out, *vjp(w.astype(out.dtype)))
+
+
+def weight_block_amaxes(jaxpr) -> int:
+    """The ``reduce_max`` over 128x128 blocks (``[..., nr, 128, nc, 128]`` over axes -3 and -1:
+    weights; activations' 1x128 and gradients' 128x1 tiles have other shapes) in `jaxpr` and
+    every jaxpr nested in it (scan, while, remat, custom_vjp, shard_map, pjit)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        shape = eqn.invars[0].aval.shape if eqn.invars else ()
+        nd = len(shape)
+        if (eqn.primitive.name == "reduce_max" and nd >= 4 and shape[-3] == shape[-1] == 128
+                and tuple(eqn.params["axes"]) == (nd - 3, nd - 1)):
+            n += 1
+        for p in eqn.params.values():
+            for inner in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    n += weight_block_amaxes(inner)
+    return n

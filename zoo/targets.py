@@ -28,7 +28,8 @@ slice builds.
   a TPU program's text is the compiler's own dump (jaxlib 0.10 cannot read libtpu 0.0.52's).
 * `hbm_bytes(device_kind)` -- a chip's memory as its compiler counts it (the TPU's
   out-of-memory message; a GPU's description), None when not known; `chip(device_kind)` its
-  published peaks (bf16 FLOP/s, ICI or NVLink, the network between GPU hosts, HBM bytes/s),
+  published peaks (bf16 and, where the chip has it, FP8 FLOP/s, ICI or NVLink, the network
+  between GPU hosts, HBM bytes/s),
   which `Rehearsal.roofline` bounds a step with.
 """
 
@@ -67,12 +68,14 @@ def configure_process() -> None:
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """A chip's published peaks, per chip: dense bf16 FLOP/s, bidirectional inter-chip bytes/s
-    (a TPU's ICI; a GPU's NVLink, within its host), HBM bytes/s and, for GPUs, the network's
-    bidirectional bytes/s between hosts (one 400 Gb/s NIC a GPU)."""
+    (a TPU's ICI; a GPU's NVLink, within its host), HBM bytes/s, for GPUs the network's
+    bidirectional bytes/s between hosts (one 400 Gb/s NIC a GPU), and dense FP8 FLOP/s (None
+    where none is published: FP8 products then run at `peak_flops` at best)."""
     peak_flops: float
     ici_bytes_per_s: float
     hbm_bytes_per_s: float
     network_bytes_per_s: float | None = None
+    fp8_peak_flops: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +87,17 @@ class Gpu:
     chip: Chip
 
 
-# H100 SXM and H200 SXM (NVIDIA's datasheets): 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s
+# H100 SXM and H200 SXM (NVIDIA's datasheets): 989 TFLOP/s dense bf16, 1,979 dense FP8 (the
+# datasheets' 3,958 is with 2:4 sparsity), NVLink 4 at 900 GB/s
 GPUS = {"h100": Gpu("NVIDIA H100 80GB HBM3", 84_929_347_584, 3_352_320_000_000,
-                    Chip(989e12, 900e9, 3352e9, 100e9)),
+                    Chip(989e12, 900e9, 3352e9, 100e9, fp8_peak_flops=1979e12)),
         "h200": Gpu("NVIDIA H200", 150_754_820_096, 4_800_000_000_000,
-                    Chip(989e12, 900e9, 4800e9, 100e9))}
+                    Chip(989e12, 900e9, 4800e9, 100e9, fp8_peak_flops=1979e12))}
 GPUS_PER_HOST = 8
 
-# by jax's device_kind; v4's ICI is not stated per chip in the same terms, so it has no entry
+# by jax's device_kind; v4's ICI is not stated per chip in the same terms, so it has no entry.
+# No FP8 peak: v5p and v5e have no FP8 matrix unit; for v6e Google publishes bf16 (918 TFLOP/s)
+# and int8 (1,836 TOP/s) peaks, none for FP8 (docs.cloud.google.com/tpu/docs/v6e)
 CHIPS = {"TPU v5": Chip(459e12, 1200e9, 2765e9),        # v5p
          "TPU v5 lite": Chip(197e12, 400e9, 819e9),     # v5e
          "TPU v6 lite": Chip(918e12, 800e9, 1638e9),    # v6e (Trillium)

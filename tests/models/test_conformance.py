@@ -8,8 +8,8 @@ from conformance import (STRATEGIES, FamilySpec, check_attention_swap, check_loa
                          check_packed_documents, check_param_count, check_recipe,
                          check_round_trip, check_strategy, load, reference)
 
-from zoo.models import (deepseek3, deepseek_v32, glm4_moe, gpt_oss, mixtral, qwen3_5_moe,
-                        qwen3_moe, qwen3_next)
+from zoo.models import (deepseek3, deepseek_v32, glm4_moe, glm_moe_dsa, gpt_oss, mixtral,
+                        qwen3_5_moe, qwen3_moe, qwen3_next)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
@@ -36,6 +36,16 @@ QWEN3_NEXT_TINY = ("--set", "hidden_size=32", "--set", "num_attention_heads=4",
 # the recipe's 3 steps with DSA keeping 8 of 32 keys (no MTP module: a smaller program)
 DEEPSEEK_V32_TINY = (*DEEPSEEK_TINY, "--set", "index_topk=8", "--set", "index_n_heads=4",
                      "--set", "index_head_dim=16", "--set", "num_nextn_predict_layers=0")
+# GLM-5: V3.2's recipe flags with a full then a shared layer (the shared one reuses the top-k)
+GLM_MOE_DSA_TINY = (*DEEPSEEK_V32_TINY, "--set", 'indexer_types=["full", "shared"]')
+GLM_MOE_DSA_CONFIG = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+    num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, q_lora_rank=16,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    first_k_dense_replace=1, index_topk=6, index_n_heads=16, index_head_dim=16,
+    max_position_embeddings=32, indexer_types=["full", "shared", "full", "shared", "full"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 # gated DeltaNet 3:1 gated attention (partial rotary 0.5), shared expert behind a sigmoid gate
 QWEN3_NEXT_CONFIG = dict(
     vocab_size=64, hidden_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -100,6 +110,18 @@ FAMILIES = [
                      num_nextn_predict_layers=0),
                  "mini": deepseek_v32.DeepSeekV32Config.mini},
         recipe="mini_deepseek_v32", recipe_flags=DEEPSEEK_V32_TINY, bias_scale=0.05),
+    FamilySpec(
+        name="glm_moe_dsa", config_cls=glm_moe_dsa.GlmMoeDsaConfig,
+        model_cls=glm_moe_dsa.GlmMoeDsa, from_hf=glm_moe_dsa.from_hf, to_hf=glm_moe_dsa.to_hf,
+        # DeepSeek-V3.2's tiny shape without YaRN (GLM-5 has none), rms_norm_eps 1e-5 (MLA's
+        # own norms keep 1e-6), the indexer's interleaved RoPE, and indexers full, shared,
+        # full, shared, full: each shared layer attends to the 6 keys (of up to 16) the full
+        # layer before it chose; scanned, layers 1-4 are one cycle of (shared, full)
+        hf_config=lambda: transformers.GlmMoeDsaConfig(**GLM_MOE_DSA_CONFIG),
+        # transformers builds no MTP layer: its count is the preset with none
+        presets={"glm5": lambda: glm_moe_dsa.GlmMoeDsaConfig.glm5(num_nextn_predict_layers=0),
+                 "mini": glm_moe_dsa.GlmMoeDsaConfig.mini},
+        recipe="mini_glm_moe_dsa", recipe_flags=GLM_MOE_DSA_TINY, bias_scale=0.05),
     FamilySpec(
         name="qwen3_moe", config_cls=qwen3_moe.Qwen3MoeConfig, model_cls=qwen3_moe.Qwen3Moe,
         from_hf=qwen3_moe.from_hf, to_hf=qwen3_moe.to_hf,
@@ -170,6 +192,8 @@ PUBLISHED = {"mixtral_8x7b": 46_702_792_704, "mixtral_8x22b": 140_630_071_296,
              "deepseek_v3": 671_026_404_352,  # DeepSeek-V3 without its MTP layer
              # V3's trunk plus 61 indexers of 13,959,424 (transformers' count, no MTP layer)
              "deepseek_v3_2": 671_877_929_216,
+             # GLM-5 / GLM-5.1 ("744B"): transformers' count, no MTP layer
+             "glm5": 743_911_199_232,
              "qwen3_30b_a3b": 30_532_122_624,
              "gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672,
              # transformers' counts (language models, no MTP layer)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import weight_block_amaxes
 
 import zoo.train.step as step_module
 from zoo.layers.linear import Linear
@@ -27,25 +28,6 @@ BATCH = dict(inputs=jnp.arange(B * L, dtype=jnp.int32).reshape(B, L) % V,
              segment_ids=jnp.ones((B, L), jnp.int32), loss_weights=jnp.ones((B, L)))
 
 
-def weight_block_amaxes(jaxpr) -> int:
-    """The ``reduce_max`` over 128x128 blocks (``[..., nr, 128, nc, 128]`` over axes -3 and
-    -1: weights; activations' 1x128 and gradients' 128x1 tiles have another shape) in `jaxpr`
-    and every jaxpr nested in it (scan, remat, custom_vjp, shard_map, pjit)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        shape = eqn.invars[0].aval.shape if eqn.invars else ()
-        nd = len(shape)
-        if (eqn.primitive.name == "reduce_max" and nd >= 4 and shape[-3] == shape[-1] == 128
-                and tuple(eqn.params["axes"]) == (nd - 3, nd - 1)):
-            n += 1
-        for p in eqn.params.values():
-            for inner in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    n += weight_block_amaxes(inner)
-    return n
-
-
 def fp8_kernels(model) -> int:
     """FP8 weight parameters: one kernel per FP8 `Linear` (a stack's holds all its layers)."""
     return sum(isinstance(m, Linear) and m.fp8 == "blockwise" for _, m in nnx.iter_modules(model))
@@ -55,7 +37,7 @@ def fp8_kernels(model) -> int:
 @pytest.mark.parametrize("remat", [None, "full"])
 def test_train_step_quantizes_each_fp8_weight_once(scan, remat):
     # dense layers only: every FP8 weight is a Linear kernel (MLA's projections and latent
-    # expansion, the dense MLP); the routed experts quantise per use (docs/fp8.md)
+    # expansion, the dense MLP); the routed experts' copies: tests/layers/test_fp8_moe_once.py
     cfg = dataclasses.replace(BASE, first_k_dense_replace=BASE.num_hidden_layers,
                               scan_layers=scan, remat_policy=remat)
     model = DeepSeek3(cfg, inputs_shape=(B, L), rngs=nnx.Rngs(0))

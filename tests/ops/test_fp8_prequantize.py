@@ -69,6 +69,38 @@ def test_prequantize_batch_dims_equal_quantize_per_slice():
     assert float(pre.stats[1, 1]) == 6 and float(pre.stats[0, 1]) == 0  # 6 blocks a slice
 
 
+@pytest.mark.parametrize("tiles", [False, True])
+def test_prequantized_ragged_dot_is_ragged_dot_forward_and_backward(tiles):
+    """The MoE's grouped product with a ``[G, K, N]`` copy equals the one quantising the
+    weight itself, bit for bit: output, the rows' (or the tiles' values') gradient and the
+    weight's; for rows and for FP8 tiles from the dispatch (bfloat16 rows, float32 weight)."""
+    m, k, n, sizes = 300, 200, 136, jnp.array([100, 0, 150, 40], jnp.int32)  # 10 rows unused
+    x = jnp.asarray(data((m, k), 20), jnp.bfloat16 if tiles else jnp.float32)
+    w = data((len(sizes), k, n), 21, 0.05)
+
+    def grads(weight_of):
+        def loss(x, w):
+            y = fp8.ragged_dot(fp8.quantize_tiles(x) if tiles else x, weight_of(w), sizes)
+            return jnp.sum(y * jnp.sin(y)), y
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+
+    (_, y), (dx, dw) = grads(lambda w: w)
+    (_, y_pre), (dx_pre, dw_pre) = grads(fp8.prequantize)
+    for a, b in ((y, y_pre), (dx, dx_pre), (dw, dw_pre)):
+        assert a.dtype == b.dtype
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert dx_pre.dtype == x.dtype and dw_pre.dtype == w.dtype
+    assert float(jnp.abs(dw_pre[2]).max()) > 0 and not np.any(np.asarray(dw_pre[1]))
+    # the copy's values are what the product multiplies: a copy of other values changes it
+    other = fp8.prequantize(2 * w)._replace(w=w)
+    y_other = fp8.ragged_dot(fp8.quantize_tiles(x) if tiles else x, other, sizes)
+    np.testing.assert_allclose(np.asarray(y_other), 2 * np.asarray(y), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="power_of_two=True with a QuantizedWeight"):
+        fp8.ragged_dot(x, fp8.prequantize(w), sizes, power_of_two=True)
+    with pytest.raises(ValueError, match=r"fp8.ragged_dot wants x \[M, K\]"):
+        fp8.ragged_dot(x[:, :128], fp8.prequantize(w), sizes)
+
+
 def test_prequantize_rejects_bad_arguments():
     with pytest.raises(ValueError, match="prequantize wants a weight"):
         fp8.prequantize(jnp.ones((128,)))

@@ -161,6 +161,55 @@ def test_chunked_gradients_match_recurrent():
     assert np.abs(got[4]).max() > 1e-3  # the gradient of g is exercised
 
 
+def test_chunked_picked_states_and_gradients():
+    """`_chunked`'s states after chosen chunks (repeated, the last of a padded length), with
+    a zero reset state and with ``identity`` (state ``[K, K + V]``, reset ``[I | 0]``, values
+    ``[0 | v]``), forward and gradients through outputs and states, against a token-by-token
+    scan of the recurrence."""
+    rng = np.random.default_rng(5)
+    Bt, Ht, T, K, V, C = 2, 2, 37, 8, 6, 8  # 5 chunks, the last padded
+    f = np.float32
+    q, k = (gd.l2norm(jnp.asarray(rng.normal(size=(Bt, Ht, T, K)), f)) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(Bt, Ht, T, V)), f)
+    g = jnp.asarray(-0.3 * np.abs(rng.normal(size=(Bt, Ht, T))), f)
+    beta = jnp.asarray(rng.uniform(size=(Bt, Ht, T)), f)
+    reset = np.zeros((Bt, Ht, T), f)
+    reset[:, :, 0], reset[0, :, 13], reset[1, :, 21] = 1, 1, 1  # documents start mid-chunk
+    reset = jnp.asarray(reset)
+    picks = jnp.asarray([[1, 4, 1], [0, 2, 4]], jnp.int32)
+    for identity in (False, True):
+        width = K + V if identity else V
+        R = jnp.eye(K, width, dtype=f) if identity else jnp.zeros((K, V), f)
+        w_o = rng.normal(size=(Bt, Ht, T, width)).astype(f)
+        w_s = rng.normal(size=(Bt, 3, Ht, K, width)).astype(f)
+
+        def scan(q, k, v, g, beta, R=R, width=width):
+            v = jnp.concatenate([jnp.zeros((*v.shape[:-1], width - V), f), v], -1)
+
+            def step(S, x):
+                qt, kt, vt, gt, bt, rt = x
+                S, o = gd._update(jnp.where(rt[..., None, None] > 0, R, S), qt, kt, vt, gt, bt)
+                return S, (o, S)
+            xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, beta, reset))
+            _, (o, states) = jax.lax.scan(step, jnp.zeros((Bt, Ht, K, width), f), xs)
+            last = jnp.minimum((picks + 1) * C, T) - 1  # the chunk's last real token
+            return jnp.moveaxis(o, 0, 2), jax.vmap(lambda s, i: s[i], (1, 0))(states, last)
+
+        def chunked(q, k, v, g, beta, identity=identity):
+            return gd._chunked(q, k, v, g, beta, reset, identity=identity, chunk=C, picks=picks)
+
+        def value_and_grads(fn, w_o=w_o, w_s=w_s):
+            def loss(*a):
+                o, st = fn(*a)
+                return jnp.sum(o * w_o) + jnp.sum(st * w_s), (o, st)
+            (_, aux), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                                         has_aux=True))(q, k, v, g, beta)
+            return [np.asarray(a) for a in (*aux, *grads)]
+        names = ("out", "states", "dq", "dk", "dv", "dg", "dbeta")
+        for name, a, b in zip(names, value_and_grads(chunked), value_and_grads(scan)):
+            np.testing.assert_allclose(a, b, err_msg=f"identity={identity} {name}",
+                                       **tol(jnp.float32, b))
+
 def test_any_row_order_without_mesh():
     """The unsharded op sorts rows into packing order: a permuted row gives permuted outputs,
     and so does the sharded algorithm run as one shard."""

@@ -8,6 +8,8 @@
   to a wider type before its dot. Only the router and the output head multiply wider types.
   The classifier itself is checked on two tiny programs: float8 operands, and the same
   converted to bf16 before the dot.
+* H100: XLA:GPU multiplies a ``ragged-dot``'s every row by every group's weight (G times the
+  grouped product's FLOPs), what the FP8 goal row's HLO FLOPs ratio comes from.
 * TPU v4/v5e/v5p/v6e have no FP8 matrix unit: a layer built with ``fp8="blockwise"`` on a
   mesh of their devices warns `Fp8EmulatedWarning` (the platform read from the mesh, not the
   process); H100, CPU and device-less meshes do not.
@@ -140,6 +142,41 @@ def test_gemm_classifier_tells_float8_from_upcast():
     compiled = lambda f: jax.jit(f).lower(a, a).compile().as_text()
     assert gemms(compiled(upcast)) == {("upcast", "mlp", "fwd"): 1}
     assert gemms(compiled(float8)) == {("fp8", "moe", "fwd"): 1}
+
+
+@pytest.mark.skipif(not HAS_GPU_COMPILER, reason="needs jax-cuda12-plugin (the test extra)")
+def test_h100_ragged_dot_multiplies_every_row_by_every_group():
+    """Why the FP8 goal row's HLO FLOPs are 2.8x the model's (docs/fp8.md): XLA:GPU has no
+    grouped GEMM for ``ragged-dot`` (its RaggedDotRewriter); it multiplies every row by every
+    group's weight, the rows masked per group, so a grouped product costs G times its FLOPs:
+    `fp8.ragged_dot`'s forward, dgrad and wgrad alike, and bf16's `jax.lax.ragged_dot`. When
+    XLA gains a grouped lowering this fails, and that explanation is stale."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zoo
+    from zoo.ops import fp8, hlo
+    from zoo.train import target_devices
+    m, k, n, g = 512, 256, 256, 4
+    mesh = zoo.make_mesh(devices=target_devices("h100-8"), fsdp=8)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                     sharding=NamedSharding(mesh, P()))
+    args = (spec((m, k), jnp.bfloat16), spec((g, k, n), jnp.bfloat16), spec((g,), jnp.int32))
+
+    def flops(f):
+        return hlo.hlo_stats(jax.jit(f).lower(*args).compile().as_text()).flops
+
+    def fp8_loss(x, w, sizes):
+        return fp8.ragged_dot(x, w, sizes).sum()
+
+    def bf16(x, w, sizes):
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+    grouped = 2 * m * k * n  # every row times its own group's weight
+    assert flops(jax.value_and_grad(fp8_loss, argnums=(0, 1))) == 3 * g * grouped
+    assert flops(bf16) == g * grouped
 
 
 def _linear_on(mesh):

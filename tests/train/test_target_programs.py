@@ -2,10 +2,10 @@
 the programs hold, and that no program decision reads the process's backend.
 
 DeepSeek-V3's and Mixtral's mini presets (MLA and GQA attention; sequence 2048, two
-layers) under fsdp, cp and ep_as_cp compiles for
-8 TPU v5p chips (``"tpu-v5p-8"``, libtpu) and 8 H100s (``"h100-8"``, the CUDA plugin) through
-the public building blocks (`zoo.make_mesh(devices=...)`, `zoo.Partitioner`,
-`zoo.train.step.abstract_state`, `make_tx`, `make_train_step(donate=True)`, `BATCH_KEYS`).
+layers) under fsdp, cp and ep_as_cp (`CASES`) compile for 8 TPU v5p chips (``"tpu-v5p-8"``,
+libtpu) and 8 H100s (``"h100-8"``, the CUDA plugin) through the public building blocks
+(`zoo.make_mesh(devices=...)`, `zoo.Partitioner`, `zoo.train.step.abstract_state`, `make_tx`,
+`make_train_step(donate=True)`, `BATCH_KEYS`).
 The TPU programs hold zoo's Mosaic attention kernels and the grouped matmul as
 ``tpu_custom_call``s named inside the layer's scope; the GPU programs tokamax's kernels; the
 all-to-all dispatch (ep_as_cp) is a ``ragged-all-to-all``. The CPU program built afterwards in
@@ -97,26 +97,34 @@ def _kernel_scopes(text: str, target: str) -> set[str]:
             for m in [re.search(r'op_name="([^"]*)"', line)] if m}
 
 
+# The programs compiled for the kernels test: every strategy of DeepSeek-V3's mini on the TPU
+# (its MLA kernels in each mesh), Mixtral's GQA attention under cp on the TPU, and the
+# all-to-all (ep_as_cp) programs of both on the GPU. Each program takes a minute to compile on
+# this host; the other pairs of family, strategy and target compile in the pairwise matrix
+# (tests/train/test_moe_target_matrix.py), which checks the MoE's kernel in each.
+CASES = [*(("deepseek3_mini", s, "tpu-v5p-8") for s in MESHES),
+         ("mixtral_mini", "cp", "tpu-v5p-8"),
+         *((f, "ep_as_cp", "h100-8") for f in FAMILIES)]
+
+
 @pytest.mark.slow
 @SHARED
-@pytest.mark.parametrize("preset", FAMILIES)
-def test_mini_steps_hold_the_accelerator_kernels(preset):
-    scope = SCOPES[preset]
-    for strategy in MESHES:
-        text = target_program(preset, strategy, "tpu-v5p-8")
+@pytest.mark.parametrize("preset,strategy,target", CASES,
+                         ids=["-".join(c) for c in CASES])
+def test_mini_steps_hold_the_accelerator_kernels(preset, strategy, target):
+    text = target_program(preset, strategy, target)
+    if target.startswith("tpu"):
         names = _kernel_scopes(text, "tpu_custom_call")
         # attention (forward, dK/dV, dQ) and the MoE's grouped matmul, inside their layers
         for kernel in ("zoo_attention_fwd", "zoo_attention_dkv", "zoo_attention_dq"):
-            assert any(f"/{scope}/" in n and kernel in n for n in names), (strategy, kernel,
-                                                                          names)
-        if strategy == "ep_as_cp":
-            assert "ragged-all-to-all" in text, strategy
-        text = target_program(preset, strategy, "h100-8")
+            assert any(f"/{SCOPES[preset]}/" in n and kernel in n for n in names), \
+                (strategy, kernel, names)
+    else:
         kernels = {c for c in re.findall(r'custom_call_target="([^"]+)"', text)}
         assert any(k.startswith(("mosaic_gpu", "__gpu$xla.gpu.triton")) for k in kernels), \
             (strategy, kernels)
-        if strategy == "ep_as_cp":
-            assert "ragged-all-to-all" in text, strategy
+    if strategy == "ep_as_cp":
+        assert "ragged-all-to-all" in text, strategy
 
 
 @pytest.mark.slow

@@ -280,6 +280,36 @@ def test_roofline_bounds_the_step_from_the_reports_counts():
     assert targets.chip("TPU v5").peak_flops == 459e12 and targets.chip("TPU v4") is None
 
 
+def test_roofline_takes_the_fp8_peak_for_an_fp8_program_where_the_chip_has_one():
+    """An ``fp8="blockwise"`` program is bounded at the chip's dense FP8 peak (H100: 1,979
+    TFLOP/s, twice its bf16 989) and its MFU is against that peak; a bf16 program, or an FP8
+    program on a chip with no published FP8 peak (TPU v5p), at the bf16 peak, saying so."""
+    import dataclasses
+
+    from zoo.train.rehearse import Rehearsal
+    h100 = targets.GPUS["h100"].device_kind
+    bf16 = Rehearsal(label="m", devices=8, mesh="fsdp=8", strategy="fsdp", batch_size=8,
+                     seq_len=1024, dtype="bfloat16", param_dtype="float32", remat="full",
+                     compile_s=1.0, hlo_instructions=1, param_bytes=0, optimizer_bytes=0,
+                     argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+                     hlo_flops=1979e12, model_flops=989e12, xla_flops=0.0,
+                     collective_bytes={"all-gather": 90e9}, dots_by_dtype={}, dot_names={},
+                     target="gpu", device_kind=h100)
+    fp8 = dataclasses.replace(bf16, fp8="blockwise")
+    b, f = bf16.roofline(), fp8.roofline()
+    assert (b["peak"], b["peak_flops"], f["peak"], f["peak_flops"]) == ("bf16", 989e12,
+                                                                         "fp8", 1979e12)
+    assert b["compute_s"] == pytest.approx(1979 / 989) and f["compute_s"] == pytest.approx(1.0)
+    assert b["mfu"] == pytest.approx(989 / 1979) and f["mfu"] == pytest.approx(989 / 1979)
+    assert "1,979 TFLOP/s (FP8 peak)" in str(fp8) and "989 TFLOP/s (bf16 peak)" in str(bf16)
+    tpu = dataclasses.replace(fp8, target="tpu", device_kind="TPU v5").roofline()
+    assert tpu["peak"] == "bf16" and tpu["peak_flops"] == 459e12
+    assert tpu["peak_note"] == "bf16 peak: TPU v5 has no published FP8 peak"
+    assert [targets.chip(k).fp8_peak_flops for k in ("TPU v5", "TPU v5 lite", "TPU v6 lite",
+                                                      targets.GPUS["h200"].device_kind)] == [
+        None, None, None, 1979e12]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (HAS_LIBTPU and HAS_GPU_COMPILER),
                     reason="needs libtpu and jax-cuda12-plugin (the test extra)")

@@ -43,11 +43,18 @@ from zoo.models.stacks import layer_groups
 from zoo.partitioning import UNSHARDED, Partitioner
 
 __all__ = ["DECODE_RESIDUAL", "STATS", "Decoder", "cached_layers", "compiled",
-           "compiled_steps", "decode", "decode_jit", "filled_cache", "final_logits",
-           "inference_split", "prefill", "prefill_layers", "prefill_positions"]
+           "compiled_steps", "decode", "decode_jit", "decode_residual", "filled_cache",
+           "final_logits", "grown", "inference_split", "prefill", "prefill_layers",
+           "prefill_positions"]
 
 # decode's residual stream [B, T, D]: split over embed as the weights are (weight-stationary)
 DECODE_RESIDUAL = (None, None, "embed")
+
+
+def decode_residual(x: jax.Array) -> tuple[str | None, ...]:
+    """`DECODE_RESIDUAL` for a residual stream of ``x.ndim`` dims (hyper-connections' ``[B, T,
+    n, D]`` streams too): every dim whole but the last, over ``embed``."""
+    return (None,) * (x.ndim - 1) + ("embed",)
 
 
 def inference_split(model, *, unsharded: bool):
@@ -126,10 +133,15 @@ def prefill_positions(segment_ids):
     return jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0).astype(jnp.int32)
 
 
-def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int):
+def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int,
+                   layer_kwargs: dict | None = None):
     """Run ``layers`` (entries of ``model.layers``, or an MTP module's layer) over ``x [B, L,
-    D]``: (x, one cache entry per layer, ``[n, B, K, S_l, F]`` with the prompt's slots filled:
-    the first L, or in a ring of ``S_l < L`` slots the last ``S_l``; `KVCache.layers`)."""
+    D]`` (the model's residual stream, `CausalLM.stream_in`; ``layer_kwargs`` go to each
+    layer's ``block``): (x, one cache entry per layer, ``[n, B, K, S_l, F]`` with the prompt's
+    slots filled: the first L, or in a ring of ``S_l < L`` slots the last ``S_l``;
+    `KVCache.layers`). A state array comes back as the layer leaves it after the prompt,
+    zero-padded to its `cache_shape` at ``max_length`` where that is larger (`grown`)."""
+    kwargs = layer_kwargs or {}
 
     def layer_fn(layer, x):
         out = {}
@@ -139,7 +151,7 @@ def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int)
                                                             segment_ids=segment_ids)
             return h
 
-        x, _ = layer.block(x, attention)
+        x, _ = layer.block(x, attention, **kwargs)
         return x, {k: a.astype(array_dtype(layer.self_attn, k, dtype))
                    for k, a in out["entry"].items()}
 
@@ -148,9 +160,22 @@ def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int)
         x, filled = _run_layers(group, x, [layer_fn] * len(group))
         for layer, entry in zip(group, filled):
             attn = layer.self_attn
+            shapes = attn.cache_shape(x.shape[0], max_length)
             entries.append({k: fill(a, cache_slots(attn, max_length))
-                            if slotted(attn.cache_axes[k]) else a for k, a in entry.items()})
+                            if slotted(attn.cache_axes[k]) else grown(a, shapes[k])
+                            for k, a in entry.items()})
     return x, tuple(entries)
+
+
+def grown(a: jax.Array, shape) -> jax.Array:
+    """A stacked state array ``[n, *s]`` zero-padded at the end of each dimension to ``[n,
+    *shape]`` (a state that grows with the context, e.g. compressed entries one per window,
+    filled for the prompt); unchanged when it has that shape."""
+    pads = [(0, 0)] + [(0, want - have) for have, want in zip(a.shape[1:], shape, strict=True)]
+    if any(hi < 0 for _, hi in pads):
+        raise ValueError(f"a cache state of shape {a.shape[1:]} is larger than the cache's "
+                         f"{tuple(shape)}")
+    return jnp.pad(a, pads) if any(hi for _, hi in pads) else a
 
 
 def filled_cache(layers, entries, positions, segment_ids, max_length: int) -> KVCache:
@@ -165,10 +190,11 @@ def filled_cache(layers, entries, positions, segment_ids, max_length: int) -> KV
 def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
     segment_ids = segment_ids.astype(jnp.int32)
     positions = prefill_positions(segment_ids)
-    x, entries = prefill_layers(model.layers, model.embed_tokens(tokens), positions,
-                                segment_ids, dtype=jnp.dtype(model.config.dtype),
-                                max_length=max_length)
-    logits = final_logits(model, x[:, -1])
+    x, layer_kwargs = model.stream_in(tokens)
+    x, entries = prefill_layers(model.layers, x, positions, segment_ids,
+                                dtype=jnp.dtype(model.config.dtype), max_length=max_length,
+                                layer_kwargs=layer_kwargs)
+    logits = final_logits(model, model.stream_out(x[:, -1:])[:, 0])
     cache = filled_cache(model.layers, entries, positions, segment_ids, max_length)
     return logits, constrain_cache(cache, p)
 
@@ -195,7 +221,7 @@ def prefill(model, tokens, segment_ids, *, max_length: int) -> tuple[jax.Array, 
 # -- decode ----------------------------------------------------------------------------------
 
 def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
-                  p: Partitioner = UNSHARDED):
+                  p: Partitioner = UNSHARDED, *, layer_kwargs: dict | None = None):
     """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
     ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
     ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
@@ -234,12 +260,13 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
         def fn(one, x, put_new):
             x, _ = one.block(x, lambda h: one.self_attn.decode_step(
                 h, put_new, q_positions=q_pos, kv_positions=pos, kv_segment_ids=seg,
-                partitioner=p))
-            return reshard(p, x, DECODE_RESIDUAL)
+                partitioner=p), **kwargs)
+            return reshard(p, x, decode_residual(x))
         return fn, at
 
     new = []
-    x = reshard(p, x, DECODE_RESIDUAL)
+    kwargs = layer_kwargs or {}
+    x = reshard(p, x, decode_residual(x))
     entries, i = list(entries), 0
     for group in layer_groups(layers):
         mine = entries[i:i + len(group)]
@@ -311,9 +338,10 @@ def _decode(model, p: Partitioner, cache: KVCache, tokens):
     q_pos = cache.next_positions[:, None]  # [B, 1]
     kv_pos = write(cache.positions, q_pos, slot)
     kv_seg = write(cache.segment_ids, jnp.ones_like(q_pos), slot)
-    x, layers = cached_layers(model.layers, cache.layers, model.embed_tokens(tokens[:, None]),
-                              q_pos, kv_pos, kv_seg, slot, p)
-    logits = final_logits(model, x[:, 0])
+    x, layer_kwargs = model.stream_in(tokens[:, None])
+    x, layers = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot, p,
+                              layer_kwargs=layer_kwargs)
+    logits = final_logits(model, model.stream_out(x)[:, 0])
     cache = KVCache(layers, kv_pos, kv_seg, slot + 1, cache.next_positions + 1,
                     axes=cache.axes)
     return logits, constrain_cache(cache, p)

@@ -100,6 +100,18 @@ def _check_positive(what: str, **values) -> None:
             raise ValueError(f"{what}: {name}={value!r} must be a positive int")
 
 
+def left_aligned(x: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Left-padded rows ``x [B, P, ...]`` (padding where ``segment_ids [B, P]`` is 0, before
+    the tokens; None: none) shifted left so each row's tokens start at column 0 -> (shifted x,
+    each row's token count ``[B, 1]``). Columns past a row's count repeat its last token."""
+    B, P = x.shape[:2]
+    if segment_ids is None:
+        return x, jnp.full((B, 1), P, jnp.int32)
+    n = jnp.sum(segment_ids != 0, axis=1, keepdims=True).astype(jnp.int32)
+    cols = jnp.minimum(jnp.arange(P) + (P - n), P - 1)  # [B, P]
+    return jnp.take_along_axis(x, cols.reshape(B, P, *(1,) * (x.ndim - 2)), axis=1), n
+
+
 class Compressor(nnx.Module):
     """Compresses every ``rate`` tokens of a document into one entry (module docstring;
     `zoo.ops.compressed_attention`): ``kv_proj`` / ``gate_proj`` D -> cH, ``position_bias``
@@ -179,28 +191,32 @@ class Compressor(nnx.Module):
             shapes |= {"prev_kv": (batch, m, H), "prev_gate": (batch, m, H)}
         return shapes
 
-    def prefill_state(self, x: jax.Array, max_length: int) -> dict[str, jax.Array]:
-        """The state after the tokens ``x [B, P, D]`` at positions 0..P-1."""
+    def prefill_state(self, x: jax.Array, max_length: int,
+                      segment_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        """The state after each row's prompt: ``x [B, P, D]``, left-padded where
+        ``segment_ids`` is 0 (None: no padding), the prompt's tokens at positions 0, 1, ...
+        Each row is first shifted left by its padding (`left_aligned`), so its windows start
+        at its first token whatever the padding."""
         B, P, _ = x.shape
         m, H = self.rate, self.head_dim
-        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         shapes = self.state_shape(B, max_length)
-        entries, _, _ = self(x, positions=pos)
+        x, n_tokens = left_aligned(x, segment_ids)
+        j = jnp.arange(P, dtype=jnp.int32)
+        pos = jnp.broadcast_to(j, (B, P))
+        entries, _, _ = self(x, positions=pos, segment_ids=(j < n_tokens).astype(jnp.int32))
+        complete = (j[:P // m, None] + 1) * m <= n_tokens[:, :, None]  # [B, E, 1]
+        entries = jnp.where(complete, entries, 0)
         kv, gate = self.project(x)
         g = gate.astype(F32) + jnp.take(self.position_bias[...], pos % m, axis=0)
-        n, r = P // m, P % m
-        state = {"entries": jnp.zeros(shapes["entries"], kv.dtype).at[:, :n].set(entries),
-                 "buffer_kv": jnp.zeros(shapes["buffer_kv"], kv.dtype).at[:, :r].set(
-                     kv[:, n * m:]),
-                 "buffer_gate": jnp.zeros(shapes["buffer_gate"], F32).at[:, :r].set(
-                     g[:, n * m:])}
+        n = n_tokens[:, 0] // m  # each row's complete windows
+        window = lambda a, first: jnp.take_along_axis(  # tokens first .. first + m - 1
+            a, jnp.clip(first[:, None] + jnp.arange(m), 0, P - 1)[:, :, None], axis=1)
+        state = {"entries": jnp.zeros(shapes["entries"], kv.dtype).at[:, :P // m].set(entries),
+                 "buffer_kv": window(kv, n * m), "buffer_gate": window(g, n * m)}
         if self.overlap:
-            if n:
-                last = slice((n - 1) * m, n * m)
-                state["prev_kv"], state["prev_gate"] = kv[:, last, :H], g[:, last, :H]
-            else:
-                state["prev_kv"] = jnp.zeros(shapes["prev_kv"], kv.dtype)
-                state["prev_gate"] = jnp.full(shapes["prev_gate"], -jnp.inf, F32)
+            none = (n == 0)[:, None, None]
+            state["prev_kv"] = jnp.where(none, 0, window(kv, (n - 1) * m)[..., :H])
+            state["prev_gate"] = jnp.where(none, -jnp.inf, window(g, (n - 1) * m)[..., :H])
         return state
 
     def decode_state(self, state: dict[str, jax.Array], x: jax.Array,
@@ -469,11 +485,18 @@ class CompressedAttention(nnx.Module):
     def out(self, o: jax.Array, positions: jax.Array) -> jax.Array:
         """Undo the values' rotation at the query position, then the grouped projection."""
         o = rotate_trailing(self.rope, o, positions, self.rope_head_dim, inverse=True)
-        return self.output(o)
+        return self.partitioner.constrain(self.output(o), ("batch", "length", "act_embed"),
+                                          SCOPE)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """x [B, L, D] -> [B, L, D]; positions and segment ids [B, L] (None: one document)."""
+        return self.forward(x, positions, segment_ids)[0]
+
+    def forward(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array]:
+        """`__call__` that also returns the shared rotated key/value [B, L, H] (`project`'s,
+        what `prefill` caches for the sliding window)."""
         B, L, _ = x.shape
         if positions.shape != (B, L) or (segment_ids is not None
                                           and segment_ids.shape != (B, L)):
@@ -498,7 +521,7 @@ class CompressedAttention(nnx.Module):
                 params["ibias"] = jax.lax.stop_gradient(ix.compressor.position_bias[...])
                 params["inorm"] = jax.lax.stop_gradient(ix.compressor.kv_norm.scale[...])
             o = self._attend(q, kv, comp, idx, params, pos, seg)
-            return self.out(o, pos)
+            return self.out(o, pos), kv
 
     # -- the cross-token part: one shard's queries (or the whole row) -----------------------------
     def _attend(self, q, kv, comp, idx, params, pos, seg):
@@ -591,27 +614,36 @@ class CompressedAttention(nnx.Module):
             shapes |= {f"index_{k}": v for k, v in ix.state_shape(batch, max_length).items()}
         return shapes
 
-    def prefill(self, x: jax.Array, *, max_length: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The prompt ``x [B, P, D]`` (positions 0..P-1, one document per row) -> (its
-        outputs [B, P, D], the cache for decoding up to ``max_length`` tokens)."""
+    def prefill(self, x: jax.Array, *, max_length: int, segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The prompts ``x [B, P, D]``, one document per row, left-padded where
+        ``segment_ids [B, P]`` is 0 (None: no padding; positions count each row's tokens from
+        0) -> (their outputs [B, P, D], the cache for decoding up to ``max_length`` tokens)."""
         B, P, _ = x.shape
         if not 0 < P <= max_length:
             raise ValueError(f"CompressedAttention.prefill: prompt length {P} must be in "
                              f"1..max_length={max_length}")
-        pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-        out = self(x, positions=pos)
-        _, kv = self.project(x, self.q_latent(x), pos)
-        W = self.sliding_window
-        keep = jnp.arange(max(0, P - W), P)
-        cache = {"window_kv": jnp.zeros((B, W, self.head_dim), kv.dtype).at[:, keep % W].set(
-                     kv[:, keep]),
-                 "window_pos": jnp.full((B, W), -1, jnp.int32).at[:, keep % W].set(
-                     keep.astype(jnp.int32))}
+        if segment_ids is None:
+            pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+            seg = jnp.ones((B, P), jnp.int32)
+        else:
+            seg = (segment_ids != 0).astype(jnp.int32)
+            pos = jnp.maximum(jnp.cumsum(seg, axis=1) - 1, 0).astype(jnp.int32)
+        out, kv = self.forward(x, pos, seg)
+        W, rows = self.sliding_window, jnp.arange(B)[:, None]
+        # the last W tokens of each row, at slot position % W (padding and older: dropped)
+        keep = (seg != 0) & (pos >= jnp.sum(seg, axis=1, keepdims=True) - W)
+        slot = jnp.where(keep, pos % W, W)
+        cache = {"window_kv": jnp.zeros((B, W, self.head_dim), kv.dtype).at[rows, slot].set(
+                     kv, mode="drop"),
+                 "window_pos": jnp.full((B, W), -1, jnp.int32).at[rows, slot].set(
+                     pos, mode="drop")}
         if self.compressor is not None:
-            cache |= self.compressor.prefill_state(x, max_length)
+            cache |= self.compressor.prefill_state(x, max_length, segment_ids)
         if self.kind == "csa":
             ix = self.compressor.indexer.compressor
-            cache |= {f"index_{k}": v for k, v in ix.prefill_state(x, max_length).items()}
+            cache |= {f"index_{k}": v
+                      for k, v in ix.prefill_state(x, max_length, segment_ids).items()}
         return out, cache
 
     def decode(self, x: jax.Array, cache: dict[str, jax.Array], *,
@@ -654,6 +686,51 @@ class CompressedAttention(nnx.Module):
                       rate=self.rate or 1, indices=indices, sinks=self.sinks[...],
                       scale=self.scale)
         return self.out(o, pos), new
+
+    # -- the cached call of zoo.inference (`zoo.layers.attention.LayerCache`) ----------------
+    # Every array above is the layer's state (no per-token slots, `zoo.inference.cache.slotted`):
+    # the compressed entries grow with ``max_length`` but one per ``rate`` tokens, written as
+    # their windows close; prefill returns them for the prompt and the cache pads them.
+    @property
+    def cache_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """Each cache array's logical axes: rows over ``batch``, the rest whole."""
+        return {k: ("batch", *(None,) * (len(s) - 1))
+                for k, s in self.cache_shape(1, self.rate or 1).items()}
+
+    @property
+    def cache_dtypes(self) -> dict[str, jnp.dtype]:
+        """Arrays kept in their own dtype: the ring's positions (int32) and the open windows'
+        gates (float32, as the compressor pools them)."""
+        own = {"window_pos": jnp.dtype(jnp.int32)}
+        return own | {k: jnp.dtype(F32) for k in self.cache_axes if k.endswith("_gate")}
+
+    def cache_slots(self, max_length: int) -> int:
+        """No per-token slots (see `cache_axes`)."""
+        del max_length
+        return 0
+
+    def prefill_cache(self, x: jax.Array, *, positions: jax.Array,
+                      segment_ids: jax.Array | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`prefill` for `zoo.inference`: left-padded prompts (``segment_ids`` 0 before each
+        row's tokens; the positions count them from 0) -> (out [B, P, D], the state after
+        them, its entries sized for the prompt)."""
+        del positions  # one document per row: prefill derives them from the segment ids
+        return self.prefill(x, max_length=x.shape[1], segment_ids=segment_ids)
+
+    def decode_step(self, x: jax.Array, cache, *, q_positions: jax.Array,
+                    kv_positions: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None,
+                    partitioner: Partitioner | None = None) -> jax.Array:
+        """One token per row from the cache's state (``cache.read`` / ``cache.replace``,
+        `zoo.layers.attention.LayerCache`): x [B, 1, D] at ``q_positions [B, 1]`` -> [B, 1, D].
+        The positions and segment ids of other layers' slots are not needed."""
+        del kv_positions, kv_segment_ids, partitioner
+        state = {k: cache.read(k) for k in self.cache_axes}
+        y, new = self.decode(x, state, positions=q_positions)
+        for k in self.cache_axes:
+            cache.replace(k, new[k])
+        return y
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         """Hugging Face ``DeepseekV4Attention``'s keys under ``prefix`` (``...self_attn``)."""

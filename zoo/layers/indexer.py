@@ -8,7 +8,8 @@ module sits under ``indexer`` in MLA's keys):
   with bias, eps 1e-6);
 * RoPE on the *leading* Hr dims of each query and key head, in the half-split
   (non-interleaved) layout -- unlike MLA, which rotates its trailing Hr dims interleaved; the
-  angles (and YaRN's frequencies and cos/sin factor) are MLA's;
+  angles (and YaRN's frequencies and cos/sin factor) are MLA's (``rope_interleaved=True``:
+  the interleaved layout, as GLM-5's ``GlmMoeDsaIndexer``);
 * per-head weights ``weights_proj`` D -> N (in float32, as transformers keeps it), times
   ``N**-0.5``;
 * ``score[b, l, s] = sum_n w[b, l, n] * relu(H**-0.5 * q[b, l, n] . k[b, s])`` in float32,
@@ -158,8 +159,10 @@ class Indexer(nnx.Module):
       q_lora_rank: Rq, the width of MLA's query latent.
       inputs_shape: ``(batch, length, embed)`` the layer will see.
       partitioner: how the mesh cuts parameters (None: unsharded).
-      rope: MLA's `RoPE`; the indexer uses its frequencies in the half-split layout
-        (``interleaved`` is overridden to False, as transformers does). None: theta 10000.
+      rope: MLA's `RoPE`; the indexer uses its frequencies in the layout
+        ``rope_interleaved`` names (its ``interleaved`` is overridden). None: theta 10000.
+      rope_interleaved: False (default): the half-split layout (DeepSeek-V3.2's
+        ``DeepseekV32Indexer``); True: interleaved pairs (GLM-5's ``GlmMoeDsaIndexer``).
       mask: which keys a query may select (default ``Causal() & Document()``).
       dtype: computation dtype of the projections (None: the input's); param_dtype: storage.
     """
@@ -167,7 +170,7 @@ class Indexer(nnx.Module):
     def __init__(self, *, num_heads: int, head_dim: int, rope_head_dim: int, q_lora_rank: int,
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
                  rope: RoPE | None = None, mask: Mask | None = None, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, rope_interleaved: bool = False, rngs: nnx.Rngs):
         p = resolve(partitioner)
         if len(tuple(inputs_shape)) != 3:
             raise ValueError(f"Indexer: inputs_shape={tuple(inputs_shape)} must be (batch, "
@@ -188,7 +191,8 @@ class Indexer(nnx.Module):
         self.inputs_shape = tuple(inputs_shape)
         self.partitioner = p
         base = RoPE(theta=10000.0) if rope is None else rope
-        self.rope = dataclasses.replace(base, interleaved=False, partial_rotary_factor=1.0)
+        self.rope = dataclasses.replace(base, interleaved=bool(rope_interleaved),
+                                        partial_rotary_factor=1.0)
         self.mask = Causal() & Document() if mask is None else mask
         self.softmax_scale = head_dim ** -0.5
         kw = dict(partitioner=p, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -203,7 +207,7 @@ class Indexer(nnx.Module):
                                    **{**kw, "dtype": jnp.float32})
 
     def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """RoPE on the leading Hr dims of ``x [B, L, N, H]`` (half-split layout)."""
+        """RoPE on the leading Hr dims of ``x [B, L, N, H]`` (``self.rope``'s layout)."""
         r = self.rope_head_dim
         return jnp.concatenate([self.rope.apply(x[..., :r], positions), x[..., r:]], axis=-1)
 

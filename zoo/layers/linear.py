@@ -17,7 +17,9 @@ Weights quantised once per step: inside `prequantized_weights(model)` (the train
 (`zoo.ops.fp8.prequantize`, as an `Fp8Copies` variable), made once before the forward pass,
 and its products take those copies (a scanned stack slices them with its parameters; a
 rematerialised layer takes them as inputs and never quantises again). Gradients reach the
-parameters through the copies' ``w``.
+parameters through the copies' ``w``. Any module with an ``fp8_weights()`` method takes part:
+`Linear` for its kernel, `zoo.layers.MoE` for its routed experts' weights (read with
+`prequantized`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def prequantized(module: nnx.Module, name: str) -> fp8_ops.QuantizedWeight | Non
 
 @contextlib.contextmanager
 def prequantized_weights(model: nnx.Module) -> Iterator[nnx.Module]:
-    """Within: each module of `model` that has an ``fp8_weights()`` method (`Linear`) holds
+    """Within: each module of `model` that has an ``fp8_weights()`` method (`Linear`,
+    `zoo.layers.MoE`) holds
     what it returns, ``{weight name: zoo.ops.fp8.QuantizedWeight}``, as ``module.fp8_copies``
     (`prequantized` reads it): every FP8 weight is quantised once, here, instead of where
     each product uses it. Stacked layers quantise their whole stack (leading dims are batch
@@ -144,8 +147,8 @@ class Linear(nnx.Module):
                              f"in_features {self.in_features}")
         dtype = self.dtype or x.dtype
         if self.fp8 == "blockwise":
-            kernel = prequantized(self, "kernel")
-            kernel = self.kernel[...] if kernel is None else kernel
+            kernel = prequantized(self, "kernel")  # the weight's copy: gathered, quantised
+            kernel = self.kernel[...].astype(dtype) if kernel is None else kernel  # in dtype
             y = self.fp8_product(x.astype(dtype), kernel).astype(dtype)
             return y if self.bias is None else y + self.bias[...].astype(dtype)
         kernel = self.kernel[...].astype(dtype)
@@ -205,10 +208,13 @@ class Linear(nnx.Module):
 
     def fp8_weights(self) -> dict[str, fp8_ops.QuantizedWeight]:
         """``{"kernel": prequantize(kernel as [*lead, K, N])}`` with FP8 (leading dims: a
-        stack's layers), else ``{}`` (`prequantized_weights`)."""
+        stack's layers; the kernel in the compute dtype, as the product takes it), else ``{}``
+        (`prequantized_weights`)."""
         if self.fp8 != "blockwise":
             return {}
         kernel = self.kernel[...]
+        if self.dtype is not None:  # as the product would cast it: gathered and its gradient
+            kernel = kernel.astype(self.dtype)  # reduce-scattered in the compute dtype
         lead = kernel.shape[:kernel.ndim - len(self.in_features) - len(self.out_features)]
         k, n = math.prod(self.in_features), math.prod(self.out_features)
         return {"kernel": fp8_ops.prequantize(kernel.reshape(*lead, k, n))}

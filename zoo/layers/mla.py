@@ -125,6 +125,8 @@ class MLA(AttentionBlock):
         128); used only with ``index_topk``.
       index_stage: ``"off"`` (default), ``"warmup"`` or ``"sparse"``: how the indexer trains
         (module docstring); used only with ``index_topk``.
+      index_rope_interleaved: the indexer's RoPE layout (`Indexer`'s ``rope_interleaved``):
+        False (DeepSeek-V3.2, half-split) or True (GLM-5, interleaved).
     """
 
     block_name = "mla"
@@ -143,7 +145,8 @@ class MLA(AttentionBlock):
                  sinks: bool = False, kernel="auto", layout: str | None = None,
                  kv_wire: str = "auto", fp8: str | None = None,
                  index_topk: int | None = None, index_n_heads: int = 64,
-                 index_head_dim: int = 128, index_stage: str = "off", rngs: nnx.Rngs):
+                 index_head_dim: int = 128, index_stage: str = "off",
+                 index_rope_interleaved: bool = False, rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -215,7 +218,8 @@ class MLA(AttentionBlock):
         self.indexer = None if index_topk is None else Indexer(
             num_heads=index_n_heads, head_dim=index_head_dim, rope_head_dim=qk_rope_head_dim,
             q_lora_rank=q_lora_rank, inputs_shape=inputs_shape, partitioner=p, rope=self.rope,
-            mask=self.mask, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            mask=self.mask, dtype=dtype, param_dtype=param_dtype,
+            rope_interleaved=index_rope_interleaved, rngs=rngs)
 
     # -- steps a subclass may override --------------------------------------------------------
     def q_latent(self, x: jax.Array) -> jax.Array:
@@ -269,10 +273,10 @@ class MLA(AttentionBlock):
             return self.run_op(attention, q, k, v, positions=positions, segment_ids=segment_ids)
         kv_up = self.kv_b_proj.kernel[...].astype(dtype)
         if self.fp8 == "blockwise":  # the op expands the latent per shard: count it here
-            # the kernel as every FP8 Linear quantises it (param_dtype), or its FP8 copy
+            # the kernel as every FP8 Linear quantises it (in the compute dtype), or its copy
             r = latent.shape[-1]
             pre = prequantized(self.kv_b_proj, "kernel")
-            kv_up = self.kv_b_proj.kernel[...] if pre is None else pre
+            kv_up = kv_up if pre is None else pre
             w_stats = (kv_up.stats if isinstance(kv_up, fp8_ops.QuantizedWeight) else
                        fp8_ops.quantize_stats(kv_up.reshape(r, -1), block=fp8_ops.WEIGHT_BLOCK))
             record_fp8_stats(self.kv_b_proj, fp8_ops.quantize_stats(

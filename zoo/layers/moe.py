@@ -74,7 +74,9 @@ varying-axes check) XLA's ragged dot runs, and the execution says why.
 
 FP8 (``fp8="blockwise"``): the experts' grouped matmul in blockwise-scaled FP8 and, under
 ``"all_to_all"``, the tokens on the wire as FP8 tiles with their scales (``fp8_dispatch``,
-recorded in the execution; the combine stays in the compute dtype): docs/fp8.md.
+recorded in the execution; the combine stays in the compute dtype): docs/fp8.md. Inside
+`zoo.layers.linear.prequantized_weights` (the train step) the expert weights are quantised
+once per step (`MoE.fp8_weights`) and every grouped matmul takes those copies.
 
 Execution. The arguments that choose how the layer runs (``dispatch``, ``capacity_factor``,
 ``buffer_factor``, ``overflow``, ``grouped_matmul``, with ``dtype`` and the mesh) build one
@@ -100,7 +102,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from zoo.layers import hf_keys as hfk
-from zoo.layers.linear import record_fp8_stats
+from zoo.layers.linear import prequantized, record_fp8_stats
 from zoo.layers.mlp import MLP
 from zoo.ops import fp8 as fp8_ops
 from zoo.ops import moe as ops
@@ -464,6 +466,62 @@ class MoE(nnx.Module):
         wg, wu, wo, *b = arrays
         return wg, wu, wo, (tuple(b) or None)
 
+    _W_IN, _W_OUT = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+
+    def _split_copies(self, arrays):
+        """`_split_experts` when the gate, up and down weights are FP8 copies (`fp8_weights`:
+        gate and up apart, also for ``gate_up="interleaved"``), then the biases."""
+        wg, wu, wo, *b = arrays
+        if self.gate_up == "interleaved":
+            return wg, wu, wo, ((b[0][..., 0::2], b[0][..., 1::2]) if b else None)
+        return wg, wu, wo, (tuple(b) or None)
+
+    def _copy_spec(self, copy: fp8_ops.QuantizedWeight, spec: P) -> fp8_ops.QuantizedWeight:
+        """The `jax.shard_map` specs of an expert weight's FP8 copy sharded as the weight
+        (``spec``): the float8 values as the weight; the 128x128 blocks' scales on the same
+        axes where the shards hold whole blocks, else whole along that dimension (its
+        shards hold every scale they may need; `fp8_weights` makes no copies where a tensor
+        shard would cut a block); the counts by expert."""
+        spec = tuple(spec) + (None,) * (copy.w.ndim - len(spec))
+        scale = tuple(e if e is None or dim % (self.partitioner.axis_size(e) * 128) == 0
+                      else None for dim, e in zip(copy.w.shape, spec))
+        return fp8_ops.QuantizedWeight(P(*spec), P(*spec), P(spec[0], *scale[1:]),
+                                       P(spec[0], None))
+
+    def fp8_copies_cross(self) -> bool:
+        """Whether the routed experts' FP8 copies can be made once for the whole weight: each
+        tensor shard of the expert width (``mlp``) holds whole 128-column blocks, so the
+        blocks of the whole weight are those each shard quantises (FSDP shards of ``embed``
+        are gathered before the product, so they never cut one)."""
+        tensor = self.partitioner.size("mlp", "moe")
+        return tensor == 1 or (self.mlp_dim // tensor) % 128 == 0
+
+    def fp8_weights(self) -> dict[str, fp8_ops.QuantizedWeight]:
+        """The FP8 copies of the routed experts' weights (`zoo.layers.linear.
+        prequantized_weights` makes them once per step; the forward pass takes them through
+        `zoo.layers.linear.prequantized`): ``{"wi_gate", "wi_up", "wo":
+        zoo.ops.fp8.prequantize(weight in the compute dtype)}``, each ``[*stack, E, K, N]``
+        (leading dims: a stack's layers; ``gate_up="interleaved"``: its gate and up columns
+        apart). They cross the expert `jax.shard_map` sharded as the weights (their scales
+        on the same axes where the shards hold whole 128-blocks, else whole), and every
+        grouped matmul -- both dispatches, every exact round, forward and backward -- takes
+        them instead of quantising again. ``{}`` (each use quantises its weight, per shard)
+        without FP8, with a capacity, with a subclass's own `experts`, with ``dtype=None``
+        (the compute dtype is the input's) or where a tensor shard of the expert width
+        holds a partial 128-block (`fp8_copies_cross`)."""
+        if (self.grouped_matmul != "fp8_blockwise" or self.capacity_factor is not None
+                or type(self).experts is not MoE.experts or self.dtype is None
+                or not self.fp8_copies_cross()):
+            return {}
+        cast = lambda w: w[...].astype(self.dtype)
+        if self.gate_up == "interleaved":
+            wgu = cast(self.wi_gate_up)
+            weights = dict(wi_gate=wgu[..., 0::2], wi_up=wgu[..., 1::2])
+        else:
+            weights = dict(wi_gate=cast(self.wi_gate), wi_up=cast(self.wi_up))
+        weights["wo"] = cast(self.wo)
+        return {name: fp8_ops.prequantize(w) for name, w in weights.items()}
+
     def _output_bias(self, weights: jax.Array, indices: jax.Array) -> jax.Array:
         """``sum_j weights[j] * wo_bias[indices[j]]`` ``[B, L, D]`` float32, as one matmul."""
         dense = jnp.einsum("blk,blke->ble", weights.astype(jnp.float32),
@@ -483,15 +541,24 @@ class MoE(nnx.Module):
         k = self.num_experts_per_tok
         dtype = self.dtype or x.dtype
         arrays = [(w[...].astype(dtype), axes) for w, axes in self._expert_arrays()]
+        split = self._split_experts
+        copies = [prequantized(self, n) for n in ("wi_gate", "wi_up", "wo")]
+        if all(c is not None and c.dtype == dtype for c in copies):
+            # FP8 copies made once per step (`fp8_weights`) in place of gate/up and down
+            biases = arrays[2 if self.gate_up == "interleaved" else 3:]
+            arrays = [*zip(copies, (self._W_IN, self._W_IN, self._W_OUT)), *biases]
+            split = self._split_copies
         p = self.partitioner
         if p.mesh is None:
-            wg, wu, wo, bias = self._split_experts([a for a, _ in arrays])
+            wg, wu, wo, bias = split([a for a, _ in arrays])
             y, dropped = self.local_experts(x.reshape(B * L, D), indices.reshape(B * L, k),
                                             weights.reshape(B * L, k), wg, wu, wo, 0, bias=bias)
             return y.reshape(B, L, D).astype(dtype), dropped, one
 
         tok, plan, replicated = self._token_plan()
         specs = [p.spec(axes, "moe") for _, axes in arrays]
+        in_specs = [self._copy_spec(a, spec) if isinstance(a, fp8_ops.QuantizedWeight) else spec
+                    for (a, _), spec in zip(arrays, specs)]
         ep_axes = p.mesh_axes("experts", "moe")
         mlp_axes = p.mesh_axes("mlp", "moe")
         token_axes = tuple(dict.fromkeys(
@@ -502,12 +569,20 @@ class MoE(nnx.Module):
         def gather_weights(local):
             # FSDP: whole local experts; the transpose of this all-gather is a reduce-scatter
             out = []
-            for w, (_, axes), spec in zip(local, arrays, specs):
+            for w, (_, axes), spec, in_spec in zip(local, arrays, specs, in_specs):
                 d = axes.index("embed") if "embed" in axes else None
                 if d is not None and _entry_axes(spec[d]):
-                    w = jax.lax.all_gather(w, _entry_axes(spec[d]), axis=d, tiled=True)
+                    gather = lambda a, d=d, spec=spec: jax.lax.all_gather(
+                        a, _entry_axes(spec[d]), axis=d, tiled=True)
+                    if isinstance(w, fp8_ops.QuantizedWeight):  # a scale unsharded stays
+                        w = fp8_ops.QuantizedWeight(
+                            gather(w.w), gather(w.q),
+                            gather(w.scale) if len(in_spec.scale) > d and in_spec.scale[d]
+                            else w.scale, w.stats)
+                    else:
+                        w = gather(w)
                 out.append(w)
-            return self._split_experts(out)
+            return split(out)
 
         def all_gather_body(x, weights, indices, *local):
             wg, wu, wo, bias = gather_weights(local)
@@ -557,7 +632,7 @@ class MoE(nnx.Module):
             return y, jnp.stack([jnp.zeros((), jnp.int32), rounds])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body
-        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *specs),
+        fn = jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, *in_specs),
                            out_specs=(tok, P()))
         y, stats = fn(x.astype(dtype), weights, indices, *(a for a, _ in arrays))
         return y, stats[0], stats[1]
@@ -568,11 +643,16 @@ class MoE(nnx.Module):
         tokens') and the experts' gate, up and down weights. The down projection's input
         (the activation between them, inside the dispatch) is not counted."""
         dtype = self.dtype or x.dtype
-        wg, wu, wo, _ = self._split_experts([w[...].astype(dtype)
-                                             for w, _ in self._expert_arrays()])
+        copies = [prequantized(self, n) for n in ("wi_gate", "wi_up", "wo")]
+        if all(c is not None and c.dtype == dtype for c in copies):  # counted once, with them
+            w_stats = [jnp.sum(c.stats.reshape(-1, len(fp8_ops.STATS)), 0) for c in copies]
+        else:
+            wg, wu, wo, _ = self._split_experts([w[...].astype(dtype)
+                                                 for w, _ in self._expert_arrays()])
+            w_stats = [fp8_ops.quantize_stats(w, block=fp8_ops.WEIGHT_BLOCK)
+                       for w in (wg, wu, wo)]
         record_fp8_stats(self, fp8_ops.quantize_stats(x.astype(dtype).reshape(-1, x.shape[-1])),
-                         *(fp8_ops.quantize_stats(w, block=fp8_ops.WEIGHT_BLOCK)
-                           for w in (wg, wu, wo)))
+                         *w_stats)
 
     # -- forward -------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, tokens: jax.Array | None = None

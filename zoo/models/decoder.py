@@ -341,6 +341,18 @@ class CausalLM(nnx.Module):
             logits = self.head(x)
         return logits, self.collect_aux(auxes)
 
+    def stream_in(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """tokens [B, L] -> (the residual stream the layers run on, the keyword inputs each
+        layer's ``block`` takes beside it): here the embedding ``[B, L, D]`` and none. A
+        family whose layers run on more (hyper-connections' ``[B, L, n, D]`` streams, token
+        ids for hash routing) overrides this and `stream_out`; `zoo.inference` uses both."""
+        return self.embed_tokens(tokens), {}
+
+    def stream_out(self, x: jax.Array) -> jax.Array:
+        """The residual stream after the last layer -> hidden ``[B, L, D]`` for the final norm
+        and head (`stream_in`): here the stream itself."""
+        return x
+
     def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
               ) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
         """Embedding and every layer: ``(hidden [B, L, D] before the final norm, per-group aux

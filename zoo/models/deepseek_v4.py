@@ -433,21 +433,15 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         return super().hf_keys(prefix) + hfk.children(self, prefix, ("attn_hc", "ffn_hc"))
 
-    def block(self, x, attention):
-        raise NotImplementedError(
-            "DeepSeekV4DecoderLayer.block: generation (zoo.inference) needs caches of the "
-            "compressed entries, which DeepSeek-V4 does not have yet; call the model itself "
-            "(a full forward pass) instead")
-
-    def __call__(self, x: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None = None, tokens: jax.Array | None = None
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Streams ``x [B, L, n, D]`` -> ``(streams, the MoE's aux)``; ``tokens [B, L]``: the
-        ids the hash-routed layers look up."""
+    def block(self, x: jax.Array, attention, tokens: jax.Array | None = None
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The layer on the streams ``x [B, L, n, D]`` with ``attention(h [B, L, D])`` in place
+        of ``self_attn`` (`zoo.models.decoder.DecoderLayer.block`; `zoo.inference` passes one
+        that reads and writes the layer's cache); ``tokens [B, L]``: the ids the hash-routed
+        MoE looks up."""
         with jax.named_scope(f"layer_{self.layer_idx}"):
             h, post, comb = self.attn_hc.collapse(x)
-            a = self.self_attn(self.input_layernorm(h), positions=positions,
-                               segment_ids=segment_ids)
+            a = attention(self.input_layernorm(h))
             x = self.attn_hc.expand(jax.ad_checkpoint.checkpoint_name(
                 a.astype(x.dtype), "attention_out"), x, post, comb)
             h, post, comb = self.ffn_hc.collapse(x)
@@ -455,6 +449,14 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
             x = self.ffn_hc.expand(jax.ad_checkpoint.checkpoint_name(
                 m.astype(x.dtype), "mlp_out"), x, post, comb)
             return x, aux
+
+    def __call__(self, x: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None, tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Streams ``x [B, L, n, D]`` -> ``(streams, the MoE's aux)``; ``tokens [B, L]``: the
+        ids the hash-routed layers look up."""
+        return self.block(x, lambda h: self.self_attn(h, positions=positions,
+                                                      segment_ids=segment_ids), tokens)
 
 
 class DeepSeekV4(CausalLM):
@@ -477,10 +479,8 @@ class DeepSeekV4(CausalLM):
     def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
         """Embedding copied into the streams, every layer (each reads the token ids), then
         the hyper head: ``(hidden [B, L, D] before the final norm, per-group aux dicts)``."""
-        p, remat = self.partitioner, self.config.remat_policy
-        x = p.constrain(expand_streams(self.embed_tokens(tokens), self.config.hc_mult),
-                        STREAMS)
-        extra = {"tokens": tokens}
+        remat = self.config.remat_policy
+        x, extra = self.stream_in(tokens)
         auxes = []
         for group in layer_groups(self.layers):
             kw = dict(positions=positions, segment_ids=segment_ids, remat=remat,
@@ -491,7 +491,17 @@ class DeepSeekV4(CausalLM):
                 x, group_aux = run_cycle(group, x, **kw)
                 aux = interleave_aux(group_aux)
             auxes.append(aux)
-        return self.hc_head(x), auxes
+        return self.stream_out(x), auxes
+
+    def stream_in(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The embedding copied into ``hc_mult`` streams ``[B, L, n, D]``, and the token ids
+        every layer takes (hash routing)."""
+        x = expand_streams(self.embed_tokens(tokens), self.config.hc_mult)
+        return self.partitioner.constrain(x, STREAMS), {"tokens": tokens}
+
+    def stream_out(self, x: jax.Array) -> jax.Array:
+        """The streams collapsed by the hyper head (``hc_head``) -> ``[B, L, D]``."""
+        return self.hc_head(x)
 
     def hf_keys(self, prefix: str = "") -> list:
         """The base's rows plus the hyper head's, every key in the checkpoint's names

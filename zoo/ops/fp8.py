@@ -13,7 +13,8 @@
   values, scales and `quantize_stats` counts; leading dims are batch dims, e.g. a stack's
   layers); `dot` takes it in place of the weight, with the same values forward and backward.
 * `ragged_dot(x, w, group_sizes)` is the same for the MoE's grouped matmul (`jax.lax.ragged_dot`
-  per 128-block of K, one 128x128-blocked weight per group).
+  per 128-block of K, one 128x128-blocked weight per group); it takes a `QuantizedWeight` of
+  ``[G, K, N]`` in place of the weight as `dot` does.
 * `sharded_dot(x, w, mesh=, x_spec=, w_spec=)`: `dot` on a mesh as one `jax.shard_map` (the
   weight, or its FP8 copy, gathered once; its gradient reduce-scattered). Left to XLA's
   partitioner, `dot`'s loops over 128-blocks slice sharded axes and XLA gathers a whole
@@ -453,9 +454,13 @@ def _scaled_ragged_wgrad(qat, sat, qd, sd, group_sizes, num_groups):
 
 
 def _ragged_forward(x, w, group_sizes, power_of_two):
-    qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
     qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
-    return _scaled_ragged(qx, sx, qw, sw, WEIGHT_BLOCK[1], group_sizes), (qw, sw)
+    return _ragged_pre_forward(x, qw, sw, group_sizes, power_of_two), (qw, sw)
+
+
+def _ragged_pre_forward(x, qw, sw, group_sizes, power_of_two):
+    qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
+    return _scaled_ragged(qx, sx, qw, sw, WEIGHT_BLOCK[1], group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -483,8 +488,28 @@ def _ragged_bwd(options, res, dy):
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def ragged_dot(x: jax.Array | Tiles, w: jax.Array, group_sizes: jax.Array, *,
-               grad_dtype=jnp.float8_e4m3fn, power_of_two: bool = False) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ragged_pre(x, w, qw, sw, group_sizes, options):
+    """`_ragged` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the gradient."""
+    return _ragged_pre_forward(x, qw, sw, group_sizes, options[1])
+
+
+def _ragged_pre_fwd(x, w, qw, sw, group_sizes, options):
+    qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
+    y = _ragged_pre_forward(x, qw, sw, group_sizes, options[1])
+    return y, (qxt, sxt, qw, sw, group_sizes)
+
+
+def _ragged_pre_bwd(options, res, dy):
+    dx, dw, _ = _ragged_bwd(options, res, dy)
+    return dx, dw, None, None, None
+
+
+_ragged_pre.defvjp(_ragged_pre_fwd, _ragged_pre_bwd)
+
+
+def ragged_dot(x: jax.Array | Tiles, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
+               *, grad_dtype=jnp.float8_e4m3fn, power_of_two: bool = False) -> jax.Array:
     """float32 `jax.lax.ragged_dot` ``(x, w, group_sizes)`` from blockwise-quantised FP8
     operands: the MoE's grouped matmul.
 
@@ -497,14 +522,27 @@ def ragged_dot(x: jax.Array | Tiles, w: jax.Array, group_sizes: jax.Array, *,
     FP8): its tiles are used as they are, so the forward equals that of the rows they were
     made from; the weight gradient's ``x^T`` tiles are cut from the dequantised rows (the
     original rows are elsewhere), and ``x``'s gradient goes to ``Tiles.values``.
+
+    ``w`` may be its `prequantize` (`QuantizedWeight` of ``[G, K, N]``): the product takes
+    that FP8 copy instead of quantising ``w`` again, for rows and `Tiles` alike (the same
+    values forward and backward; ``QuantizedWeight.w`` takes the gradient) -- the MoE's
+    expert weights quantised once per step (`zoo.layers.MoE.fp8_weights`).
     """
     _check_dtype(grad_dtype)
+    pre = w if isinstance(w, QuantizedWeight) else None
+    w = w.w if pre is not None else w
     rows = x.values if isinstance(x, Tiles) else x
     if (rows.ndim != 2 or w.ndim != 3 or rows.shape[1] != w.shape[1]
             or group_sizes.shape != w.shape[:1]):
         raise ValueError(f"fp8.ragged_dot wants x [M, K], w [G, K, N], group_sizes [G]; got "
                          f"x {rows.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
     options = (np.dtype(grad_dtype), bool(power_of_two), np.dtype(rows.dtype), np.dtype(w.dtype))
+    if pre is not None:
+        pre.check(power_of_two)
+        if isinstance(x, Tiles):
+            return _ragged_tiles_pre(*_same_varying(x.values, x.scale, w, pre.q, pre.scale,
+                                                    group_sizes), options)
+        return _ragged_pre(*_same_varying(x, w, pre.q, pre.scale, group_sizes), options)
     if isinstance(x, Tiles):
         return _ragged_tiles(*_same_varying(x.values, x.scale, w, group_sizes), options)
     return _ragged(*_same_varying(x, w, group_sizes), options)
@@ -600,8 +638,12 @@ def _ragged_tiles(values, scale, w, group_sizes, options):
 
 def _ragged_tiles_forward(values, scale, w, group_sizes, power_of_two):
     qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
+    return _tiles_product(values, scale, qw, sw, group_sizes), (qw, sw)
+
+
+def _tiles_product(values, scale, qw, sw, group_sizes):
     qx = values.astype(jnp.float8_e4m3fn)  # exact: the values are E4M3 values
-    return _scaled_ragged(qx, scale, qw, sw, WEIGHT_BLOCK[1], group_sizes), (qw, sw)
+    return _scaled_ragged(qx, scale, qw, sw, WEIGHT_BLOCK[1], group_sizes)
 
 
 def _ragged_tiles_fwd(values, scale, w, group_sizes, options):
@@ -617,6 +659,28 @@ def _ragged_tiles_bwd(options, res, dy):
 
 
 _ragged_tiles.defvjp(_ragged_tiles_fwd, _ragged_tiles_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ragged_tiles_pre(values, scale, w, qw, sw, group_sizes, options):
+    """`_ragged_tiles` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the
+    gradient."""
+    return _tiles_product(values, scale, qw, sw, group_sizes)
+
+
+def _ragged_tiles_pre_fwd(values, scale, w, qw, sw, group_sizes, options):
+    y = _tiles_product(values, scale, qw, sw, group_sizes)
+    rows = Tiles(values, scale).dequantize()
+    qxt, sxt = quantize(rows.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
+    return y, (qxt, sxt, qw, sw, group_sizes)
+
+
+def _ragged_tiles_pre_bwd(options, res, dy):
+    dx, dw, _ = _ragged_bwd(options, res, dy)
+    return dx, None, dw, None, None, None
+
+
+_ragged_tiles_pre.defvjp(_ragged_tiles_pre_fwd, _ragged_tiles_pre_bwd)
 
 
 # -- statistics: what quantisation did (the train step's fp8/ metrics) ----------------------

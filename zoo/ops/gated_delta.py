@@ -47,12 +47,15 @@ cuts its rows into *pieces*, maximal runs of tokens that follow each other in pa
 1. A piece that starts at position > 0 *imports* a state; its key (segment, start) is
    all-gathered (``max_pieces`` slots per shard and row). A piece whose successor token is
    imported somewhere *exports*.
-2. One chunked pass with values ``[0 | v]`` and reset state ``[I | 0]`` gives, for every
-   token, its output with a zero incoming state and its query carried back to the start of
-   its piece (``q~ = P^T q``), and for every exporting piece its summary ``S -> A S + B``
-   (``[A | B]`` = the state after the piece). Pieces that import or export are laid out on
-   chunk boundaries (at most ``2 * max_pieces * (C - 1)`` identity tokens per shard) so these
-   are chunk-edge quantities.
+2. One chunked pass with values ``[0 | v]`` (the zeros implicit) and reset state ``[I | 0]``
+   gives, for every token, its output with a zero incoming state and its query carried back
+   to the start of its piece (``q~ = P^T q``), and for every exporting piece its summary
+   ``S -> A S + B`` (``[A | B]`` = the state after the piece). Pieces that import or export
+   are laid out on chunk boundaries (at most ``2 * max_pieces * (C - 1)`` identity tokens per
+   shard) so these are chunk-edge quantities. The pass hands out only those ``max_pieces``
+   chunk-edge states (`_chunked`'s ``picks``) and takes their cotangents back into its reverse
+   scan at their chunks: no per-chunk ``[Dk, Dk + Dv]`` state array besides the backward's
+   saved one.
 3. The summaries ``[A | B]`` ([max_pieces, Hv, Dk, Dk + Dv] per shard) are all-gathered and
    composed in packing order on every shard (an exclusive scan over at most
    ``cp * max_pieces`` entries); each importing piece adds ``q~^T S_in`` to its outputs.
@@ -263,7 +266,9 @@ def solve_unit_lower(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _intra(q, k, v, g, beta, reset, identity):
-    """Per-chunk terms that do not depend on the carried state. Inputs [..., N, C, .]."""
+    """Per-chunk terms that do not depend on the carried state. Inputs [..., N, C, .]. With
+    ``identity`` the state has ``K + V`` columns, reset state ``[I | 0]`` and values ``[0 | v]``
+    (the zero values never built: their solve is 0)."""
     C = g.shape[-1]
     G = jnp.cumsum(g, -1)
     c = jnp.cumsum(reset, -1)  # block within the chunk; 0 continues the carried state
@@ -286,9 +291,14 @@ def _intra(q, k, v, g, beta, reset, identity):
     first = (c == 0)[..., None]
     end_same = (c == c[..., -1:])[..., None]
     kdec = jnp.where(end_same, k * jnp.exp(G[..., -1:] - G)[..., None], 0.0)
-    R = _reset_state(k.shape[-1], v.shape[-1], identity)
-    return dict(u=u - jnp.where(first, 0.0, w @ R), w=jnp.where(first, w, 0.0), qk=qk,
-                q0=qg @ R * (~first), qg=jnp.where(first, qg, 0.0), kdec=kdec,
+    if identity:  # w @ [I | 0] = [w | 0], qg @ [I | 0] = [qg | 0]
+        u = jnp.concatenate([jnp.where(first, 0.0, -w), u], -1)
+        q0 = jnp.concatenate([jnp.where(first, 0.0, qg), jnp.zeros_like(v)], -1)
+    else:
+        R = _reset_state(k.shape[-1], v.shape[-1], identity)
+        u, q0 = u - jnp.where(first, 0.0, w @ R), qg @ R * (~first)
+    return dict(u=u, w=jnp.where(first, w, 0.0), qk=qk,
+                q0=q0, qg=jnp.where(first, qg, 0.0), kdec=kdec,
                 keep=jnp.where(c[..., -1] == 0, jnp.exp(Gp[..., -1]), 0.0),
                 fresh=jnp.where(c[..., -1] == 0, 0.0, jnp.exp(Gp[..., -1])))
 
@@ -319,64 +329,77 @@ def _scan(identity, xs):
 
     def body(S, x):
         S_end, o = _step(identity, S, x)
-        return S_end, (o, S_end, S)
+        return S_end, (o, S)
 
-    _, (o, ends, starts) = jax.lax.scan(body, S0, xs)
-    return o, ends, starts
+    final, (o, starts) = jax.lax.scan(body, S0, xs)
+    return o, starts, final
+
+
+def _pick(starts, final, picks):
+    """States after chunks ``picks`` [B, P] ([B, P, H, K, V]) from the states before every
+    chunk [N, B, H, K, V] (chunk n ends where n + 1 starts) and the state after the last."""
+    N = starts.shape[0]
+    got = jax.vmap(lambda s, i: s[i], in_axes=(1, 0))(starts, jnp.minimum(picks + 1, N - 1))
+    return jnp.where((picks == N - 1)[..., None, None, None], final[:, None], got)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked_core(identity, chunk, q, k, v, g, beta, reset):
+def _chunked_core(identity, chunk, q, k, v, g, beta, reset, picks):
     xs = _intra(*_chunk_inputs(chunk, q, k, v, g, beta, reset), identity)
-    o, ends, _ = _scan(identity, xs)
-    return o, ends
+    o, starts, final = _scan(identity, xs)
+    return o, _pick(starts, final, picks)
 
 
-def _chunked_fwd(identity, chunk, q, k, v, g, beta, reset):
+def _chunked_fwd(identity, chunk, q, k, v, g, beta, reset, picks):
     xs = _intra(*_chunk_inputs(chunk, q, k, v, g, beta, reset), identity)
-    o, ends, starts = _scan(identity, xs)
-    return (o, ends), (q, k, v, g, beta, reset, starts)
+    o, starts, final = _scan(identity, xs)
+    return (o, _pick(starts, final, picks)), (q, k, v, g, beta, reset, picks, starts)
 
 
 def _chunked_bwd(identity, chunk, res, cot):
-    q, k, v, g, beta, reset, starts = res
-    do, dends = cot
+    q, k, v, g, beta, reset, picks, starts = res
+    do, dpicked = cot  # the picked states' cotangent enters the scan at its chunk only
     chunks = _chunk_inputs(chunk, q, k, v, g, beta, reset)
     xs, intra_vjp = jax.vjp(lambda *a: _intra(*a, chunks[-1], identity), *chunks[:-1])
 
     def body(dS, inp):
-        S, x, do_n, dend_n = inp
+        n, S, x, do_n = inp
+        dend = jnp.einsum("bp,bphkv->bhkv", (picks == n).astype(dS.dtype), dpicked)
         _, step_vjp = jax.vjp(functools.partial(_step, identity), S, x)
-        dS_start, dx = step_vjp((dS + dend_n, do_n))
+        dS_start, dx = step_vjp((dS + dend, do_n))
         return dS_start, dx
 
-    _, dxs = jax.lax.scan(body, jnp.zeros_like(starts[0]), (starts, xs, do, dends),
-                          reverse=True)
+    _, dxs = jax.lax.scan(body, jnp.zeros_like(starts[0]),
+                          (jnp.arange(starts.shape[0]), starts, xs, do), reverse=True)
     dq, dk, dv, dg, dbeta = intra_vjp(dxs)
 
     def unsplit(x):
         x = jnp.moveaxis(x, 0, 2)
         return x.reshape(*x.shape[:2], -1, *x.shape[4:])
 
-    return (*(unsplit(x) for x in (dq, dk, dv, dg, dbeta)), jnp.zeros_like(reset))
+    return (*(unsplit(x) for x in (dq, dk, dv, dg, dbeta)), jnp.zeros_like(reset), None)
 
 
 _chunked_core.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _chunked(q, k, v, g, beta, reset, identity=False, chunk=CHUNK):
-    """Chunked gated delta rule, [B, H, T, .] inputs (any T). Returns (o [B, H, T, V], states
-    after every chunk [B, H, N, K, V])."""
+def _chunked(q, k, v, g, beta, reset, identity=False, chunk=CHUNK, picks=None):
+    """Chunked gated delta rule, [B, H, T, .] inputs (any T). Returns (o [B, H, T, V], the
+    states after chunks ``picks`` [B, P] ints, [B, P, H, K, V]; None: after the last chunk,
+    P = 1). Only the picked states leave the pass (not one per chunk). With ``identity`` the
+    state is ``[K, K + V]`` with reset ``[I | 0]`` and values ``[0 | v]`` (`_intra`): o and
+    the states are ``K + V`` wide."""
     T = q.shape[2]
     pad = -T % chunk
     if pad:
         def p(x):
             return jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
         q, k, v, g, beta, reset = map(p, (q, k, v, g, beta, reset))
-    o, ends = _chunked_core(identity, chunk, q, k, v, g, beta, reset)
+    if picks is None:
+        picks = jnp.full((q.shape[0], 1), q.shape[2] // chunk - 1, jnp.int32)
+    o, states = _chunked_core(identity, chunk, q, k, v, g, beta, reset, picks)
     o = jnp.moveaxis(o, 0, 2)
-    o = o.reshape(*o.shape[:2], -1, o.shape[-1])[:, :, :T]
-    return o, jnp.moveaxis(ends, 0, 2)
+    return o.reshape(*o.shape[:2], -1, o.shape[-1])[:, :, :T], states
 
 
 # -- preparing inputs -------------------------------------------------------------------------
@@ -419,8 +442,8 @@ def _unsharded(q, k, v, g, beta, seg, pos, implementation):
     if implementation == "recurrent":
         o, state = _recurrent(*xs, reset > 0)
     else:
-        o, ends = _chunked(*xs, reset)
-        state = ends[:, :, -1]
+        o, state = _chunked(*xs, reset)
+        state = state[:, 0]
     return jnp.moveaxis(_take_rows(jnp.moveaxis(o, 1, 2), _inverse(order)), 2, 1), state
 
 
@@ -548,24 +571,34 @@ def _scatter(x, new, size):
     return jax.vmap(one)(x, new)
 
 
-def _compose(A, Bm, seg, start, end):
-    """State after each gathered piece ([B, E, H, K, V]) composing pieces of one document in
-    packing order; entries with seg < 0 are empty."""
+def _incoming(AB, seg, start, end, imp_seg, imp_pos):
+    """Incoming state of each importing piece (keys ``imp_seg``, ``imp_pos`` [B, P]) [B, P, H,
+    K, V]: the gathered summaries AB [B, E, H, K, K + V] (keys seg, start, end [B, E]; seg < 0
+    empty) composed per document in packing order, taken after the piece ending just before
+    it. The scan reads AB in place and keeps only the P wanted states (no sorted copies)."""
+    K = AB.shape[-2]
     order = jax.vmap(lambda s, p: jnp.lexsort((p, s, s < 0)))(seg, start)
-    A, Bm, seg_s, start_s, end_s = (_take_rows(x, order) for x in (A, Bm, seg, start, end))
+    seg_s, start_s, end_s = (_take_rows(x, order) for x in (seg, start, end))
     prev_ok = jnp.concatenate([jnp.zeros_like(seg_s[:, :1], bool),
                                (seg_s[:, 1:] == seg_s[:, :-1]) & (seg_s[:, 1:] >= 0)
                                & (end_s[:, :-1] + 1 == start_s[:, 1:])], axis=1)
+    match = ((seg_s[:, None, :] == imp_seg[:, :, None]) & (seg_s[:, None, :] >= 0)
+             & (end_s[:, None, :] + 1 == imp_pos[:, :, None]))  # [B, P, E]
 
-    def step(S, x):
-        a, b, ok = x
-        S = jnp.einsum("bhkj,bhjv->bhkv", a, jnp.where(ok[:, None, None, None], S, 0.0)) + b
-        return S, S
+    def step(carry, x):
+        S, S_in = carry
+        e, ok, hit = x
+        ab = jax.vmap(lambda m, i: m[i])(AB, e)  # [B, H, K, K + V]
+        S = jnp.einsum("bhkj,bhjv->bhkv", ab[..., :K],
+                       jnp.where(ok[:, None, None, None], S, 0.0)) + ab[..., K:]
+        return (S, S_in + hit.astype(S.dtype)[..., None, None, None] * S[:, None]), None
 
-    S0 = jnp.zeros_like(Bm[:, 0])
-    _, after = jax.lax.scan(step, S0, (jnp.moveaxis(A, 1, 0), jnp.moveaxis(Bm, 1, 0),
-                                       prev_ok.T))
-    return jnp.moveaxis(after, 0, 1), seg_s, end_s
+    B, _, H, _, KV = AB.shape
+    S0 = jnp.zeros((B, H, K, KV - K), AB.dtype)
+    S_in0 = jnp.zeros((B, imp_seg.shape[1], H, K, KV - K), AB.dtype)
+    (_, S_in), _ = jax.lax.scan(step, (S0, S_in0), (order.T, prev_ok.T,
+                                                    jnp.moveaxis(match, 2, 0)))
+    return S_in
 
 
 def _shard(q, k, v, g, beta, seg, pos, *, axes, max_pieces):
@@ -578,13 +611,10 @@ def _shard(q, k, v, g, beta, seg, pos, *, axes, max_pieces):
     C = _local_chunk(L)
     new, size = _layout(pc, L, P, C)
     reset = jnp.broadcast_to(pc["start"][:, None], g.shape).astype(jnp.float32)
-    v_aug = jnp.concatenate([jnp.zeros((*v.shape[:-1], K), v.dtype), v], axis=-1)
-    buf = [_scatter(x, new, size) for x in (q, k, v_aug, g, beta, reset)]
-    o_aug, states = _chunked(*buf, identity=True, chunk=C)  # [B,H,S,K+V], [B,H,N,K,K+V]
+    buf = [_scatter(x, new, size) for x in (q, k, v, g, beta, reset)]
     # summaries of exporting pieces: the state at the end of the chunk holding their last token
     exp_chunk = _at(new, pc["exp"], 0) // C  # [B, P]
-    AB = jnp.take_along_axis(states, exp_chunk[:, None, :, None, None], axis=2)
-    AB = jnp.moveaxis(AB, 2, 1)  # [B, P, H, K, K+V]
+    o_aug, AB = _chunked(*buf, identity=True, chunk=C, picks=exp_chunk)  # [B,P,H,K,K+V]
     # one payload: summaries, their keys (bit-cast) and the overflow flag
     keys = jnp.stack([pc["exp_seg"], pc["exp_start"], pc["exp_end"],
                       jnp.broadcast_to(pc["overflow"][:, None], pc["exp"].shape)], -1)
@@ -594,12 +624,8 @@ def _shard(q, k, v, g, beta, seg, pos, *, axes, max_pieces):
     keys = jax.lax.bitcast_convert_type(payload[..., -4:], jnp.int32)
     AB = payload[..., :-4].reshape(B, -1, H, K, AB.shape[-1])
     overflow = jnp.any(keys[..., 3] != 0, axis=1)
-    after, seg_s, end_s = _compose(AB[..., :K], AB[..., K:], keys[..., 0], keys[..., 1],
-                                   keys[..., 2])
-    # incoming state of each importing piece: the gathered piece ending just before it
-    match = ((seg_s[:, None, :] == pc["imp_seg"][:, :, None]) & (seg_s[:, None, :] >= 0)
-             & (end_s[:, None, :] + 1 == pc["imp_pos"][:, :, None]))  # [B, P, E]
-    S_in = jnp.einsum("bpe,behkv->bphkv", match.astype(jnp.float32), after)
+    S_in = _incoming(AB, keys[..., 0], keys[..., 1], keys[..., 2], pc["imp_seg"],
+                     pc["imp_pos"])  # [B, P, H, K, V]
     # each buffer chunk starting an importing piece applies its S_in to that piece's tokens
     imp_chunk = jnp.where(pc["imp"] < L, _at(new, pc["imp"], 0) // C, size)  # [B, P]
     n_chunks = size // C

@@ -662,7 +662,8 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
       * ``"fp8_blockwise"``: `zoo.ops.fp8.ragged_dot`, blockwise-scaled FP8 operands (XLA's
         ragged dot per 128-block of D or F), forward and backward (docs/fp8.md). ``x`` may
         then be `zoo.ops.fp8.Tiles` (rows quantised already, e.g. by the FP8 dispatch): the
-        gate and up products take its tiles as they are.
+        gate and up products take its tiles as they are; and the weights their FP8 copies
+        (`zoo.ops.fp8.QuantizedWeight`, made once per step: `zoo.layers.MoE.fp8_weights`).
     ``expected_rows``: the real rows expected (sets the block size; default ``R``).
     ``order``: when given, ``x`` is unsorted and ``x[order]`` is sorted by expert; the result
     then comes back in ``x``'s own order (the blocked form folds both permutations into its
@@ -677,6 +678,11 @@ def grouped_swiglu(x: jax.Array, wi_gate: jax.Array, wi_up: jax.Array, wo: jax.A
     if isinstance(x, fp8.Tiles) and impl != "fp8_blockwise":
         raise ValueError(f"grouped_swiglu: x is FP8 tiles (zoo.ops.fp8.Tiles), which only "
                          f"impl='fp8_blockwise' takes, not {impl!r}")
+    if impl != "fp8_blockwise" and any(isinstance(w, fp8.QuantizedWeight)
+                                       for w in (wi_gate, wi_up, wo)):
+        raise ValueError(f"grouped_swiglu: an expert weight is an FP8 copy "
+                         f"(zoo.ops.fp8.QuantizedWeight), which only impl='fp8_blockwise' "
+                         f"takes, not {impl!r}; pass the weights themselves")
     with jax.named_scope("grouped_matmul"):  # profiles and HLO read the experts' matmuls by it
         return _grouped_swiglu(x, wi_gate, wi_up, wo, group_sizes, impl, expected_rows, order,
                                inverse, activation, bias, device)

@@ -47,7 +47,9 @@ def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
                       ) -> tuple[jax.Array, jax.Array]:
     """Exact expert-parallel dispatch by all-to-all in rounds of ``capacity`` rows per peer,
     inside `jax.shard_map` over `axis_name` (arguments as `zoo.ops.moe.all_to_all_experts`;
-    ``device``, static, reaches the backward's kernels too).
+    ``device``, static, reaches the backward's kernels too). With ``impl="fp8_blockwise"`` the
+    weights may be their FP8 copies (`zoo.ops.fp8.QuantizedWeight`): every round, forward and
+    backward, takes them as they are, and the gradients go to their ``w``.
 
     Returns ``(y [T, D] float32, rounds int32)``: ``rounds`` is the number of rounds this
     expert group ran (the same on each of its devices); nothing is dropped.
@@ -57,8 +59,9 @@ def all_to_all_rounds(x: jax.Array, indices: jax.Array, weights: jax.Array,
                          f"grouped matmul takes, but impl={impl!r}; pass "
                          f"impl='fp8_blockwise' (MoE(fp8='blockwise')) or fp8_dispatch=False")
     x = x.astype(wi_gate.dtype)
-    axes = frozenset().union(*(varying_axes(v) for v in (x, indices, weights, wi_gate, wi_up, wo)))
-    x, wi_gate, wi_up, wo = (mark_varying(v, axes) for v in (x, wi_gate, wi_up, wo))
+    leaves = jax.tree.leaves((x, indices, weights, wi_gate, wi_up, wo))
+    axes = frozenset().union(*(varying_axes(v) for v in leaves))
+    x, wi_gate, wi_up, wo = jax.tree.map(lambda v: mark_varying(v, axes), (x, wi_gate, wi_up, wo))
     indices = mark_varying(indices, axes)
     cfg = _Cfg(axis_name, num_shards, capacity, impl, transport, device, bool(fp8_dispatch))
     got, rounds = _exchange(cfg, x, wi_gate, wi_up, wo, indices)
@@ -239,9 +242,11 @@ def _exchange_bwd(cfg, res, cotangents):
                 recv_d.reshape(recv_d.shape[0], width, -1), x.dtype)
         scale = recv_x.scale if cfg.fp8 else None
         as_rows = (lambda a: fp8.Tiles(a, scale)) if cfg.fp8 else (lambda a: a)
-        _, vjp = jax.vjp(lambda a, g, u, o: _expert_rows(cfg, as_rows(a), recv_e, g, u, o,
-                                                         plan.copies),
-                         recv_x.values if cfg.fp8 else recv_x, wg, wu, wo)
+        # differentiated with respect to the weights themselves (an FP8 copy's ``w``)
+        _, vjp = jax.vjp(lambda a, g, u, o: _expert_rows(
+            cfg, as_rows(a), recv_e, _with_weight(wg, g), _with_weight(wu, u),
+            _with_weight(wo, o), plan.copies),
+            recv_x.values if cfg.fp8 else recv_x, *map(_weight, (wg, wu, wo)))
         d_rx, d_g, d_u, d_o = vjp(recv_d)
         dx_acc = _back(cfg, plan, r, d_rx, dx_acc)
         return r + 1, dx_acc, dwg + d_g.astype(dwg.dtype), dwu + d_u.astype(dwu.dtype), \
@@ -251,12 +256,31 @@ def _exchange_bwd(cfg, res, cotangents):
         return mark_varying(jnp.zeros(v.shape, dtype or v.dtype), varying_axes(v))
     zero = mark_varying(jnp.zeros((), jnp.int32), varying_axes(plan.rounds))
     dx0 = mark_varying(jnp.zeros((plan.copies, width), x.dtype), varying_axes(x))
-    init = (zero, dx0, zeros(wg, jnp.float32), zeros(wu, jnp.float32), zeros(wo, jnp.float32))
+    init = (zero, dx0, *(zeros(_weight(w), jnp.float32) for w in (wg, wu, wo)))
     _, dx_copies, dwg, dwu, dwo = jax.lax.while_loop(lambda c: c[0] < plan.rounds, body, init)
     k = plan.copies // plan.num_tokens
     dx = dx_copies.reshape(k, plan.num_tokens, width).sum(0)
-    return (dx.astype(x.dtype), dwg.astype(wg.dtype), dwu.astype(wu.dtype),
-            dwo.astype(wo.dtype), None)
+    return (dx.astype(x.dtype), *(_weight_cotangent(w, d) for w, d in
+                                  ((wg, dwg), (wu, dwu), (wo, dwo))), None)
+
+
+def _weight(w):
+    """The weight itself: ``w``, or an FP8 copy's ``w`` (what takes the gradient)."""
+    return w.w if isinstance(w, fp8.QuantizedWeight) else w
+
+
+def _with_weight(like, w):
+    """`w` in the form of `like`: the FP8 copy with ``w`` as its weight, or ``w``."""
+    return like._replace(w=w) if isinstance(like, fp8.QuantizedWeight) else w
+
+
+def _weight_cotangent(like, d):
+    """The cotangent of `like` from ``d``, the float32 gradient of its weight: an FP8
+    copy's float8 values, scales and counts take none."""
+    if not isinstance(like, fp8.QuantizedWeight):
+        return d.astype(like.dtype)
+    return fp8.QuantizedWeight(d.astype(like.dtype), *(
+        mark_varying(jnp.zeros(a.shape, a.dtype), varying_axes(a)) for a in like[1:]))
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -95,6 +95,7 @@ class Rehearsal:
     cache_bytes: int = 0           # decode: the KV cache's shards (from its shardings)
     # GPU targets: the part of collective_bytes whose device groups span hosts (the network)
     cross_host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    fp8: str | None = None         # the model's ``fp8`` mode: "blockwise" (FP8 GEMMs) or None
 
     @property
     def device_memory_bytes(self) -> int | None:
@@ -127,10 +128,12 @@ class Rehearsal:
     def roofline(self) -> dict[str, Any] | None:
         """A lower bound on the step's time from this report's own counts and the target
         chip's published peaks (`zoo.targets.chip`; None where none is known, e.g. CPU, or for a
-        program the compiler refused): the
-        larger of compute -- the program's dot FLOPs (custom-call kernels' are not counted,
-        so at least the model's) at the bf16 peak -- and collectives -- each kind's bytes per
-        device at the chip's whole ICI bandwidth (GPUs: NVLink within a host, and the bytes of
+        program the compiler refused): the larger of compute -- the program's dot FLOPs
+        (custom-call kernels' are not counted, so at least the model's) at the chip's peak:
+        its FP8 peak for a program built with ``fp8="blockwise"`` on a chip that has one (every
+        dot counted as FP8, which keeps it a bound), else the bf16 peak; ``peak`` says which,
+        and ``mfu`` is against that peak -- and collectives -- each kind's bytes per device at
+        the chip's whole ICI bandwidth (GPUs: NVLink within a host, and the bytes of
         collectives whose groups span hosts at the network's), as if every link carried data
         all the step. Perfect overlap, no HBM or launch cost: a real step is slower, so a
         measured MFU above ``mfu`` here, or tokens/s above ``tokens_per_s``, would be a bug in
@@ -139,7 +142,9 @@ class Rehearsal:
         c = chip(self.device_kind)
         if c is None or self.oom:  # a refused program's counts are not a device's
             return None
-        compute_s = max(self.hlo_flops, self.model_flops) / c.peak_flops
+        fp8 = self.fp8 == "blockwise" and c.fp8_peak_flops is not None
+        peak_flops = c.fp8_peak_flops if fp8 else c.peak_flops
+        compute_s = max(self.hlo_flops, self.model_flops) / peak_flops
         cross = self.cross_host_bytes if c.network_bytes_per_s else {}
         collective_s = {k: (v - cross.get(k, 0.0)) / c.ici_bytes_per_s +
                         cross.get(k, 0.0) / (c.network_bytes_per_s or 1.0)
@@ -147,11 +152,20 @@ class Rehearsal:
         bound_s = max(compute_s, sum(collective_s.values()))
         return dict(bound_s=bound_s, compute_s=compute_s, collective_s=collective_s,
                     bound_by="compute" if bound_s == compute_s else "collectives",
-                    mfu=self.model_flops / (bound_s * c.peak_flops) if bound_s else 0.0,
+                    mfu=self.model_flops / (bound_s * peak_flops) if bound_s else 0.0,
                     tokens_per_s=self.tokens_per_device / bound_s if bound_s else 0.0,
-                    peak_flops=c.peak_flops, ici_bytes_per_s=c.ici_bytes_per_s,
+                    peak="fp8" if fp8 else "bf16", peak_flops=peak_flops,
+                    peak_note=self._peak_note(fp8), ici_bytes_per_s=c.ici_bytes_per_s,
                     links="ICI" if c.network_bytes_per_s is None else
                     f"NVLink, {c.network_bytes_per_s / 1e9:,.0f} GB/s between hosts")
+
+    def _peak_note(self, fp8: bool) -> str:
+        """Which peak `roofline` used, and why not FP8's for an FP8 program."""
+        if fp8:
+            return "FP8 peak"
+        if self.fp8 == "blockwise":
+            return f"bf16 peak: {self.device_kind} has no published FP8 peak"
+        return "bf16 peak"
 
     def fp32_dots(self, allowed: tuple[str, ...] = ("router", "loss")) -> list[str]:
         """Op names of f32 dots outside the scopes where fp32 is intended (router, loss)."""
@@ -235,7 +249,7 @@ class Rehearsal:
             lines.append(
                 f"  roofline BOUND (not a measurement): step >= {bound['bound_s'] * 1e3:,.1f} "
                 f"ms ({bound['bound_by']}-bound: compute {bound['compute_s'] * 1e3:,.1f} ms at "
-                f"{bound['peak_flops'] / 1e12:,.0f} TFLOP/s, collectives "
+                f"{bound['peak_flops'] / 1e12:,.0f} TFLOP/s ({bound['peak_note']}), collectives "
                 f"{sum(bound['collective_s'].values()) * 1e3:,.1f} ms at "
                 f"{bound['ici_bytes_per_s'] / 1e9:,.0f} GB/s {bound['links']}); at the bound MFU "
                 f"{bound['mfu']:.1%}, {bound['tokens_per_s']:,.0f} tokens/s per device")
@@ -260,14 +274,15 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
                   expert_bias_rate: float = 0.0, flops_per_token: float | None = None,
                   label: str = "model", mesh_text: str = "", remat: str | None = None,
                   dtype: Any = None, param_dtype: Any = None,
-                  train_step: Callable | None = None) -> Rehearsal:
+                  train_step: Callable | None = None, fp8: str | None = None) -> Rehearsal:
     """Compile a train step (`train_step`, default `make_train_step(donate=True)` with the
     given weights) for `partitioner`'s mesh from abstract state and measure it; see the
-    module docstring."""
+    module docstring. ``fp8``: the model's FP8 mode, for the roofline's peak."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from zoo.ops.fp8 import check_mode
     from zoo.train import step as step_lib
 
     mesh = partitioner.mesh
@@ -287,7 +302,7 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
         state_bytes=param_b + opt_b, label=label, mesh=mesh_text, strategy=partitioner.strategy,
         batch_size=batch_size, seq_len=seq_len, dtype=dtype_name(dtype),
         param_dtype=dtype_name(param_dtype), remat=remat, param_bytes=param_b,
-        optimizer_bytes=opt_b,
+        optimizer_bytes=opt_b, fp8=check_mode(fp8),
         model_flops=(flops_per_token or 0.0) * batch_size * seq_len / mesh.devices.size)
 
 
@@ -381,7 +396,8 @@ def rehearse_built(built: Any, *, label: str = "model") -> Rehearsal:
                          partitioner=built.partitioner, batch_size=c.batch_size,
                          seq_len=c.seq_len, flops_per_token=built.flops_per_token, label=label,
                          mesh_text=c.mesh, remat=cfg.remat_policy, dtype=cfg.dtype,
-                         param_dtype=cfg.param_dtype, train_step=built.train_step)
+                         param_dtype=cfg.param_dtype, train_step=built.train_step,
+                         fp8=cfg.fp8)
 
 
 def presets() -> tuple[str, ...]:
