@@ -9,7 +9,8 @@ With no flags on a CPU-only machine: 8 virtual devices, strategy ``ep_as_cp`` on
 parallelism, the MoE 2-way expert parallelism), the built-in corpus (the Python standard
 library's sources, byte tokens). On GPUs/TPUs it uses the real devices with FSDP. Rerunning the
 same command resumes from ``runs/mini_qwen3_next/checkpoints``; SIGTERM/Ctrl-C saves and exits.
-No end-of-run sample: generation does not cover the gated DeltaNet layers yet.
+The run ends with a greedy sample (`zoo.inference`: each linear layer's recurrent state and
+convolution window, the full layers' K/V).
 """
 
 from zoo.train import TrainConfig, cli  # importing jax starts no backend: --devices applies
@@ -22,7 +23,6 @@ RECIPE = cli.Recipe(
         steps=200, batch_size=8, seq_len=256,
         lr=3e-3,                         # peak; warmup min(100, steps/10), cosine to 10%
         checkpoint_every=50,
-        sample_tokens=0,                 # no cached decode for gated DeltaNet yet
     ),
 )
 
