@@ -5,7 +5,8 @@
   dense linears (MLA's projections and latent expansion, the dense MLP, the shared experts) and
   the routed experts' grouped matmul; the router, embedding and output head stay float32.
 * Numerics: the mini DeepSeek-V3 (unsharded and under fsdp) and Mixtral with FP8 against the
-  same weights without it: logits and gradients within the stated tolerances, gradients finite.
+  same weights without it: logits and gradients within the stated tolerances, gradients finite;
+  DeepSeek-V3, Mixtral and Qwen3-MoE so under fsdp, cp and ep_as_cp.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ from flax import nnx
 
 from zoo.models.deepseek3 import DeepSeek3, DeepSeek3Config
 from zoo.models.mixtral import Mixtral, MixtralConfig
+from zoo.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from zoo.partitioning import Partitioner, make_mesh
 from zoo.train.fields import apply_overrides
 
@@ -28,6 +30,10 @@ DEEPSEEK = DeepSeek3Config.mini(vocab_size=V, hidden_size=64, intermediate_size=
 MIXTRAL = MixtralConfig.mini(vocab_size=V, hidden_size=32, intermediate_size=48,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=8)
+QWEN3_MOE = Qwen3MoeConfig.mini(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                moe_intermediate_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                num_experts=8, num_experts_per_tok=2)
 # Relative Frobenius errors against the plain float32 model. e4m3 keeps 3 mantissa bits: each
 # FP8 product is off by ~5% on random operands, a layer chains three or four of them, and in
 # the DeepSeek-V3 mini FP8 also flips near-tied top-k choices of its random router. Observed:
@@ -131,6 +137,22 @@ def test_mixtral_fp8_close_to_plain():
 def test_deepseek3_fp8_close_to_plain_unsharded_and_fsdp(devices):
     check_close_to_plain(DeepSeek3, DEEPSEEK,
                          [None, Partitioner(make_mesh(fsdp=4, tensor=2), "fsdp")])
+
+
+# batch 4 over the batch axes, 16 tokens a row over 2 x context (load-balanced halves)
+STRATEGIES = {"fsdp": dict(fsdp=4, tensor=2), "cp": dict(fsdp=2, context=4),
+              "ep_as_cp": dict(fsdp=2, expert=4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_minis_fp8_close_to_plain_under_each_strategy(strategy, devices):
+    """DeepSeek-V3 (MLA), Mixtral and Qwen3-MoE (GQA) with FP8, each built under `strategy`
+    on 8 devices, against the same weights without FP8, unsharded: logits and gradients within
+    the tolerances, every gradient finite."""
+    p = Partitioner(make_mesh(**STRATEGIES[strategy]), strategy)
+    for model_cls, config in ((DeepSeek3, DEEPSEEK), (Mixtral, MIXTRAL), (Qwen3Moe, QWEN3_MOE)):
+        check_close_to_plain(model_cls, config, [p])
 
 
 @pytest.mark.slow
