@@ -24,6 +24,7 @@ The MoE program space, one verdict per cell::
                                                       # 2 targets (360 compiles)
     python benchmarks/targets.py --pairwise --json docs/benchmarks/moe_target_matrix.json
     python benchmarks/targets.py --matrix --only dtype=float32,target=h100-8  # a slice of it
+    python benchmarks/targets.py --matrix --shard 0/4 --rows rows.jsonl  # a quarter, resumable
 
 Each cell is a family's mini preset (two layers, `MATRIX_SEQ` tokens a row, batch 8) trained
 under a strategy on 8 devices of a target, with the MoE's dispatch, overflow and dtype set
@@ -60,8 +61,8 @@ def parse_args(argv=None):
     a("--seq-len", type=int, default=4096)
     a("--remat", default="full")
     a("--set", action="append", default=None, metavar="FIELD=VALUE", dest="overrides",
-      help=f"config overrides (default: the goal row's, {' '.join(GOAL_ROW)}); given, they "
-           f"replace those")
+      help=f"config overrides, merged over the goal row's ({' '.join(GOAL_ROW)}): a given "
+           f"field replaces that field's default, the other defaults stay")
     a("--json", default=None, metavar="PATH",
       help="write the table as a record (docs/benchmarks/goal_row_targets.json)")
     a("--matrix", action="store_true",
@@ -70,6 +71,13 @@ def parse_args(argv=None):
       help="with or without --matrix: only a pairwise covering set of its cells")
     a("--only", default=None, metavar="AXIS=VALUE,...",
       help="with --matrix: only the cells with these values, e.g. dtype=float32,target=h100-8")
+    a("--shard", default=None, metavar="I/N",
+      help="with --matrix: only every N-th cell from the I-th (0-based), to spread the compiles "
+           "over processes or machines")
+    a("--rows", default=None, metavar="PATH",
+      help="with --matrix: append each finished cell's row to this JSON-lines file and skip "
+           "the cells already in it (a run resumes; rows from several shards, concatenated, "
+           "make one table)")
     return p.parse_args(argv)
 
 
@@ -204,6 +212,21 @@ def pairwise_cells() -> list[dict]:
     return chosen
 
 
+def cell_key(cell: dict) -> tuple:
+    return tuple(cell[k] for k in MATRIX_AXES)
+
+
+def saved_rows(path: str) -> dict:
+    """The rows a ``--rows`` file holds, by cell (the last row of a cell wins)."""
+    import json
+    import os
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {cell_key(r): r for r in rows}
+
+
 def matrix(argv_args) -> int:
     """``--matrix`` / ``--pairwise``: one row per cell, printed as it finishes, then the table;
     exit status 1 when a valid cell fails."""
@@ -216,11 +239,25 @@ def matrix(argv_args) -> int:
             raise SystemExit(f"--only {argv_args.only}: {unknown} are not axes' values; the "
                              f"axes are {MATRIX_AXES}")
         cells = [c for c in cells if all(c[k] == v for k, v in only.items())]
-    devices = {t: target_devices(t) for t in MATRIX_AXES["target"]}
+    if argv_args.shard:
+        i, n = (int(x) for x in argv_args.shard.split("/"))
+        if not 0 <= i < n:
+            raise SystemExit(f"--shard {argv_args.shard}: expected I/N with 0 <= I < N")
+        cells = cells[i::n]
+    done = saved_rows(argv_args.rows) if argv_args.rows else {}
+    todo = [c for c in cells if cell_key(c) not in done]
+    devices = {t: target_devices(t) for t in {c["target"] for c in todo}}
     rows = []
     for cell in cells:
+        if cell_key(cell) in done:
+            rows.append(done[cell_key(cell)])
+            continue
         r = run_cell(cell, devices[cell["target"]])
         print(" ".join(f"{k}={v}" for k, v in r.items()), file=sys.stderr, flush=True)
+        if argv_args.rows:
+            import json
+            with open(argv_args.rows, "a") as f:
+                f.write(json.dumps(r) + "\n")
         rows.append(r)
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from scale import markdown  # benchmarks/, beside this script
@@ -228,6 +265,8 @@ def matrix(argv_args) -> int:
     kind = "pairwise covering set" if argv_args.pairwise else "every cell"
     if argv_args.only:
         kind += f" with {argv_args.only}"
+    if argv_args.shard:
+        kind += f", shard {argv_args.shard}"
     text = (f"## MoE train steps for accelerator targets, {kind}: {len(rows)} cells, "
             f"{failed} failing (minis, {MATRIX_LAYERS} layers, {MATRIX_BATCH} x {MATRIX_SEQ})"
             f"\n\n" + markdown(rows, MATRIX_COLUMNS))
@@ -236,6 +275,19 @@ def matrix(argv_args) -> int:
         import _record
         _record.write_tables(argv_args.json, ["moe_target_matrix"], _record.markdown_tables(text))
     return 1 if failed else 0
+
+
+def merged_overrides(given) -> list[str]:
+    """The goal row's overrides (`GOAL_ROW`) with ``given`` (``FIELD=VALUE`` strings) merged
+    over them by field, in order: a given field replaces its default, others stay."""
+    merged = dict(kv.split("=", 1) for kv in GOAL_ROW)
+    for kv in given or ():
+        if "=" not in kv:
+            raise SystemExit(f"--set {kv!r}: expected FIELD=VALUE, e.g. --set fp8=blockwise")
+        k, v = kv.split("=", 1)
+        merged.pop(k, None)
+        merged[k] = v
+    return [f"{k}={v}" for k, v in merged.items()]
 
 
 def row(r) -> dict:
@@ -269,7 +321,7 @@ def main(argv=None) -> int:
     cpus = [t.count for t in parsed if t.platform == "cpu" and t.count]
     if cpus:  # before anything starts jax's backend
         set_virtual_devices(max(cpus))
-    overrides = list(GOAL_ROW) if args.overrides is None else args.overrides
+    overrides = merged_overrides(args.overrides)
     remat = None if args.remat in ("none", "None") else args.remat
     rows = []
     for target in targets:

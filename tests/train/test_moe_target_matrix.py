@@ -130,3 +130,32 @@ def test_pairwise_cell_compiles(cell):
     assert r["grouped matmul"] == ("tokamax" if r["target"] == "h100-8" and not gpu_f32
                                    else "ragged_dot"), r
     assert (r["why"] != "-") == gpu_f32, r
+
+
+def test_matrix_shards_partition_the_cells_and_saved_rows_resume(tmp_path, capsys):
+    """``--shard I/N`` splits the cells into N disjoint slices whose union is the whole set;
+    with ``--rows``, cells already in the file are not compiled again (every cell saved: the
+    table comes from the file alone, no compile), and ``--set`` merges over the goal row's
+    overrides by field."""
+    t = _script()
+    cells = [c for c in t.all_cells() if c["family"] == "mixtral" and c["dtype"] == "float32"
+             and c["target"] == "tpu-v5p-8"]
+    slices = [cells[i::3] for i in range(3)]
+    assert sorted(map(t.cell_key, sum(slices, []))) == sorted(map(t.cell_key, cells))
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for c in cells:
+            f.write(json.dumps({**c, "verdict": "compiles", "grouped matmul": "ragged_dot",
+                                "why": "-", "compile s": 1.0}) + "\n")
+    args = t.parse_args(["--matrix", "--only", "family=mixtral,dtype=float32,target=tpu-v5p-8",
+                         "--shard", "1/3", "--rows", str(rows)])
+    t.run_cell = None  # a compile would fail loudly: every cell must come from the file
+    try:
+        assert t.matrix(args) == 0
+    finally:
+        del sys.modules["targets"]
+    out = capsys.readouterr().out
+    assert f"{len(slices[1])} cells, 0 failing" in out and "shard 1/3" in out
+    assert t.merged_overrides(["moe_overflow=exact", "fp8=blockwise"]) == [
+        "moe_buffer_factor=2", "num_nextn_predict_layers=0", "moe_overflow=exact",
+        "fp8=blockwise"]

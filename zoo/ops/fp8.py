@@ -178,23 +178,10 @@ def _expand_cols(scale: jax.Array, block: int, n: int) -> jax.Array:
     return jnp.repeat(scale, block, axis=1)[:, :n]
 
 
-def _forward(x, w, power_of_two):
-    qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
-    qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
-    return scaled_matmul(qx, sx, qw, _expand_cols(sw, WEIGHT_BLOCK[1], w.shape[1])), (qw, sw)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dot2d(x, w, options):
-    """`options`: (grad_dtype, power_of_two, x dtype, w dtype), static."""
-    return _forward(x, w, options[1])[0]
-
-
-def _dot2d_fwd(x, w, options):
-    y, (qw, sw) = _forward(x, w, options[1])
-    # wgrad contracts over M: x^T is requantised per 1x128 tile along M (DeepSeek caches it so)
-    qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
-    return y, (qxt, sxt, qw, sw)
+def _weight_copy(w: jax.Array, power_of_two: bool) -> tuple[jax.Array, jax.Array]:
+    """``w [..., K, N]``'s FP8 values and 128x128-block scales for one product (no gradient:
+    the products' VJPs give ``w`` its gradient), when no `prequantize` copy was passed."""
+    return jax.lax.stop_gradient(quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two))
 
 
 def _dot2d_bwd(options, res, dy):
@@ -208,9 +195,6 @@ def _dot2d_bwd(options, res, dy):
     qdyc, sdyc = quantize(dy, block=(_TILE, 1), dtype=grad_dtype, power_of_two=power_of_two)
     dw = scaled_matmul(qxt, sxt, qdyc, sdyc)
     return dx.astype(x_dtype), dw.astype(w_dtype)
-
-
-_dot2d.defvjp(_dot2d_fwd, _dot2d_bwd)
 
 
 def dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, grad_dtype=jnp.float8_e4m3fn,
@@ -245,9 +229,8 @@ def dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, grad_dtype=jnp.float8_e
     x = x.reshape(math.prod(lead), x.shape[-1])
     if pre is not None:
         pre.check(power_of_two)
-        y = _dot2d_pre(*_same_varying(x, w, pre.q, pre.scale), options)
-    else:
-        y = _dot2d(*_same_varying(x, w), options)
+    qw, sw = (pre.q, pre.scale) if pre is not None else _weight_copy(w, power_of_two)
+    y = _dot2d(*_same_varying(x, w, qw, sw), options)
     return y.reshape(*lead, w.shape[1])
 
 
@@ -301,27 +284,30 @@ def prequantize(w: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(w, q, scale, stats)
 
 
-def _pre_forward(x, qw, sw, power_of_two):
+def _dot_forward(x, qw, sw, power_of_two):
     qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
     return scaled_matmul(qx, sx, qw, _expand_cols(sw, WEIGHT_BLOCK[1], qw.shape[1]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dot2d_pre(x, w, qw, sw, options):
-    """`_dot2d` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the gradient."""
-    return _pre_forward(x, qw, sw, options[1])
+def _dot2d(x, w, qw, sw, options):
+    """``x [M, K] @ w [K, N]`` from ``w``'s FP8 copy (``qw``, ``sw``: `prequantize`'s or
+    `_weight_copy`'s); ``w`` takes the gradient. `options`: (grad_dtype, power_of_two, x dtype,
+    w dtype), static."""
+    return _dot_forward(x, qw, sw, options[1])
 
 
-def _dot2d_pre_fwd(x, w, qw, sw, options):
+def _dot2d_fwd(x, w, qw, sw, options):
+    # wgrad contracts over M: x^T is requantised per 1x128 tile along M (DeepSeek caches it so)
     qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
-    return _pre_forward(x, qw, sw, options[1]), (qxt, sxt, qw, sw)
+    return _dot_forward(x, qw, sw, options[1]), (qxt, sxt, qw, sw)
 
 
-def _dot2d_pre_bwd(options, res, dy):
+def _dot2d_vjp(options, res, dy):
     return (*_dot2d_bwd(options, res, dy), None, None)
 
 
-_dot2d_pre.defvjp(_dot2d_pre_fwd, _dot2d_pre_bwd)
+_dot2d.defvjp(_dot2d_fwd, _dot2d_vjp)
 
 
 # -- the product per shard (a mesh's dense layers) -----------------------------------------
@@ -453,25 +439,9 @@ def _scaled_ragged_wgrad(qat, sat, qd, sd, group_sizes, num_groups):
     return acc
 
 
-def _ragged_forward(x, w, group_sizes, power_of_two):
-    qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
-    return _ragged_pre_forward(x, qw, sw, group_sizes, power_of_two), (qw, sw)
-
-
-def _ragged_pre_forward(x, qw, sw, group_sizes, power_of_two):
+def _ragged_forward(x, qw, sw, group_sizes, power_of_two):
     qx, sx = quantize(x, block=ACTIVATION_BLOCK, power_of_two=power_of_two)
     return _scaled_ragged(qx, sx, qw, sw, WEIGHT_BLOCK[1], group_sizes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ragged(x, w, group_sizes, options):
-    return _ragged_forward(x, w, group_sizes, options[1])[0]
-
-
-def _ragged_fwd(x, w, group_sizes, options):
-    y, (qw, sw) = _ragged_forward(x, w, group_sizes, options[1])
-    qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
-    return y, (qxt, sxt, qw, sw, group_sizes)
 
 
 def _ragged_bwd(options, res, dy):
@@ -485,27 +455,25 @@ def _ragged_bwd(options, res, dy):
     return dx.astype(x_dtype), dw.astype(w_dtype), None
 
 
-_ragged.defvjp(_ragged_fwd, _ragged_bwd)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ragged_pre(x, w, qw, sw, group_sizes, options):
-    """`_ragged` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the gradient."""
-    return _ragged_pre_forward(x, qw, sw, group_sizes, options[1])
+def _ragged(x, w, qw, sw, group_sizes, options):
+    """The grouped product from ``w``'s FP8 copy (``qw``, ``sw``: `prequantize`'s or
+    `_weight_copy`'s); ``w`` takes the gradient."""
+    return _ragged_forward(x, qw, sw, group_sizes, options[1])
 
 
-def _ragged_pre_fwd(x, w, qw, sw, group_sizes, options):
+def _ragged_fwd(x, w, qw, sw, group_sizes, options):
     qxt, sxt = quantize(x.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
-    y = _ragged_pre_forward(x, qw, sw, group_sizes, options[1])
+    y = _ragged_forward(x, qw, sw, group_sizes, options[1])
     return y, (qxt, sxt, qw, sw, group_sizes)
 
 
-def _ragged_pre_bwd(options, res, dy):
+def _ragged_vjp(options, res, dy):
     dx, dw, _ = _ragged_bwd(options, res, dy)
     return dx, dw, None, None, None
 
 
-_ragged_pre.defvjp(_ragged_pre_fwd, _ragged_pre_bwd)
+_ragged.defvjp(_ragged_fwd, _ragged_vjp)
 
 
 def ragged_dot(x: jax.Array | Tiles, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
@@ -539,13 +507,10 @@ def ragged_dot(x: jax.Array | Tiles, w: jax.Array | QuantizedWeight, group_sizes
     options = (np.dtype(grad_dtype), bool(power_of_two), np.dtype(rows.dtype), np.dtype(w.dtype))
     if pre is not None:
         pre.check(power_of_two)
-        if isinstance(x, Tiles):
-            return _ragged_tiles_pre(*_same_varying(x.values, x.scale, w, pre.q, pre.scale,
-                                                    group_sizes), options)
-        return _ragged_pre(*_same_varying(x, w, pre.q, pre.scale, group_sizes), options)
+    qw, sw = (pre.q, pre.scale) if pre is not None else _weight_copy(w, power_of_two)
     if isinstance(x, Tiles):
-        return _ragged_tiles(*_same_varying(x.values, x.scale, w, group_sizes), options)
-    return _ragged(*_same_varying(x, w, group_sizes), options)
+        return _ragged_tiles(*_same_varying(x.values, x.scale, w, qw, sw, group_sizes), options)
+    return _ragged(*_same_varying(x, w, qw, sw, group_sizes), options)
 
 
 # -- tiles that travel (the MoE's FP8 dispatch) ----------------------------------------------
@@ -631,23 +596,20 @@ def _tiles_bwd(power_of_two, res, cotangents):
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ragged_tiles(values, scale, w, group_sizes, options):
-    return _ragged_tiles_forward(values, scale, w, group_sizes, options[1])[0]
-
-
-def _ragged_tiles_forward(values, scale, w, group_sizes, power_of_two):
-    qw, sw = quantize(w, block=WEIGHT_BLOCK, power_of_two=power_of_two)
-    return _tiles_product(values, scale, qw, sw, group_sizes), (qw, sw)
-
-
 def _tiles_product(values, scale, qw, sw, group_sizes):
     qx = values.astype(jnp.float8_e4m3fn)  # exact: the values are E4M3 values
     return _scaled_ragged(qx, scale, qw, sw, WEIGHT_BLOCK[1], group_sizes)
 
 
-def _ragged_tiles_fwd(values, scale, w, group_sizes, options):
-    y, (qw, sw) = _ragged_tiles_forward(values, scale, w, group_sizes, options[1])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ragged_tiles(values, scale, w, qw, sw, group_sizes, options):
+    """The grouped product of rows that come quantised (`Tiles`) and ``w``'s FP8 copy
+    (``qw``, ``sw``); ``w`` takes the gradient, ``values`` the rows'."""
+    return _tiles_product(values, scale, qw, sw, group_sizes)
+
+
+def _ragged_tiles_fwd(values, scale, w, qw, sw, group_sizes, options):
+    y = _tiles_product(values, scale, qw, sw, group_sizes)
     rows = Tiles(values, scale).dequantize()
     qxt, sxt = quantize(rows.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
     return y, (qxt, sxt, qw, sw, group_sizes)
@@ -655,32 +617,10 @@ def _ragged_tiles_fwd(values, scale, w, group_sizes, options):
 
 def _ragged_tiles_bwd(options, res, dy):
     dx, dw, _ = _ragged_bwd(options, res, dy)
-    return dx, None, dw, None
-
-
-_ragged_tiles.defvjp(_ragged_tiles_fwd, _ragged_tiles_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ragged_tiles_pre(values, scale, w, qw, sw, group_sizes, options):
-    """`_ragged_tiles` with ``w``'s FP8 copy given (``qw``, ``sw``); ``w`` takes the
-    gradient."""
-    return _tiles_product(values, scale, qw, sw, group_sizes)
-
-
-def _ragged_tiles_pre_fwd(values, scale, w, qw, sw, group_sizes, options):
-    y = _tiles_product(values, scale, qw, sw, group_sizes)
-    rows = Tiles(values, scale).dequantize()
-    qxt, sxt = quantize(rows.T, block=ACTIVATION_BLOCK, power_of_two=options[1])
-    return y, (qxt, sxt, qw, sw, group_sizes)
-
-
-def _ragged_tiles_pre_bwd(options, res, dy):
-    dx, dw, _ = _ragged_bwd(options, res, dy)
     return dx, None, dw, None, None, None
 
 
-_ragged_tiles_pre.defvjp(_ragged_tiles_pre_fwd, _ragged_tiles_pre_bwd)
+_ragged_tiles.defvjp(_ragged_tiles_fwd, _ragged_tiles_bwd)
 
 
 # -- statistics: what quantisation did (the train step's fp8/ metrics) ----------------------
