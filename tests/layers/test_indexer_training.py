@@ -11,10 +11,18 @@ heads and renormalises, and the KL to the softmax of the index scores it sums pe
 * ``sparse``: the sparse forward (output equals ``off``'s), the KL gives no gradient to x or
   to any main parameter (main gradients equal the language-model loss's alone);
 * ``off``: no loss (the existing tests cover its forward); the train step's ``indexer_loss``;
-  construction errors.
+  construction errors;
+* the loss in query chunks equals all queries at once;
+* GLM-5's full layer (interleaved indexer RoPE) against the same reference; a GLM-5 model of
+  full / shared / full layers: warmup dense everywhere (equal to the sparse forward keeping
+  every key), sparse equal to ``off``'s forward, both full layers' indexers trained;
+* under context parallelism (cp and ep_as_cp, load-balanced packed rows, layouts row,
+  document and auto): both stages' KL, output and every gradient equal the unsharded layer's.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +31,13 @@ import pytest
 from flax import nnx
 
 import zoo
+from support import assert_close
 from zoo.layers import MLA
 from zoo.layers.attention import AttentionBlock
 from zoo.layers.indexer import IndexerLoss
 from zoo.layers.moe import RouterBias
 from zoo.models.deepseek_v32 import DeepSeekV32, DeepSeekV32Config
+from zoo.models.glm_moe_dsa import GlmMoeDsa, GlmMoeDsaAttention, GlmMoeDsaConfig
 from zoo.train import step as step_lib
 from zoo.train.fields import apply_overrides
 
@@ -49,7 +59,11 @@ def packed():
     return jnp.asarray(pos), jnp.asarray(seg)
 
 
-def layer(stage: str) -> MLA:
+def layer(stage: str, family: str = "deepseek_v32") -> MLA:
+    """DeepSeek-V3.2's MLA, or GLM-5's full layer (its indexer rotates interleaved)."""
+    if family == "glm_moe_dsa":
+        return GlmMoeDsaAttention(**KW, index_stage=stage, index_rope_interleaved=True,
+                                  inputs_shape=(B, L, D), partitioner=None, rngs=nnx.Rngs(3))
     return MLA(**KW, index_stage=stage, inputs_shape=(B, L, D), partitioner=None,
                rngs=nnx.Rngs(3))
 
@@ -136,10 +150,11 @@ def value_and_grads(fn, wrt, has_aux=False):
 
 
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
-def test_loss_and_indexer_gradients_equal_plain_reference(stage):
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_loss_and_indexer_gradients_equal_plain_reference(stage, family):
     pos, seg = packed()
     x, _ = inputs()
-    m = layer(stage)
+    m = layer(stage, family)
     wrt = nnx.DiffState(0, INDEXER)
     loss, got = value_and_grads(lambda m: sown(m, x, pos, seg)[1], wrt)(m)
     targets, gap = reference_targets(m, x, pos, seg, stage)
@@ -150,6 +165,36 @@ def test_loss_and_indexer_gradients_equal_plain_reference(stage):
     assert float(loss) > 1e-3  # an untrained indexer is far from the attention
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-6)
     assert any(float(jnp.max(jnp.abs(v[...]))) > 0 for _, v in nnx.to_flat_state(got))
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_loss_in_query_chunks_equals_all_at_once(stage):
+    """`MLA.distillation` over chunks of 3 queries (each rematerialised in the backward pass)
+    gives the loss and indexer gradients of all queries at once."""
+    pos, seg = packed()
+    x, _ = inputs()
+    m = layer(stage)
+
+
+    @nnx.jit
+    def prepare(m):
+        q_latent, q, k_pe, latent = m.project_all(x)
+        indices = None if stage == "warmup" else m.indexer.select(
+            x, q_latent, TOPK, positions=pos, segment_ids=seg)
+        return (q_latent, *m.apply_rope(q, k_pe, pos), latent, indices)
+
+    q_latent, q, k_pe, latent, indices = prepare(m)
+
+    def loss(m, chunk):
+        return m.distillation(x, q_latent, q, k_pe, latent, indices, positions=pos,
+                              segment_ids=seg, query_chunk=chunk)
+
+    wrt = nnx.DiffState(0, INDEXER)
+    whole, g_whole = value_and_grads(lambda m: loss(m, None), wrt)(m)
+    chunked, g_chunked = value_and_grads(lambda m: loss(m, 3), wrt)(m)
+    assert float(whole) > 1e-3
+    np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-6)
+    assert_trees_close(g_chunked, g_whole, rtol=1e-5, atol=1e-7)
 
 
 def test_warmup_is_dense_sparse_is_topk_and_the_kl_leaves_the_main_path_alone():
@@ -249,6 +294,49 @@ def test_model_stages_gradients_and_objective():
     assert not jax.tree.leaves(nnx.state(models["sparse"], nnx.Intermediate))
 
 
+# GLM-5: three dense layers, full / shared / full (the shared one has no indexer)
+GLM_TINY = dict(TINY, num_hidden_layers=3, first_k_dense_replace=3)
+
+
+@pytest.mark.slow  # four models compiled, two with their gradients: ~15 s of CPU
+def test_glm_stages_train_full_layers_indexers_and_shared_layers_follow():
+    data = batch()
+
+    def glm(**kw):
+        return GlmMoeDsa(GlmMoeDsaConfig.mini(**{**GLM_TINY, **kw}), inputs_shape=(B, L),
+                         rngs=nnx.Rngs(0))
+
+    # every key selected (k = L): the sparse forward of every layer is the dense one
+    off, every = glm(), glm(index_topk=L)
+    assert off.config.indexer_types == ("full", "shared", "full")
+    assert_trees_close(nnx.state(every, nnx.Param), nnx.state(off, nnx.Param), 0, 0)
+    ce = jax.jit(lambda m: step_lib.loss_fn(m, data)[1][0])
+    ce_o, dense_ce = float(ce(off)), float(ce(every))
+    assert abs(dense_ce - ce_o) > 1e-6
+
+    def indexer_grads(grads):  # per layer: the largest indexer gradient (None: no indexer)
+        flat = nnx.to_flat_state(grads)
+        return [max((float(jnp.max(jnp.abs(v[...]))) for p, v in flat
+                     if "indexer" in p and f"layers_{i}" in "_".join(map(str, p))), default=None)
+                for i in range(3)]
+
+    # warmup: the dense forward in every layer (the shared one too), the main model frozen,
+    # both full layers' indexers trained
+    (obj_w, (ce_w, _, aux_w)), g_w = loss_and_grads(glm(index_stage="warmup"), data)
+    np.testing.assert_allclose(float(ce_w), dense_ce, rtol=1e-6)
+    assert max(split(g_w)[0]) == 0.0 and float(aux_w["indexer_loss"]) > 0
+    g = indexer_grads(g_w)
+    assert g[1] is None and g[0] > 0 and g[2] > 0
+    np.testing.assert_allclose(float(obj_w), float(ce_w + aux_w["indexer_loss"]), rtol=1e-6)
+    # sparse: off's forward (the shared layer reads the carried selection), both indexers
+    # trained, and the main model trains too
+    (_, (ce_s, _, aux_s)), g_s = loss_and_grads(glm(index_stage="sparse"), data)
+    np.testing.assert_allclose(float(ce_s), ce_o, rtol=1e-6)
+    g = indexer_grads(g_s)
+    assert g[1] is None and g[0] > 0 and g[2] > 0 and float(aux_s["indexer_loss"]) > 0
+    assert max(split(g_s)[0]) > 0
+
+
 def test_train_step_logs_indexer_loss_and_warmup_freezes_the_main_model():
     # one dense and one MoE layer, unrolled (scanned: the test above); the MoE's selection
     # bias is state DeepSeek's after-step hook moves
@@ -284,7 +372,106 @@ def test_bad_index_stage_is_refused_at_construction(devices):
     with pytest.raises(ValueError, match="index_stage='sparse' trains an indexer"):
         MLA(**{**KW, "index_topk": None}, index_stage="sparse", inputs_shape=(B, L, D),
             partitioner=None, rngs=nnx.Rngs(0))
-    p = zoo.Partitioner(zoo.make_mesh(data=2, context=4), "cp")
-    with pytest.raises(ValueError, match="context parallelism"):
-        MLA(**KW, index_stage="warmup", inputs_shape=(B, 16, D), partitioner=p,
-            rngs=nnx.Rngs(0))
+
+
+# -- under context parallelism: the unsharded computation's loss, output and gradients -------
+
+LC = 16  # divisible by 2 * cp for cp = 4
+DOCS_CP = ([7, 6], [5, 4, 4])  # per row; the rest (3 tokens each) is padding
+MESHES = {"cp": dict(data=2, context=4), "ep_as_cp": dict(fsdp=2, expert=2, context=2)}
+
+
+def packed_cp():
+    pos, seg = np.zeros((B, LC), np.int32), np.zeros((B, LC), np.int32)
+    for b, docs in enumerate(DOCS_CP):
+        at = 0
+        for d, n in enumerate(docs, start=1):
+            pos[b, at:at + n], seg[b, at:at + n] = np.arange(n), d
+            at += n
+    return pos, seg
+
+
+def layer_on(stage: str, partitioner, **kw) -> MLA:
+    return MLA(**KW, index_stage=stage, inputs_shape=(B, LC, D), partitioner=partitioner,
+               rngs=nnx.Rngs(3), **kw)
+
+
+def stage_objective(m: MLA, x, pos, seg, r):
+    """(an LM-like loss ``sum(out * r)`` plus the sown KL, (out, KL))."""
+    out = m(x, positions=pos, segment_ids=seg)
+    (loss,) = jax.tree.leaves(nnx.pop(m, IndexerLoss))
+    return jnp.sum(out * r) + loss, (out, loss)
+
+
+def selection_gap(m: MLA, x, pos, seg) -> float:
+    """The smallest gap between a query's k-th and (k+1)-th visible index score."""
+    s = np.asarray(index_scores(m, x, pos))
+    p, g = np.asarray(pos), np.asarray(seg)
+    visible = (g[:, :, None] == g[:, None, :]) & (p[:, None, :] <= p[:, :, None]) & (
+        g[:, None, :] != 0)
+    top = -np.sort(-np.where(visible, s, -np.inf), axis=-1)
+    ok = np.isfinite(top[..., TOPK])  # queries with more visible keys than k
+    return float(np.min(top[..., TOPK - 1][ok] - top[..., TOPK][ok]))
+
+
+def cp_inputs():
+    pos, seg = packed_cp()
+    rng = np.random.RandomState(0)
+    x = rng.randn(B, LC, D).astype(np.float32)
+    r = (rng.randn(B, LC, D) * (seg != 0)[..., None]).astype(np.float32)
+    return x, pos, seg, r
+
+
+STAGE_GRADS = value_and_grads(stage_objective, (nnx.DiffState(0, nnx.Param), 1), has_aux=True)
+
+
+@functools.cache
+def unsharded(stage: str):
+    """The unsharded layer's (KL, out, parameter gradients, dx) on the natural order, numpy,
+    computed once per stage for every mesh and layout below; its attention is the dense
+    reference (the sparse stage's under the `TopK` mask, not `sparse_mla_attention`)."""
+    plain = layer_on(stage, None, implementation="reference")
+    x, pos, seg, r = cp_inputs()
+    if stage == "sparse":
+        gap = selection_gap(plain, jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg))
+        assert gap > 1e-4, f"top-{TOPK} ambiguous by float noise (gap {gap}); change the seed"
+    (_, (out, kl)), (g_par, g_x) = STAGE_GRADS(plain, *(jnp.asarray(a) for a in (x, pos, seg,
+                                                                                 r)))
+    return plain, float(kl), np.asarray(out), g_par, np.asarray(g_x)
+
+
+@pytest.mark.parametrize("stage,strategy,layout", [
+    ("warmup", "cp", "document"), ("warmup", "ep_as_cp", "row"),
+    ("sparse", "cp", "auto"), ("sparse", "ep_as_cp", "document")])
+def test_stages_under_context_parallelism_equal_unsharded(devices, stage, strategy, layout):
+    """On packed rows with padding reordered by `zoo.data.load_balance` for 4 context shards
+    (data 2 x context 4, or fsdp 2 x expert 2 x context 2 under ep_as_cp, where the expert
+    axis is a context axis), each stage's sown KL, its output and the gradients of
+    ``sum(out * r) + KL`` with respect to every parameter (the indexer's and the main ones)
+    and to x equal the unsharded layer's on the natural order."""
+    plain, kl, out, g_par, g_x = unsharded(stage)
+    p = zoo.Partitioner(zoo.make_mesh(**MESHES[strategy]), strategy)
+    assert p.context_size("attention") == 4
+    sharded = layer_on(stage, p)
+    for (_, mine), (_, theirs) in zip(nnx.iter_graph(sharded), nnx.iter_graph(plain)):
+        if isinstance(mine, nnx.Param):  # the same weights, kept in the sharded layout
+            mine[...] = jax.device_put(theirs[...], mine[...].sharding)
+    x, pos, seg, r = cp_inputs()
+    index = np.broadcast_to(np.arange(LC, dtype=np.int32), (B, LC))
+    bal = zoo.data.load_balance(dict(x=x, r=r, positions=pos, segment_ids=seg, index=index),
+                                4, strategy=layout)
+    assert not np.array_equal(bal["index"], index)
+    (_, (out_s, kl_s)), (g_par_s, g_x_s) = STAGE_GRADS(sharded, *(jnp.asarray(bal[n]) for n in (
+        "x", "positions", "segment_ids", "r")))
+    assert kl > 1e-3
+    np.testing.assert_allclose(float(kl_s), kl, rtol=1e-5, atol=1e-6)
+    back = np.argsort(bal["index"], axis=1)[..., None]  # the natural order again
+    valid = (seg != 0)[..., None]
+    for got, want, what in ((out_s, out, "out"), (g_x_s, g_x, "dx")):
+        assert_close(np.take_along_axis(np.asarray(got), back, 1) * valid, want * valid, what,
+                     1e-5)
+    flat, flat_s = nnx.to_flat_state(g_par), nnx.to_flat_state(g_par_s)
+    assert [path for path, _ in flat] == [path for path, _ in flat_s]
+    for (path, want), (_, got) in zip(flat, flat_s):
+        assert_close(np.asarray(got[...]), np.asarray(want[...]), str(path), 1e-5)
+    assert max(float(np.max(np.abs(v[...]))) for path, v in flat if "indexer" in path) > 0

@@ -14,8 +14,10 @@
 * greedy generation (`zoo.inference`, left-padded prompts of several lengths) equals
   transformers' generate, and each step's cached logits the model's full forward;
 * `to_hf` / `from_hf` round trip through transformers (tied embeddings, scanned and unrolled);
-* parameter counts of V4-Flash, V4-Pro and mini equal transformers' meta-device counts; the
-  presets scan as cycles; config.json in both spellings; construction errors.
+* parameter counts of V4-Flash, V4-Pro (without their MTP module, which transformers does
+  not build) and mini equal transformers' meta-device counts; the presets scan as cycles;
+  config.json in both spellings; construction errors. Multi-token prediction:
+  test_deepseek_v4_mtp.py.
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ def hf_config():
 SPEC = FamilySpec(
     name="deepseek_v4", config_cls=v4.DeepSeekV4Config, model_cls=v4.DeepSeekV4,
     from_hf=v4.from_hf, to_hf=v4.to_hf, hf_config=hf_config,
-    presets={"deepseek_v4_flash": v4.DeepSeekV4Config.deepseek_v4_flash,
-             "deepseek_v4_pro": v4.DeepSeekV4Config.deepseek_v4_pro,
+    # transformers builds no MTP module: its counts are the presets' without one (with it:
+    # test_deepseek_v4_mtp.py)
+    presets={"deepseek_v4_flash": lambda: v4.DeepSeekV4Config.deepseek_v4_flash(
+                 num_nextn_predict_layers=0),
+             "deepseek_v4_pro": lambda: v4.DeepSeekV4Config.deepseek_v4_pro(
+                 num_nextn_predict_layers=0),
              "mini": v4.DeepSeekV4Config.mini},
     recipe="mini_deepseek_v4")
 

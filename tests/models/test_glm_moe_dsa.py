@@ -8,8 +8,9 @@ recipe):
   full) layers form one cycle;
 * ``indexer_types`` from transformers' other spellings (``index_topk_freq`` /
   ``index_skip_topk_offset``, ``index_topk_pattern``) and back, equal to transformers' own;
-* greedy generation of a model whose layers are all full (GLM-5 as published) equals
-  transformers' ``generate``; a model with shared layers refuses generation by name;
+* greedy generation through shared layers (the full layers' top-k carried to them at
+  prefill and at every decode step) equals transformers' ``generate``, each step's logits
+  transformers' full forward; with every layer full (GLM-5 as published) too;
 * construction errors.
 """
 
@@ -21,6 +22,7 @@ from flax import nnx
 
 import zoo
 from conformance import reference
+from support import rel_err
 from zoo.models.glm_moe_dsa import GlmMoeDsa, GlmMoeDsaAttention, GlmMoeDsaConfig
 
 transformers = pytest.importorskip("transformers")
@@ -29,11 +31,23 @@ from test_conformance import FAMILIES, GLM_MOE_DSA_CONFIG  # noqa: E402 -- needs
 
 SPEC = next(f for f in FAMILIES if f.name == "glm_moe_dsa")
 PROMPTS = [[5, 17, 33, 2, 40, 9, 11], [21, 8], [3, 60, 14, 27, 50]]
+GEN_NEW = 12
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     return reference(SPEC, tmp_path_factory)
+
+
+def hf_greedy(hf_model, new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt of `PROMPTS` alone."""
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            seq = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(seq[0, len(prompt):].tolist())
+    return out
 
 
 def test_loads_by_model_type_shared_layers_without_indexer(ref):
@@ -68,12 +82,46 @@ def test_indexer_types_from_transformers_spellings(kw):
     assert GlmMoeDsaConfig.from_hf_config(back.to_dict()) == config
 
 
-def test_generation_all_full_equals_transformers_and_shared_refuses(ref, tmp_path):
+@pytest.mark.slow  # ~25 s on a loaded 2-core box: the prefill and decode compiles
+def test_generation_through_shared_layers_equals_transformers_and_full_forward(ref):
+    """`zoo.inference.generate` with indexers full, shared, full, shared, full keeping 6 keys
+    (fewer than every prompt + continuation but the shortest prompt's first steps: the
+    selection matters), the prompts left-padded in one batch: each full layer's top-k, at
+    prefill and at every decode step, reaches the next shared layer through the stream.
+    Greedy tokens equal transformers' generate of each prompt alone, and every step's logits
+    transformers' full forward (no cache) over that prompt + continuation."""
+    model = zoo.models.from_hf(ref.path)
+    want = hf_greedy(ref.model, GEN_NEW)
+    tokens, logits = zoo.inference.generate_with_logits(model, PROMPTS, max_new_tokens=GEN_NEW)
+    assert tokens == want
+    with torch.no_grad():
+        for i, (p, t) in enumerate(zip(PROMPTS, tokens)):
+            full = ref.model(torch.tensor([p + t])).logits[0].numpy()
+            assert rel_err(logits[i], full[len(p) - 1:len(p) - 1 + GEN_NEW]) < 1e-5, i
+
+
+@pytest.mark.slow  # ~25 s on a loaded 2-core box: the sharded prefill and decode compiles
+def test_sharded_generation_through_shared_layers_equals_transformers(ref, devices):
+    """Shared layers cache the latent alone (full ones the index keys beside it), and under
+    ``ep_as_cp`` (the prefill's top-k global over the row's shards, carried to the shared
+    layers with its queries; decode over the sharded cache) greedy tokens still equal
+    transformers'."""
     import zoo.inference as G
-    # shared layers: refused by name, not a silently dense cache
-    with pytest.raises(NotImplementedError, match="shared DSA layer"):
-        G.generate(zoo.models.from_hf(ref.path), PROMPTS, max_new_tokens=2)
-    # every layer full (GLM-5 as published): greedy tokens equal transformers'
+    want = hf_greedy(ref.model, GEN_NEW)
+    p = zoo.Partitioner(zoo.make_mesh(fsdp=2, expert=2, context=2), "ep_as_cp")
+    model = zoo.models.from_hf(ref.path, partitioner=p)
+    kinds = [sorted(e) for e in G.KVCache.shapes(model, 2, 10).layers]
+    # scanned: layer 0 (full), then the cycle's (shared, full) stacks
+    assert kinds == [["index_k", "latent_pe"], ["latent_pe"], ["index_k", "latent_pe"]]
+    c = model.config
+    assert G.cache_bytes_per_token(model) == 4 * (
+        (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers
+        + c.index_head_dim * c.num_full_layers)
+    assert G.generate(model, PROMPTS, max_new_tokens=GEN_NEW) == want
+
+
+def test_generation_all_full_equals_transformers(tmp_path):
+    """Every layer full (GLM-5 as published): greedy tokens equal transformers'."""
     torch.manual_seed(1)
     cfg = transformers.GlmMoeDsaConfig(**{**GLM_MOE_DSA_CONFIG, "num_hidden_layers": 2,
                                           "indexer_types": ["full", "full"],
@@ -81,13 +129,9 @@ def test_generation_all_full_equals_transformers_and_shared_refuses(ref, tmp_pat
     hf_model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation="eager").float().eval()
     hf_model.save_pretrained(tmp_path)
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            seq = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-            want.append(seq[0, len(prompt):].tolist())
-    assert G.generate(zoo.models.from_hf(tmp_path), PROMPTS, max_new_tokens=12) == want
+    want = hf_greedy(hf_model, 12)
+    assert zoo.inference.generate(zoo.models.from_hf(tmp_path), PROMPTS,
+                                  max_new_tokens=12) == want
 
 
 def test_construction_errors():
@@ -97,8 +141,6 @@ def test_construction_errors():
         GlmMoeDsaConfig.mini(num_hidden_layers=2, indexer_types=("shared", "full"))
     with pytest.raises(ValueError, match="must be a list of"):
         GlmMoeDsaConfig.mini(num_hidden_layers=2, indexer_types=("full", "dense"))
-    with pytest.raises(ValueError, match=r"index_stage='warmup'.*not supported for glm_moe_dsa"):
-        GlmMoeDsaConfig.mini(index_stage="warmup")
     with pytest.raises(ValueError, match=r"index_topk_pattern=.FX."):
         GlmMoeDsaConfig.from_hf_config({"num_hidden_layers": 2, "index_topk_pattern": "FX"})
     kw = dict(num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -111,3 +153,9 @@ def test_construction_errors():
     pos = np.broadcast_to(np.arange(16), (2, 16))
     with pytest.raises(ValueError, match="needs the selection of a full layer before it"):
         shared(x, positions=pos)
+    with pytest.raises(ValueError, match="needs the selection of a full layer before it"):
+        shared.prefill_cache(x, positions=pos)  # generation, too, needs a full layer first
+    narrow = np.zeros((2, 16, 3), np.int32)  # the carried width below this layer's 4 keys
+    with pytest.raises(ValueError, match="carried selection holds 3 keys per query, fewer "
+                                         "than this layer's 4"):
+        shared.attend_with(x, narrow, positions=pos)

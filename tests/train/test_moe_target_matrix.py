@@ -141,7 +141,7 @@ def test_matrix_shards_partition_the_cells_and_saved_rows_resume(tmp_path, capsy
     cells = [c for c in t.all_cells() if c["family"] == "mixtral" and c["dtype"] == "float32"
              and c["target"] == "tpu-v5p-8"]
     slices = [cells[i::3] for i in range(3)]
-    assert sorted(map(t.cell_key, sum(slices, []))) == sorted(map(t.cell_key, cells))
+    assert sorted(map(t.cell_key, itertools.chain(*slices))) == sorted(map(t.cell_key, cells))
     rows = tmp_path / "rows.jsonl"
     with open(rows, "w") as f:
         for c in cells:

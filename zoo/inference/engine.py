@@ -17,6 +17,12 @@
   shardings), with the cache sharded as the attention shards its activations for the whole
   generation (`constrain_cache`) and the residual stream split as the weights are
   (weight-stationary, `cached_layers`).
+* The layers run on the model's stream (`CausalLM.stream_in` / `stream_out`), which may
+  carry values between layers beside the residual (a tuple ``(residual, *carried)``): a
+  layer's ``block`` hands them to the attention callable these loops give it, which passes
+  them on to ``prefill_cache(x, *carried, ...)`` / ``decode_step(x, put, *carried, ...)``
+  and returns what that call returns as its output (e.g. a top-k selection that later layers
+  reuse, with the new selection beside the output).
 * `cached_layers` and `prefill_layers` are the loops `zoo.inference.speculative` reuses
   for the MTP module's layer; `compiled` compiles a step once per static values and argument
   shapes (``STATS["compile_s"]`` counts the seconds).
@@ -45,7 +51,7 @@ from zoo.partitioning import UNSHARDED, Partitioner
 __all__ = ["DECODE_RESIDUAL", "STATS", "Decoder", "cached_layers", "compiled",
            "compiled_steps", "decode", "decode_jit", "decode_residual", "filled_cache",
            "final_logits", "grown", "inference_split", "prefill", "prefill_layers",
-           "prefill_positions"]
+           "prefill_positions", "reshard_stream"]
 
 # decode's residual stream [B, T, D]: split over embed as the weights are (weight-stationary)
 DECODE_RESIDUAL = (None, None, "embed")
@@ -55,6 +61,15 @@ def decode_residual(x: jax.Array) -> tuple[str | None, ...]:
     """`DECODE_RESIDUAL` for a residual stream of ``x.ndim`` dims (hyper-connections' ``[B, T,
     n, D]`` streams too): every dim whole but the last, over ``embed``."""
     return (None,) * (x.ndim - 1) + ("embed",)
+
+
+def reshard_stream(p: Partitioner, x):
+    """Decode's stream laid out under `p`: the residual as `decode_residual`; a stream that
+    carries values beside it (a tuple ``(residual, *carried)``, `CausalLM.stream_in`) keeps
+    those as they are."""
+    if isinstance(x, tuple):
+        return (reshard(p, x[0], decode_residual(x[0])), *x[1:])
+    return reshard(p, x, decode_residual(x))
 
 
 def inference_split(model, *, unsharded: bool):
@@ -146,8 +161,8 @@ def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int,
     def layer_fn(layer, x):
         out = {}
 
-        def attention(h):
-            h, out["entry"] = layer.self_attn.prefill_cache(h, positions=positions,
+        def attention(h, *carried):
+            h, out["entry"] = layer.self_attn.prefill_cache(h, *carried, positions=positions,
                                                             segment_ids=segment_ids)
             return h
 
@@ -160,7 +175,7 @@ def prefill_layers(layers, x, positions, segment_ids, *, dtype, max_length: int,
         x, filled = _run_layers(group, x, [layer_fn] * len(group))
         for layer, entry in zip(group, filled):
             attn = layer.self_attn
-            shapes = attn.cache_shape(x.shape[0], max_length)
+            shapes = attn.cache_shape(positions.shape[0], max_length)
             entries.append({k: fill(a, cache_slots(attn, max_length))
                             if slotted(attn.cache_axes[k]) else grown(a, shapes[k])
                             for k, a in entry.items()})
@@ -194,7 +209,8 @@ def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
     x, entries = prefill_layers(model.layers, x, positions, segment_ids,
                                 dtype=jnp.dtype(model.config.dtype), max_length=max_length,
                                 layer_kwargs=layer_kwargs)
-    logits = final_logits(model, model.stream_out(x[:, -1:])[:, 0])
+    last = jax.tree.map(lambda a: a[:, -1:], x)  # every array of the stream is [B, L, ...]
+    logits = final_logits(model, model.stream_out(last)[:, 0])
     cache = filled_cache(model.layers, entries, positions, segment_ids, max_length)
     return logits, constrain_cache(cache, p)
 
@@ -235,7 +251,7 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
     sharding: each layer's `decode_step` reshards its new arrays (`zoo.layers.reshard`).
     Left implicit, XLA propagates the parameters' shardings into the activations and
     replicates them where they meet the cache."""
-    S, T = kv_pos.shape[1], x.shape[1]
+    S, T = kv_pos.shape[1], q_pos.shape[1]
     views = {}
     if len(entries) != len(layers):
         raise ValueError(f"the cache holds {len(entries)} layer entries; the model has "
@@ -258,15 +274,15 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
         pos, seg, at = views.get(entry_slots(layer.self_attn, entry), (kv_pos, kv_seg, slot))
 
         def fn(one, x, put_new):
-            x, _ = one.block(x, lambda h: one.self_attn.decode_step(
-                h, put_new, q_positions=q_pos, kv_positions=pos, kv_segment_ids=seg,
+            x, _ = one.block(x, lambda h, *carried: one.self_attn.decode_step(
+                h, put_new, *carried, q_positions=q_pos, kv_positions=pos, kv_segment_ids=seg,
                 partitioner=p), **kwargs)
-            return reshard(p, x, decode_residual(x))
+            return reshard_stream(p, x)
         return fn, at
 
     new = []
     kwargs = layer_kwargs or {}
-    x = reshard(p, x, decode_residual(x))
+    x = reshard_stream(p, x)
     entries, i = list(entries), 0
     for group in layer_groups(layers):
         mine = entries[i:i + len(group)]

@@ -97,6 +97,10 @@ def check_speculative(model, speculative, temperature) -> None:
             f"generate: speculative='mtp' needs multi-token-prediction modules, and this "
             f"{name} has none (only DeepSeek-V3 has them, with num_nextn_predict_layers >= 1); "
             f"build DeepSeek3 with num_nextn_predict_layers=1 or pass speculative=None")
+    refusal = getattr(model, "speculative_refusal", None)  # a model whose drafts cannot verify
+    if refusal:
+        raise ValueError(f"generate: speculative='mtp' with {type(model).__name__}: {refusal}; "
+                         f"pass speculative=None")
     if temperature != 0:
         raise ValueError(f"generate: speculative='mtp' is greedy only (temperature="
                          f"{temperature!r}; rejection sampling is not implemented); pass "
@@ -113,8 +117,10 @@ def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
     segment_ids = segment_ids.astype(jnp.int32)
     positions = prefill_positions(segment_ids)
     kw = dict(dtype=jnp.dtype(model.config.dtype), max_length=max_length)
-    h, layers = prefill_layers(model.layers, model.embed_tokens(tokens), positions,
-                               segment_ids, **kw)
+    x, layer_kwargs = model.stream_in(tokens)
+    x, layers = prefill_layers(model.layers, x, positions, segment_ids,
+                               layer_kwargs=layer_kwargs, **kw)
+    h = model.stream_out(x)
     first = jnp.argmax(final_logits(model, h[:, -1]), -1).astype(jnp.int32)
     ahead = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)  # token i + 1 at i
     mtp = model.mtp[0]
@@ -140,8 +146,10 @@ def _verify(model, p: Partitioner, cache: KVCache, mtp_cache: KVCache, tokens, d
     q_pos = cache.next_positions[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
     kv_pos = write(cache.positions, q_pos, slot)
     kv_seg = write(cache.segment_ids, jnp.ones_like(q_pos), slot)
-    x = model.embed_tokens(jnp.stack([tokens, drafts], axis=1))
-    h, layers = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot, p)
+    x, layer_kwargs = model.stream_in(jnp.stack([tokens, drafts], axis=1))
+    x, layers = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot, p,
+                              layer_kwargs=layer_kwargs)
+    h = model.stream_out(x)
     choice = jnp.argmax(final_logits(model, h), -1).astype(jnp.int32)  # [B, 2]
     accept = (choice[:, 0] == drafts) & active
     mtp = model.mtp[0]

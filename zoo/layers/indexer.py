@@ -34,8 +34,10 @@ Training the indexer (DeepSeek-V3.2 report, section 2.1; `zoo.layers.MLA`'s ``in
 `distillation_loss` is the per-query ``KL(p_attn || softmax(I))`` where ``p_attn`` is the main
 attention's distribution summed over heads and L1-renormalised over the keys (the target,
 under ``stop_gradient``) and ``I`` the index scores over the same keys -- every causal key of
-the document in the dense warm-up, only the selected keys in the sparse stage. MLA sows it as
-an `IndexerLoss`, which the model collects.
+the document in the dense warm-up, only the selected keys in the sparse stage (scored by
+`Indexer.score_selected` on the gathered keys). `distillation_kl` is the same per query, so
+context-parallel shards and query chunks sum their parts (`zoo.layers.MLA.distillation`). MLA
+sows it as an `IndexerLoss`, which the model collects.
 
 Legend: B batch, L queries, S keys, D embed, Rq q_lora_rank, N index heads, H index head dim,
 Hr rotary dims, k selected keys.
@@ -107,6 +109,15 @@ def distillation_loss(attn_logits: jax.Array, index_scores: jax.Array, visible: 
     ``p_attn`` is ``mean_n softmax_s(attn_logits)`` over the visible keys -- the heads' sum,
     L1-renormalised -- under ``stop_gradient``; queries with no visible key count for nothing.
     """
+    kl, counts = distillation_kl(attn_logits, index_scores, visible, query_valid)
+    return jnp.sum(kl) / jnp.maximum(jnp.sum(counts), 1.0)
+
+
+def distillation_kl(attn_logits: jax.Array, index_scores: jax.Array, visible: jax.Array,
+                    query_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`distillation_loss` per query, before the mean: (``KL`` [B, L] float32, zero where the
+    query does not count, and ``counts`` [B, L] float32, 1 where it does). Sums of both over
+    any split of the queries (context-parallel shards, query chunks) give the same mean."""
     vis = visible[:, :, None, :]
     logits = jnp.where(vis, attn_logits.astype(jnp.float32), -jnp.inf)
     any_key = jnp.any(visible, axis=-1)  # [B, L]
@@ -117,8 +128,8 @@ def distillation_loss(attn_logits: jax.Array, index_scores: jax.Array, visible: 
     keep = visible & (p > 0)
     kl = jnp.sum(jnp.where(keep, p * (jnp.log(jnp.where(keep, p, 1.0)) - jnp.where(
         keep, log_q, 0.0)), 0.0), axis=-1)  # [B, L]
-    rows = (query_valid & any_key).astype(jnp.float32)
-    return jnp.sum(kl * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+    counts = (query_valid & any_key).astype(jnp.float32)
+    return kl * counts, counts
 
 
 class LayerNorm(nnx.Module):
@@ -234,6 +245,13 @@ class Indexer(nnx.Module):
         visible = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                                  mask=self.mask)
         return jnp.where(visible, s, -jnp.inf)
+
+    def score_selected(self, q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
+        """Index scores [B, L, k] in float32 of each query's own keys ``k [B, L, k, H]`` (its
+        selected keys, gathered; `score`'s sum without a mask: the caller knows its empty
+        slots)."""
+        s = jnp.einsum("blnh,bljh->blnj", q.astype(jnp.float32), k.astype(jnp.float32))
+        return jnp.einsum("blnj,bln->blj", jax.nn.relu(s * self.softmax_scale), w)
 
     def __call__(self, x: jax.Array, q_latent: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:

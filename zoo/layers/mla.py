@@ -51,9 +51,11 @@ only, the cached calls always select): ``"off"`` (default) is the above, with no
 distribution over every visible key (`zoo.layers.indexer.distillation_loss`). ``"sparse"``:
 the sparse forward pass over the indexer's top-k, and the same loss over the selected keys
 only. The loss is sown as a `zoo.layers.indexer.IndexerLoss` (the model collects it); its
-gradient reaches only the indexer's parameters. The stages run unsharded along the sequence
-(the target distribution is computed as dense scores [B, L, N, S] or gathered ones
-[B, L, N, k]); under context parallelism construction refuses them.
+gradient reaches only the indexer's parameters. The target is computed in the absorbed form
+(`absorbed_target`) in query chunks, [chunk, N, S] or [chunk, N, k] scores at a time
+(`distillation`); under context parallelism each shard all-gathers the index keys, the
+latent and the rotary key, as the sparse forward does, and scores its own queries against
+the whole row, exact for every `zoo.data.load_balance` order.
 
 Cached (`zoo.inference`): one array, ``latent_pe`` [B, 1, S, Rkv + Hr] (the latent and the
 rotated shared key), and ``attend_cache`` decodes with the up-projections absorbed: the
@@ -71,6 +73,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from zoo.layers.attention import (
     SCOPE,
@@ -82,7 +85,8 @@ from zoo.layers.attention import (
     resolve_implementation,
     resolve_scores,
 )
-from zoo.layers.indexer import INDEX_STAGES, Indexer, IndexerLoss, distillation_loss
+from zoo.layers.indexer import (INDEX_STAGES, SELECT_VALUES, SORT_VALUES, Indexer, IndexerLoss,
+                                distillation_kl)
 from zoo.layers.linear import Linear, prequantized, record_fp8_stats
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
@@ -90,7 +94,8 @@ from zoo.ops import fp8 as fp8_ops
 from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
                                mla_attention)
 from zoo.ops.masks import Mask, attention_mask, default_mask
-from zoo.ops.sparse_attention import TopK, sparse_attention, sparse_mla_attention
+from zoo.ops.sparse_attention import (TopK, choose_query_chunk, gather_keys, map_query_chunks,
+                                     sparse_attention, sparse_mla_attention)
 from zoo.partitioning import Partitioner, resolve
 
 _HEADS = ("batch", "length", "act_heads", "act_head_dim")
@@ -166,7 +171,7 @@ class MLA(AttentionBlock):
             raise ValueError(f"MLA: qk_rope_head_dim={qk_rope_head_dim} must be even (RoPE "
                              f"rotates pairs of dimensions)")
         check_index(index_topk, q_lora_rank, logits_soft_cap, sinks)
-        check_index_stage(index_stage, index_topk, p)
+        check_index_stage(index_stage, index_topk)
         self.num_heads = self.num_kv_heads = num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -294,64 +299,148 @@ class MLA(AttentionBlock):
         if self.indexer is None:
             return super().__call__(x, positions=positions, segment_ids=segment_ids)
         if self.index_stage != "off":
-            return self.index_training_call(x, positions=positions, segment_ids=segment_ids)
+            return self.index_training_call(x, positions=positions,
+                                            segment_ids=segment_ids)[0]
         return self.sparse_call(x, positions=positions, segment_ids=segment_ids)[0]
 
     def index_training_call(self, x: jax.Array, *, positions: jax.Array,
-                            segment_ids: jax.Array | None) -> jax.Array:
+                            segment_ids: jax.Array | None
+                            ) -> tuple[jax.Array, jax.Array | None]:
         """The forward pass of a training stage (``index_stage``: the dense one for
-        ``"warmup"``, the sparse one for ``"sparse"``) -> out [B, L, D], sowing the indexer's
-        `distillation_loss` as an `IndexerLoss` named ``indexer_loss``."""
+        ``"warmup"``, the sparse one for ``"sparse"``) -> (out [B, L, D], the selection
+        [B, L, k] it attended to, None in ``"warmup"``), sowing the indexer's `distillation`
+        loss as an `IndexerLoss` named ``indexer_loss``."""
         check_call(self, x, positions, segment_ids)
         with jax.named_scope(self.block_name):
             x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
             with jax.named_scope("project"):
                 q_latent, q, k_pe, latent = self.project_all(x)
-            with jax.named_scope("select"):  # detached input: only the KL trains the indexer
-                scores = self.indexer(jax.lax.stop_gradient(x),
-                                      jax.lax.stop_gradient(q_latent), positions=positions,
-                                      segment_ids=segment_ids)  # [B, L, L]
+            indices = None
+            if self.index_stage == "sparse":
+                with jax.named_scope("select"):
+                    indices = self.indexer.select(x, q_latent, self.index_topk,
+                                                  positions=positions, segment_ids=segment_ids)
             with jax.named_scope("rope"):
                 q, k_pe = self.apply_rope(q, k_pe, positions)
             with jax.named_scope("attend"):
-                if self.index_stage == "warmup":
+                if indices is None:
                     o = self.attend(q, k_pe, latent, positions=positions,
                                     segment_ids=segment_ids)
-                    indices = None
-                    visible = attention_mask(positions, positions, segment_ids, segment_ids,
-                                             mask=default_mask(None, None, self.mask))
                 else:
-                    indices = Indexer.topk(scores, self.index_topk, positions)
                     o = self.attend_selected(q, k_pe, latent, indices, positions=positions,
                                              segment_ids=segment_ids)
-                    scores = jnp.take_along_axis(scores, jnp.maximum(indices, 0), axis=-1)
-                    visible = indices >= 0
             with jax.named_scope("indexer_loss"):
-                logits = self.attention_logits(q, k_pe, latent, indices)
-                valid = (jnp.ones(positions.shape, bool) if segment_ids is None
-                         else segment_ids != 0)
-                loss = distillation_loss(logits, scores, visible, valid)
-                self.indexer_loss = IndexerLoss(loss)  # the model pops it
+                self.indexer_loss = IndexerLoss(self.distillation(
+                    x, q_latent, q, k_pe, latent, indices, positions=positions,
+                    segment_ids=segment_ids))  # the model pops it
             with jax.named_scope("out"):
-                return self.out(o)
+                return self.out(o), indices
 
-    def attention_logits(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array,
-                         indices: jax.Array | None = None) -> jax.Array:
-        """The main attention's scaled scores in float32 under ``stop_gradient`` (the
-        indexer's target), absorbed: ``q`` [B, L, N, Hqk] and ``k_pe`` [B, S, 1, Hr] rotated,
-        ``latent`` [B, S, Rkv] -> [B, L, N, S] over every key, or with ``indices`` [B, L, k]
-        over each query's selected slots, [B, L, N, k] (an empty slot reads key 0)."""
+    def distillation(self, x: jax.Array, q_latent: jax.Array, q: jax.Array, k_pe: jax.Array,
+                     latent: jax.Array, indices: jax.Array | None, *, positions: jax.Array,
+                     segment_ids: jax.Array | None,
+                     query_chunk: int | str | None = "auto") -> jax.Array:
+        """The indexer's `zoo.layers.indexer.distillation_loss`, a float32 scalar: over every
+        visible key (``indices=None``, the warm-up) or each query's selected ones (``indices``
+        [B, L, k] into the row). ``x`` [B, L, D] and ``q_latent`` are the indexer's input
+        (detached here: only the indexer's parameters get a gradient); ``q``, ``k_pe``
+        (rotated) and ``latent`` give the target (`absorbed_target`, under
+        ``stop_gradient``).
+
+        Under context parallelism it runs under `jax.shard_map` over the attention sequence
+        axes: each shard all-gathers the index keys (H values per token), the latent and
+        ``k_pe`` (Rkv + Hr) with positions and segment ids, as the sparse forward does, and
+        computes the KL of its own queries over the whole row of keys -- exact for any token
+        order (`zoo.data.load_balance`); the index keys' gradient is reduce-scattered back. The
+        queries go in chunks (``query_chunk``: ``"auto"`` bounds a chunk's float32 values by
+        `zoo.layers.indexer.SELECT_VALUES`; None: all at once), each rematerialised in the
+        backward pass, so [chunk, N, S] scores live at a time, never [L, N, S]."""
+        B, L = x.shape[:2]
+        seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+        pos, seg = positions.astype(jnp.int32), seg.astype(jnp.int32)
+        x, q_latent = jax.lax.stop_gradient((x, q_latent))
+        with jax.named_scope("indexer"):
+            iq, iw = self.indexer.queries(x, q_latent, positions)
+            ik = self.indexer.keys(x, positions)
+        q_abs, kv = self.absorbed_target(q, k_pe, latent)
+        p = self.partitioner
+        seq_axes = tuple(p.sequence_axes("attention")) if p.mesh is not None else ()
+        per_query = (iq, iw, q_abs, pos, seg) + (() if indices is None else (indices,))
+
+        def local(ik, kv, *per_query):
+            kpos, kseg = per_query[3:5]
+            if seq_axes:  # the whole row's keys: indices name places in it
+                ik, kv, kpos, kseg = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True)
+                                      for a in (ik, kv, kpos, kseg))
+            return self.local_distillation(ik, kv, kpos, kseg, *per_query,
+                                           query_chunk=query_chunk)
+
+        if not seq_axes:
+            kl = local(ik, kv, *per_query)
+        else:
+            batch_axes = p.batch_axes("attention")
+            while batch_axes and B % p.axis_size(batch_axes):  # the largest prefix dividing B
+                batch_axes = batch_axes[:-1]
+            b = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+            s = seq_axes[0] if len(seq_axes) == 1 else seq_axes
+            tok, vec, heads = P(b, s), P(b, s, None), P(b, s, None, None)
+            specs = (vec, vec, heads, vec, heads, tok, tok) + (() if indices is None else (vec,))
+            with jax.named_scope("indexer_loss_cp"):
+                kl = jax.shard_map(local, mesh=p.mesh, in_specs=specs, out_specs=vec,
+                                   check_vma=False)(ik, kv, *per_query)
+        return jnp.sum(kl[..., 0]) / jnp.maximum(jnp.sum(kl[..., 1]), 1.0)
+
+    def local_distillation(self, ik: jax.Array, kv: jax.Array, kv_positions: jax.Array,
+                           kv_segment_ids: jax.Array, iq: jax.Array, iw: jax.Array,
+                           q_abs: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                           indices: jax.Array | None = None, *,
+                           query_chunk: int | str | None = "auto") -> jax.Array:
+        """`distillation`'s work on one shard's queries against the whole row's keys (index
+        keys ``ik`` [B, S, H], absorbed keys ``kv`` [B, S, Rkv + Hr], their positions and
+        segment ids) -> [B, L, 2] float32: each query's KL and whether it counts
+        (`zoo.layers.indexer.distillation_kl`)."""
+        mask = default_mask(None, None, self.mask)
+        N, Ni = q_abs.shape[2], iq.shape[2]
+        width = ik.shape[1] if indices is None else indices.shape[2]
+        values = (N + Ni + SORT_VALUES) * width + (
+            0 if indices is None else width * (kv.shape[-1] + ik.shape[-1]))
+        if query_chunk == "auto":
+            query_chunk = choose_query_chunk(iq.shape[1], values, SELECT_VALUES)
+
+        def chunk(args):
+            iq, iw, q_abs, pos, seg, *sel = args
+            if not sel:  # every visible key of the row
+                logits = jnp.einsum("blnc,bsc->blns", q_abs, kv) * self.scale
+                scores = self.indexer.score(iq, iw, ik, q_positions=pos,
+                                            kv_positions=kv_positions, q_segment_ids=seg,
+                                            kv_segment_ids=kv_segment_ids)
+                visible = attention_mask(pos, kv_positions, seg, kv_segment_ids, mask=mask)
+            else:  # the selected keys only
+                kv_sel, ik_sel = gather_keys(sel[0], kv, ik)  # [B, C, k, ...]
+                logits = jnp.einsum("blnc,bljc->blnj", q_abs, kv_sel) * self.scale
+                scores = self.indexer.score_selected(iq, iw, ik_sel)
+                visible = sel[0] >= 0
+            return jnp.stack(distillation_kl(logits, scores, visible, seg != 0), axis=-1)
+
+        per_query = (iq, iw, q_abs, positions, segment_ids) + (
+            () if indices is None else (indices,))
+        return map_query_chunks(jax.checkpoint(chunk), query_chunk, per_query,
+                                what="MLA.distillation")
+
+    def absorbed_target(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+        """The main attention in the absorbed form, float32 under ``stop_gradient`` (the
+        indexer's target): ``q`` [B, L, N, Hqk] and ``k_pe`` [B, S, 1, Hr] rotated, ``latent``
+        [B, S, Rkv] -> queries [B, L, N, Rkv + Hr] (the no-position part through
+        ``kv_b_proj``'s key half) and shared keys [B, S, Rkv + Hr], whose dot product times
+        ``self.scale`` is each head's score."""
         q, k_pe, latent = jax.lax.stop_gradient((q, k_pe, latent))
         f32 = jnp.float32
         Hn = self.qk_nope_head_dim
         w_uk = jax.lax.stop_gradient(self.kv_b_proj.kernel[...])[..., :Hn].astype(f32)
         q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(f32), w_uk)
-        q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(f32)], -1)  # [B, L, N, Rkv + Hr]
-        kv = jnp.concatenate([latent.astype(f32), k_pe[:, :, 0].astype(f32)], -1)
-        if indices is None:
-            return jnp.einsum("blnc,bsc->blns", q_abs, kv) * self.scale
-        picked = jax.vmap(lambda a, i: a[i])(kv, jnp.maximum(indices, 0))  # [B, L, k, C]
-        return jnp.einsum("blnc,blkc->blnk", q_abs, picked) * self.scale
+        q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(f32)], -1)
+        return q_abs, jnp.concatenate([latent.astype(f32), k_pe[:, :, 0].astype(f32)], -1)
 
     def sparse_call(self, x: jax.Array, *, positions: jax.Array,
                     segment_ids: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -396,7 +485,6 @@ class MLA(AttentionBlock):
                                        kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
                                        partitioner=partitioner)
         p = resolve(partitioner)
-        Hn, R = self.qk_nope_head_dim, self.kv_lora_rank
         with jax.named_scope(self.block_name):
             q_latent, q, k_pe, latent = self.project_all(x)
             q, k_pe = self.apply_rope(q, k_pe, q_positions)
@@ -410,18 +498,31 @@ class MLA(AttentionBlock):
                                         kv_positions=kv_positions, q_segment_ids=q_seg,
                                         kv_segment_ids=kv_segment_ids)
             indices = self.indexer.topk(scores, self.index_topk, kv_positions)
-            dtype = self.kv_b_proj.dtype or cache.dtype
-            w = self.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
-            q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w[..., :Hn])
-            q_lat = reshard(p, q_lat, ("batch", None, "act_heads", None))  # as attend_cache
-            q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)
-            o_lat = sparse_attention(
-                q_abs, cache[:, 0].astype(dtype), None, indices, q_positions=q_positions,
-                kv_positions=kv_positions, q_segment_ids=q_seg, kv_segment_ids=kv_segment_ids,
-                mask=default_mask(None, None, self.mask), scale=self.scale, v_head_dim=R,
-                implementation="gather")
-            o = jnp.einsum("blnr,rnv->blnv", o_lat, w[..., Hn:])
-            return self.out(o.astype(q.dtype))
+            return self.attend_slots(q, cache, indices, q_positions=q_positions,
+                                     kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                                     partitioner=p)
+
+    def attend_slots(self, q: jax.Array, cache: jax.Array, indices: jax.Array, *,
+                     q_positions: jax.Array, kv_positions: jax.Array,
+                     kv_segment_ids: jax.Array, partitioner: Partitioner) -> jax.Array:
+        """Decode's sparse attention: the new queries ``q`` [B, T, N, Hn + Hr] (roped) over
+        the cached ``latent_pe`` slots ``indices`` [B, T, k] selects (array indices into the
+        slots, ``-1`` empty), in the absorbed form -> the output projection's result. What a
+        layer that selects its own slots (`decode_step`) and one given them (GLM-5's shared
+        layers) both run."""
+        Hn, R = self.qk_nope_head_dim, self.kv_lora_rank
+        dtype = self.kv_b_proj.dtype or cache.dtype
+        w = self.kv_b_proj.kernel[...].astype(dtype)  # [Rkv, N, Hn + Hv]
+        q_lat = jnp.einsum("blnh,rnh->blnr", q[..., :Hn].astype(dtype), w[..., :Hn])
+        q_lat = reshard(partitioner, q_lat, ("batch", None, "act_heads", None))  # as attend_cache
+        q_abs = jnp.concatenate([q_lat, q[..., Hn:].astype(dtype)], -1)
+        o_lat = sparse_attention(
+            q_abs, cache[:, 0].astype(dtype), None, indices, q_positions=q_positions,
+            kv_positions=kv_positions, q_segment_ids=jnp.ones(q_positions.shape, jnp.int32),
+            kv_segment_ids=kv_segment_ids, mask=default_mask(None, None, self.mask),
+            scale=self.scale, v_head_dim=R, implementation="gather")
+        o = jnp.einsum("blnr,rnv->blnv", o_lat, w[..., Hn:])
+        return self.out(o.astype(q.dtype))
 
     def attend_selected(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array,
                         indices: jax.Array, *, positions: jax.Array,
@@ -504,7 +605,7 @@ class MLA(AttentionBlock):
         return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv)
 
 
-def check_index_stage(index_stage, index_topk, p: Partitioner) -> None:
+def check_index_stage(index_stage, index_topk) -> None:
     """Construction checks of MLA's ``index_stage``."""
     if index_stage not in INDEX_STAGES:
         raise ValueError(f"MLA: index_stage={index_stage!r} must be one of {INDEX_STAGES} "
@@ -512,11 +613,6 @@ def check_index_stage(index_stage, index_topk, p: Partitioner) -> None:
     if index_stage != "off" and index_topk is None:
         raise ValueError(f"MLA: index_stage={index_stage!r} trains an indexer, but index_topk "
                          f"is None (no indexer); set index_topk or index_stage='off'")
-    if index_stage != "off" and p.mesh is not None and p.sequence_axes("attention"):
-        raise ValueError(f"MLA: index_stage={index_stage!r} computes the indexer's target "
-                         f"over whole rows, but the partitioner shards the sequence over "
-                         f"{p.sequence_axes('attention')}; train the indexer without context "
-                         f"parallelism (fsdp/data/tensor), or set index_stage='off'")
 
 
 def check_index(index_topk, q_lora_rank, logits_soft_cap, sinks) -> None:

@@ -406,12 +406,7 @@ class DeepSeek3(CausalLM):
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         if mtp_tokens is None or not len(self.mtp):
             return super().__call__(tokens, positions=positions, segment_ids=segment_ids)
-        B, L = tokens.shape
-        if tuple(mtp_tokens.shape) != (len(self.mtp), B, L):
-            raise ValueError(f"DeepSeek3: mtp_tokens has shape {tuple(mtp_tokens.shape)}; "
-                             f"expected (mtp_depth, batch, length) = {(len(self.mtp), B, L)}")
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        positions = mtp_positions("DeepSeek3", tokens, positions, mtp_tokens, len(self.mtp))
         with jax.named_scope("deepseek3"):
             h, auxes = self.trunk(tokens, positions, segment_ids)
             logits = self.head(h)
@@ -425,6 +420,19 @@ class DeepSeek3(CausalLM):
         out = self.collect_aux(auxes)
         out["mtp_logits"] = jnp.stack(mtp_logits)
         return logits, out
+
+
+def mtp_positions(name: str, tokens: jax.Array, positions: jax.Array | None,
+                  mtp_tokens: jax.Array, depth: int) -> jax.Array:
+    """A forward pass with MTP modules: ``mtp_tokens`` checked to be ``[depth, B, L]`` (the
+    tokens ``d + 1`` ahead for module ``d``) and the positions (``0..L-1`` when None)."""
+    B, L = tokens.shape
+    if tuple(mtp_tokens.shape) != (depth, B, L):
+        raise ValueError(f"{name}: mtp_tokens has shape {tuple(mtp_tokens.shape)}; "
+                         f"expected (mtp_depth, batch, length) = {(depth, B, L)}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    return positions
 
 
 from_hf, to_hf = family_io(DeepSeek3, "DeepSeek-V3",

@@ -23,12 +23,30 @@
   the cycle (`zoo.models.stacks.layer_cycles`).
 * `DeepSeekV4Config` has Hugging Face's ``DeepseekV4Config`` field names (``model_type``
   ``deepseek_v4``). Presets: `deepseek_v4_flash` (284B, what transformers' defaults build),
-  `deepseek_v4_pro` (1.6T) and `mini`. Multi-token prediction is not built (transformers
-  builds none either; ``num_nextn_predict_layers`` is carried through config.json).
+  `deepseek_v4_pro` (1.6T) and `mini`.
+* Multi-token prediction (``num_nextn_predict_layers`` modules, `DeepSeekV4MTP`; DeepSeek's
+  ``MTPBlock``): module ``d`` reads the previous depth's streams ``[B, L, n, D]`` (the
+  trunk's, before its hyper head, for ``d = 1``) and the embedding ``e`` of the token ``d``
+  ahead, ``x = e_proj(enorm(e))`` added to every stream of ``h_proj(hnorm(streams))``, runs
+  one more V4 decoder layer (hyper-connections and all; attention kind ``mtp_layer_types``,
+  published as the trailing entries of ``compress_ratios``: sliding for V4-Flash; routed,
+  not hashed), and predicts the token ``d + 1`` ahead through its own hyper head
+  (``hc_head``) and norm and the shared embedding and head. ``model(tokens, ...,
+  mtp_tokens=[d, B, L])`` returns their logits in ``aux["mtp_logits"]`` and
+  `zoo.train.step.loss_fn` adds ``mtp_loss_weight`` times their mean cross-entropy, as for
+  DeepSeek-V3. transformers builds no MTP and ignores the checkpoint's ``mtp.*`` tensors:
+  its meta-device counts (V4-Flash 284,332,230,231, the published "284B") exclude them, so
+  the presets (one module, as published) count more (`DeepSeekV4Config.num_params`).
+  Speculative decoding with it is refused: the compressed attention's state cache decodes
+  one token a step.
 * `from_hf(path)` / `to_hf(model, path)`: the layout transformers' ``save_pretrained`` writes
   and ``from_pretrained`` reads for ``deepseek_v4`` (DeepSeek's names: ``model.layers.{i}.attn
   .wq_a``, ``.ffn.experts.{e}.w1``, ``.hc_attn_fn``, ``head.weight``, ...; `published_key`
-  maps transformers' module names, which the layers own, to them).
+  maps transformers' module names, which the layers own, to them); the MTP modules under
+  DeepSeek's published names (``mtp.{d}.e_proj.weight``, ``.h_proj``, ``.enorm``,
+  ``.hnorm``, ``.norm``, ``.hc_head_fn``/``_base``/``_scale``, then the layer's ``.attn.*``,
+  ``.ffn.*``, ``.hc_attn_fn``, ...), which transformers skips on load; a checkpoint without
+  them (transformers saves none) leaves the modules freshly initialised, with a warning.
 
 Legend: B batch, L length, n streams (hc_mult), D hidden_size, E routed experts.
 """
@@ -36,7 +54,9 @@ Legend: B batch, L length, n streams (hc_mult), D hidden_size, E routed experts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import warnings
 from typing import Any, ClassVar
 
 import jax
@@ -46,16 +66,18 @@ from flax import nnx
 from zoo.layers import hf_keys as hfk
 from zoo.layers.compressed_attention import CompressedAttention
 from zoo.layers.hyper_connection import STREAMS, HyperConnection, HyperHead, expand_streams
+from zoo.layers.linear import Linear
+from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE, YaRN
 from zoo.models import hf, registry
 from zoo.models.config import DecoderConfig, check_hf_types, check_positive, zoo_field
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
-from zoo.models.deepseek3 import update_selection_bias
+from zoo.models.deepseek3 import mtp_positions, update_selection_bias
 from zoo.models.stacks import interleave_aux, layer_groups, run_cycle, run_layers
 from zoo.ops import moe as moe_ops
 
-__all__ = ["DeepSeekV4Config", "DeepSeekV4DecoderLayer", "DeepSeekV4", "from_hf", "to_hf",
-           "published_key"]
+__all__ = ["DeepSeekV4Config", "DeepSeekV4DecoderLayer", "DeepSeekV4MTP", "DeepSeekV4",
+           "from_hf", "to_hf", "published_key"]
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -131,7 +153,12 @@ class DeepSeekV4Config(DecoderConfig):
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
-    num_nextn_predict_layers: int = 1  # carried through config.json; zoo builds no MTP
+    # multi-token prediction: modules (V4 publishes one), their attention kinds (None: all
+    # sliding, as V4-Flash's compress_ratios end in 0; kept None then, so the depth can change
+    # alone) and their loss weight (DeepSeek-V3's 0.3)
+    num_nextn_predict_layers: int = 1
+    mtp_layer_types: tuple[str, ...] | None = None
+    mtp_loss_weight: float = zoo_field(0.3)
     aux_loss_alpha: float = zoo_field(1e-4)  # weight of aux["load_balance_loss"]
 
     def __post_init__(self):
@@ -148,6 +175,13 @@ class DeepSeekV4Config(DecoderConfig):
         set_("layer_types", layers)
         set_("mlp_layer_types", mlps)
         set_("num_hash_layers", sum(t == "hash_moe" for t in mlps))  # one spelling per config
+        depth = self.num_nextn_predict_layers
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(f"{what}: num_nextn_predict_layers={depth!r} must be an int >= 0 "
+                             f"(the multi-token-prediction modules; DeepSeek-V4 publishes 1)")
+        mtp = None if self.mtp_layer_types is None else tuple(self.mtp_layer_types)
+        mtp = None if mtp is not None and set(mtp) <= {SLIDING} else mtp
+        set_("mtp_layer_types", mtp)
         super().__post_init__()
         check_positive(self, ("moe_intermediate_size", "head_dim", "qk_rope_head_dim",
                               "q_lora_rank", "num_experts_per_tok", "n_routed_experts",
@@ -162,6 +196,14 @@ class DeepSeekV4Config(DecoderConfig):
             bad = sorted({v for v in values if v not in allowed})
             if bad:
                 raise ValueError(f"{what}: {name} entries {bad} are not among {allowed}")
+        if mtp is not None and (len(mtp) != depth or any(t not in LAYER_TYPES for t in mtp)):
+            raise ValueError(f"{what}: mtp_layer_types={mtp!r} must hold one of {LAYER_TYPES} "
+                             f"per MTP module (num_nextn_predict_layers={depth}); pass "
+                             f"{(SLIDING,) * depth!r} or None")
+        if not (isinstance(self.mtp_loss_weight, (int, float)) and self.mtp_loss_weight >= 0
+                and math.isfinite(self.mtp_loss_weight)):
+            raise ValueError(f"{what}: mtp_loss_weight={self.mtp_loss_weight!r} must be a finite "
+                             f"number >= 0 (DeepSeek-V3's: 0.3)")
         if self.num_key_value_heads != 1:
             raise ValueError(f"{what}: num_key_value_heads={self.num_key_value_heads}; "
                              f"DeepSeek-V4's attention has one shared key/value head")
@@ -219,7 +261,7 @@ class DeepSeekV4Config(DecoderConfig):
         what = f"{cls.__name__}.from_hf_config"
         hf.check_fields(cfg, cls.hf_supported, what=what)
         skip = {"rope_theta", "rope_scaling", "layer_types", "mlp_layer_types",
-                "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim"}
+                "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim", "mtp_layer_types"}
         kwargs = {f.name: cfg[f.name] for f in cls.hf_fields()
                   if f.name not in skip and cfg.get(f.name) is not None}
         check_hf_types(cls, kwargs, what=what)
@@ -229,17 +271,27 @@ class DeepSeekV4Config(DecoderConfig):
             if value is not None:
                 kwargs[name] = value
         ratios = cfg.get("compress_ratios")
-        if cfg.get("layer_types") is not None:
-            kwargs["layer_types"] = tuple(cfg["layer_types"])
-        elif ratios is not None:  # published: 0 sliding, else the layer kind of that rate
-            by_rate = {0: SLIDING, kwargs.get("compress_rate_csa", 4): CSA,
-                       kwargs.get("compress_rate_hca", 128): HCA}
-            n = cfg.get("num_hidden_layers", cls.num_hidden_layers)
+        by_rate = {0: SLIDING, kwargs.get("compress_rate_csa", 4): CSA,
+                   kwargs.get("compress_rate_hca", 128): HCA}
+        n = cfg.get("num_hidden_layers", cls.num_hidden_layers)
+
+        def kinds(rates):  # published: 0 sliding, else the layer kind of that rate
             try:
-                kwargs["layer_types"] = tuple(by_rate[int(r)] for r in ratios[:n])
+                return tuple(by_rate[int(r)] for r in rates)
             except KeyError as e:
                 raise ValueError(f"{what}: compress_ratios holds {e.args[0]}, not 0 or a "
                                  f"compression rate {sorted(by_rate)}") from None
+
+        if cfg.get("layer_types") is not None:
+            kwargs["layer_types"] = tuple(cfg["layer_types"])
+        elif ratios is not None:
+            kwargs["layer_types"] = kinds(ratios[:n])
+        depth = kwargs.get("num_nextn_predict_layers", cls.num_nextn_predict_layers)
+        if cfg.get("mtp_layer_types") is not None:
+            kwargs["mtp_layer_types"] = tuple(cfg["mtp_layer_types"])
+        elif ratios is not None and len(ratios) >= n + depth:
+            # published: the entries after the trunk's are the MTP layers' (V4-Flash: 0)
+            kwargs["mtp_layer_types"] = kinds(ratios[n:n + depth])
         if cfg.get("mlp_layer_types") is not None:
             kwargs["mlp_layer_types"] = tuple(cfg["mlp_layer_types"])
         elif cfg.get("num_hash_layers") is not None:
@@ -277,6 +329,7 @@ class DeepSeekV4Config(DecoderConfig):
                if f.name not in ("rope_scaling", "compress_rate_csa", "compress_rate_hca")}
         out["layer_types"] = list(self.layer_types)
         out["mlp_layer_types"] = list(self.mlp_layer_types)
+        out["mtp_layer_types"] = list(self.mtp_attention_types)
         out["compress_rates"] = {CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}
         factor = self.qk_rope_head_dim / self.head_dim
         out["partial_rotary_factor"] = factor
@@ -294,6 +347,29 @@ class DeepSeekV4Config(DecoderConfig):
     def num_experts(self) -> int:
         return self.n_routed_experts
 
+    @property
+    def mtp_depth(self) -> int:
+        """The number of MTP modules: ``num_nextn_predict_layers``."""
+        return self.num_nextn_predict_layers
+
+    @property
+    def mtp_attention_types(self) -> tuple[str, ...]:
+        """The MTP layers' attention kinds: ``mtp_layer_types``, all sliding when None."""
+        return self.mtp_layer_types or (SLIDING,) * self.mtp_depth
+
+    def attention_type(self, layer_idx: int) -> str:
+        """Layer `layer_idx`'s attention kind: ``layer_types``, then for the MTP modules'
+        layers (indices ``num_hidden_layers + d``) ``mtp_layer_types``."""
+        n = self.num_hidden_layers
+        return self.layer_types[layer_idx] if layer_idx < n else \
+            self.mtp_attention_types[layer_idx - n]
+
+    def mlp_type(self, layer_idx: int) -> str:
+        """Layer `layer_idx`'s MoE kind: ``mlp_layer_types``; an MTP layer routes (``moe``:
+        DeepSeek hashes only layers below ``num_hash_layers``)."""
+        n = self.num_hidden_layers
+        return self.mlp_layer_types[layer_idx] if layer_idx < n else "moe"
+
     def rope(self, layer_type: str) -> RoPE:
         """The layer kind's `RoPE`: the main base for sliding layers, the compressed branches'
         (with YaRN) for CSA/HCA."""
@@ -302,18 +378,22 @@ class DeepSeekV4Config(DecoderConfig):
         return RoPE(theta=self.compress_rope_theta, interleaved=True, scaling=self.rope_scaling)
 
     def num_params(self) -> int:
-        """Parameter count from `nnx.eval_shape` (allocates nothing; buffers excluded)."""
+        """Parameter count from `nnx.eval_shape` (allocates nothing; buffers excluded), the
+        MTP modules' included (transformers' count has none: ``num_nextn_predict_layers=0``
+        gives it)."""
         return count_params(DeepSeekV4.abstract(self))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with, from the abstract model: everything but the
-        embedding and the routed experts, plus k routed experts per layer."""
+        embedding and the routed experts, plus k routed experts per layer (the MTP layers'
+        too) and the head once more per MTP module."""
         model = DeepSeekV4.abstract(self)
         total = count_params(model)
         F, D = self.moe_intermediate_size, self.hidden_size
-        routed = 3 * D * F * self.n_routed_experts * self.num_hidden_layers
-        active = 3 * D * F * self.num_experts_per_tok * self.num_hidden_layers
-        return total - routed + active - self.vocab_size * D
+        layers = self.num_hidden_layers + self.mtp_depth
+        routed = 3 * D * F * self.n_routed_experts * layers
+        active = 3 * D * F * self.num_experts_per_tok * layers
+        return total - routed + active - self.vocab_size * D * (1 - self.mtp_depth)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """Training FLOPs per token: ``6 * active_matmul_params`` plus attention ``3 * 2 * N *
@@ -322,7 +402,7 @@ class DeepSeekV4Config(DecoderConfig):
         keys_seen = (seq_len + 1) / 2 if causal else seq_len
         window = min(self.sliding_window, keys_seen)
         attn = 0.0
-        for kind in self.layer_types:
+        for kind in (*self.layer_types, *self.mtp_attention_types):
             keys = window
             if kind == CSA:
                 keys += min(self.index_topk, keys_seen / self.compress_rate_csa)
@@ -341,6 +421,7 @@ _PUBLISHED = [(re.compile(a), b) for a, b in (
     (r"\.mlp\.gate\.e_score_correction_bias$", r".ffn.gate.bias"),
     (r"\.mlp\.", r".ffn."),
     (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"^(mtp\.\d+)\.hc_head\.hc_(fn|base|scale)$", r"\1.hc_head_\2"),  # an MTP module's head
     (r"\.input_layernorm\.", r".attn_norm."),
     (r"\.post_attention_layernorm\.", r".ffn_norm."),
     (r"^lm_head\.weight$", r"head.weight"),
@@ -350,6 +431,9 @@ _PUBLISHED = [(re.compile(a), b) for a, b in (
     (r"\.self_attn\.", r".attn."),
     (r"\.sinks$", r".attn_sink"),
     (r"\.kv_norm\.", r".norm."),
+    # transformers never reads or writes the MTP tensors: DeepSeek's own name for the
+    # attention's norm there (its compressor's stays ``norm``)
+    (r"^(mtp\.\d+\.attn)\.norm\.", r"\1.kv_norm."),
     (r"\.position_bias$", r".ape"),
     (r"\.q_a_proj\.", r".wq_a."),
     (r"\.q_b_proj\.", r".wq_b."),
@@ -401,10 +485,10 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
 
     @classmethod
     def layer_kind(cls, config: DeepSeekV4Config, layer_idx: int):
-        return config.layer_types[layer_idx], config.mlp_layer_types[layer_idx]
+        return config.attention_type(layer_idx), config.mlp_type(layer_idx)
 
     def make_attention(self, config: DeepSeekV4Config, *, inputs_shape, partitioner, rngs):
-        kind = config.layer_types[self.layer_idx]
+        kind = config.attention_type(self.layer_idx)
         rate = {CSA: config.compress_rate_csa, HCA: config.compress_rate_hca}.get(kind)
         return self.attention_cls(
             kind=KIND[kind], num_heads=config.num_attention_heads, head_dim=config.head_dim,
@@ -418,7 +502,7 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
             partitioner=partitioner, rngs=rngs)
 
     def make_moe(self, config: DeepSeekV4Config, *, inputs_shape, partitioner, rngs):
-        hashed = config.mlp_layer_types[self.layer_idx] == "hash_moe"
+        hashed = config.mlp_type(self.layer_idx) == "hash_moe"
         return self.moe_cls(
             num_experts=config.n_routed_experts, num_experts_per_tok=config.num_experts_per_tok,
             mlp_dim=config.moe_intermediate_size, inputs_shape=inputs_shape,
@@ -459,15 +543,73 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
                                                       segment_ids=segment_ids), tokens)
 
 
+class DeepSeekV4MTP(nnx.Module):
+    """One multi-token-prediction module (DeepSeek's ``MTPBlock``): the previous depth's
+    streams ``h [B, L, n, D]`` and the embedding ``e [B, L, D]`` of the token ``depth``
+    ahead combine as ``e_proj(enorm(e))`` added to each stream of ``h_proj(hnorm(h))``, then
+    one `DeepSeekV4DecoderLayer` (index ``num_hidden_layers + depth - 1``) runs on them; its
+    own hyper head (``hc_head``) and ``norm`` lead to the model's shared head."""
+
+    def __init__(self, config: DeepSeekV4Config, *, depth: int, layer_cls: type[DecoderLayer],
+                 inputs_shape, partitioner, rngs: nnx.Rngs):
+        D, pd = config.hidden_size, config.param_dtype
+        norm = lambda: RMSNorm(D, eps=config.rms_norm_eps, partitioner=partitioner,
+                               param_dtype=pd, rngs=rngs)
+        proj = lambda: Linear(D, D, in_axes=("embed",), out_axes=(None,),
+                              partitioner=partitioner, dtype=config.dtype, param_dtype=pd,
+                              fp8=config.fp8, rngs=rngs)
+        self.depth = depth
+        self.partitioner = partitioner
+        self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
+        self.e_proj, self.h_proj = proj(), proj()
+        self.layer = layer_cls(config, layer_idx=config.num_hidden_layers + depth - 1,
+                               inputs_shape=inputs_shape, partitioner=partitioner, rngs=rngs)
+        self.hc_head = HyperHead(embed_dim=D, hc_mult=config.hc_mult, eps=config.hc_eps,
+                                 norm_eps=config.rms_norm_eps, partitioner=partitioner,
+                                 param_dtype=pd, rngs=rngs)
+
+    def hf_keys(self, prefix: str) -> list:
+        """DeepSeek's layout: the module's tensors and its decoder layer's side by side under
+        ``prefix`` (``mtp.0.e_proj.weight``, ``mtp.0.hc_head.hc_fn`` (published as
+        ``mtp.0.hc_head_fn``: `published_key`), ``mtp.0.self_attn.*``, ...)."""
+        rows = hfk.children(self, prefix, ("enorm", "hnorm", "e_proj", "h_proj", "norm",
+                                           "hc_head"))
+        return rows + [dataclasses.replace(r, path=("layer", *r.path))
+                       for r in hfk.keys_of(self.layer, prefix)]
+
+    def combine(self, streams: jax.Array, embedded: jax.Array) -> jax.Array:
+        """The decoder layer's input streams ``[B, L, n, D]``: ``e_proj(enorm(embedded))``
+        added to every stream of ``h_proj(hnorm(streams))``."""
+        e = self.e_proj(self.enorm(embedded))
+        h = self.h_proj(self.hnorm(streams))
+        return self.partitioner.constrain(e[:, :, None].astype(h.dtype) + h, STREAMS)
+
+    def __call__(self, streams, embedded, tokens, positions, segment_ids, remat):
+        """-> (the layer's output streams, its MoE's aux); ``tokens [B, L]``: the ids embedded
+        (the layer's MoE reads them as every V4 layer does)."""
+        return run_layers(self.layer, self.combine(streams, embedded), positions=positions,
+                          segment_ids=segment_ids, remat=remat,
+                          layer_kwargs={"tokens": tokens})
+
+
 class DeepSeekV4(CausalLM):
     """The DeepSeek-V4 causal LM: ``logits, aux = model(tokens, positions=..., segment_ids=...)``
     (see `zoo.models.decoder.CausalLM`); the trunk runs on ``hc_mult`` streams and the
-    `HyperHead` (``hc_head``) collapses them before the final norm."""
+    `HyperHead` (``hc_head``) collapses them before the final norm. With
+    ``config.num_nextn_predict_layers`` modules (``self.mtp``, `DeepSeekV4MTP`),
+    ``mtp_tokens=`` ``[depth, B, L]`` (row ``d``: the token ``d + 1`` places ahead of each
+    position, `zoo.train.step.mtp_targets`) adds their logits as ``aux["mtp_logits"]``
+    ``[depth, B, L, V]``; their MoE layers' aux rows follow the trunk's."""
 
     config_cls: ClassVar[type] = DeepSeekV4Config
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeekV4DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
     hf_names: ClassVar[dict[str, str]] = {**CausalLM.hf_names, "hc_head": "model.hc_head"}
+    # `zoo.inference.speculative` refuses with this: verifying a draft decodes 2 tokens a step
+    speculative_refusal: ClassVar[str] = (
+        "verifying a draft decodes 2 tokens a step, and the compressed attention's cache "
+        "(sliding-window ring, compressed entries, open windows) takes in every token and "
+        "cannot take a rejected draft back out")
 
     def __init__(self, config: DeepSeekV4Config, *, rngs: nnx.Rngs, **kwargs):
         super().__init__(config, rngs=rngs, **kwargs)
@@ -475,10 +617,22 @@ class DeepSeekV4(CausalLM):
                                  eps=config.hc_eps, norm_eps=config.rms_norm_eps,
                                  partitioner=self.partitioner, param_dtype=config.param_dtype,
                                  rngs=rngs)
+        layer_cls = kwargs.get("decoder_layer_cls") or type(self).decoder_layer_cls
+        self.mtp = nnx.List([
+            DeepSeekV4MTP(config, depth=d + 1, layer_cls=layer_cls,
+                          inputs_shape=(*self.inputs_shape, config.hidden_size),
+                          partitioner=self.partitioner, rngs=rngs)
+            for d in range(config.mtp_depth)])
 
     def trunk(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
         """Embedding copied into the streams, every layer (each reads the token ids), then
         the hyper head: ``(hidden [B, L, D] before the final norm, per-group aux dicts)``."""
+        x, auxes = self.streams(tokens, positions, segment_ids)
+        return self.stream_out(x), auxes
+
+    def streams(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+        """Embedding copied into the streams and every layer: ``(streams [B, L, n, D] before
+        the hyper head, per-group aux dicts)`` (what the MTP modules read)."""
         remat = self.config.remat_policy
         x, extra = self.stream_in(tokens)
         auxes = []
@@ -491,7 +645,7 @@ class DeepSeekV4(CausalLM):
                 x, group_aux = run_cycle(group, x, **kw)
                 aux = interleave_aux(group_aux)
             auxes.append(aux)
-        return self.stream_out(x), auxes
+        return x, auxes
 
     def stream_in(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The embedding copied into ``hc_mult`` streams ``[B, L, n, D]``, and the token ids
@@ -503,11 +657,49 @@ class DeepSeekV4(CausalLM):
         """The streams collapsed by the hyper head (``hc_head``) -> ``[B, L, D]``."""
         return self.hc_head(x)
 
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if mtp_tokens is None or not len(self.mtp):
+            return super().__call__(tokens, positions=positions, segment_ids=segment_ids)
+        positions = mtp_positions("DeepSeekV4", tokens, positions, mtp_tokens, len(self.mtp))
+        with jax.named_scope("deepseekv4"):
+            x, auxes = self.streams(tokens, positions, segment_ids)
+            logits = self.head(self.stream_out(x))
+            mtp_logits = []
+            for d, module in enumerate(self.mtp):
+                with jax.named_scope(f"mtp_{d + 1}"):
+                    x, aux = module(x, self.embed_tokens(mtp_tokens[d]), mtp_tokens[d],
+                                    positions, segment_ids, self.config.remat_policy)
+                    auxes.append(aux)
+                    mtp_logits.append(self.head(module.hc_head(x), module.norm))
+        out = self.collect_aux(auxes)
+        out["mtp_logits"] = jnp.stack(mtp_logits)
+        return logits, out
+
     def hf_keys(self, prefix: str = "") -> list:
-        """The base's rows plus the hyper head's, every key in the checkpoint's names
+        """The base's rows, the hyper head's, then MTP module ``d``'s under ``mtp.{d}``
+        (DeepSeek's published layout), every key in the checkpoint's names
         (`published_key`)."""
         rows = super().hf_keys(prefix) + hfk.child(self, "hc_head", prefix)
+        for d, module in enumerate(self.mtp):
+            rows += [dataclasses.replace(r, path=("mtp", d, *r.path))
+                     for r in module.hf_keys(hfk.join(prefix, f"mtp.{d}"))]
         return [_published(r) for r in rows]
+
+    def hf_load_map(self, keys) -> list:
+        """`hf_key_map`, with the MTP modules a checkpoint lacks (transformers saves none)
+        zoo-only: they start as the constructor initialises them, with a warning."""
+        keys = set(keys)
+        fresh = [f"mtp.{d}." for d in range(len(self.mtp))
+                 if f"mtp.{d}.e_proj.weight" not in keys]
+        if fresh:
+            warnings.warn(f"DeepSeekV4.from_hf: num_nextn_predict_layers={len(self.mtp)}, but "
+                          f"the checkpoint holds no MTP module under {fresh} (no "
+                          f"e_proj.weight there; transformers saves none): those MTP modules "
+                          f"start freshly initialised", stacklevel=4)
+        return [hfk.zoo_only(r.path) if any(k.startswith(p) for k in r.keys for p in fresh)
+                else r for r in self.hf_key_map()]
 
 
 from_hf, to_hf = family_io(DeepSeekV4, "DeepSeek-V4",

@@ -26,9 +26,16 @@
   `mini` (alternating full and shared layers).
 * `from_hf(path)` / `to_hf(model, path)`: DeepSeek-V3.2's keys; a shared layer has no
   ``self_attn.indexer.*``.
-* Not here: training the indexer (``index_stage`` must be ``"off"``) and generation through a
-  shared layer (`zoo.inference` caches each layer on its own; a model whose layers are all
-  full, GLM-5 as published, generates as DeepSeek-V3.2 does).
+* Training the indexer (``index_stage``, as `zoo.models.deepseek_v32`): each full layer trains
+  its own indexer (`GlmMoeDsaAttention.train_with`); a shared layer has none and runs dense in
+  ``"warmup"``, over the carried selection in ``"sparse"``.
+* Generation (`zoo.inference`): the same stream, ``(hidden [B, T, D], selection [B, T,
+  index_topk])`` (`GlmMoeDsa.stream_in`), runs through the cached calls: at prefill and at
+  each decode step a full layer selects among its own ``index_k`` cache and the shared layers
+  after it attend to those slots of their ``latent_pe`` cache (every layer's cache has the
+  same slots), so a shared layer caches no index keys. A model whose layers are all full
+  (GLM-5 as published) streams the plain hidden state and generates as DeepSeek-V3.2 does.
+  Speculative decoding (``speculative="mtp"``) runs the same stream; its MTP layer is full.
 
 Legend: as `zoo.models.deepseek_v32`; k = ``min(index_topk, L)``.
 """
@@ -41,7 +48,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from zoo.layers.attention import SCOPE, check_call
+from zoo.layers.attention import SCOPE, check_call, reshard
 from zoo.layers.mla import MLA
 from zoo.layers.rope import YaRN
 from zoo.models import registry
@@ -50,6 +57,7 @@ from zoo.models.decoder import count_params, family_io
 from zoo.models.deepseek3 import FULL_SIZE_MOE, DeepSeek3Config, update_selection_bias
 from zoo.models.deepseek_v32 import DeepSeekV32, DeepSeekV32Config, DeepSeekV32DecoderLayer
 from zoo.models.stacks import layer_groups
+from zoo.partitioning import Partitioner, resolve
 
 __all__ = ["GlmMoeDsaConfig", "GlmMoeDsaAttention", "GlmMoeDsaDecoderLayer", "GlmMoeDsa",
            "INDEXER_TYPES", "from_hf", "to_hf"]
@@ -127,10 +135,6 @@ class GlmMoeDsaConfig(DeepSeekV32Config):
             if kinds and kinds[0] != "full":
                 raise ValueError(f"{what}: indexer_types[0]={kinds[0]!r}; the first layer must "
                                  f"be 'full' (a 'shared' layer reuses an earlier layer's top-k)")
-        if self.index_stage != "off":
-            raise ValueError(f"{what}: index_stage={self.index_stage!r}; training the indexer "
-                             f"is not supported for glm_moe_dsa (its shared layers carry "
-                             f"another layer's selection); use index_stage='off'")
 
     def indexer_type(self, layer_idx: int) -> str:
         """``"full"`` or ``"shared"`` for layer `layer_idx` (MTP layers, past the trunk: full)."""
@@ -204,8 +208,11 @@ class GlmMoeDsaAttention(MLA):
     """`MLA` with DSA whose top-k may come from an earlier layer.
 
     ``index_shared=False``: a full layer, `MLA` with its indexer (interleaved RoPE for GLM-5).
-    ``index_shared=True``: no indexer; `attend_with` attends to the ``indices`` it is given.
-    ``attend_with(x, indices, ...) -> (out, indices)`` is the model's call either way.
+    ``index_shared=True``: no indexer; it attends to the ``selection`` it is given.
+    In the model each call takes the selection carried to it and returns, beside its output,
+    the one to carry on (`share`): ``attend_with`` (training), ``prefill_cache`` /
+    ``decode_step`` with the selection after their own arguments (`zoo.inference`, through
+    `GlmMoeDsaDecoderLayer.block`). Without one they are `MLA`'s (a full layer alone).
     """
 
     def __init__(self, *, index_shared: bool = False, **kwargs):
@@ -213,36 +220,86 @@ class GlmMoeDsaAttention(MLA):
         if index_shared and topk is None:
             raise ValueError("GlmMoeDsaAttention: index_shared=True needs index_topk (the "
                              "number of keys the shared selection holds)")
-        super().__init__(**{**kwargs, "index_topk": None if index_shared else topk})
+        stage = kwargs.get("index_stage", "off")  # a shared layer has no indexer to train
+        super().__init__(**{**kwargs, "index_topk": None if index_shared else topk,
+                            "index_stage": "off" if index_shared else stage})
+        self.index_stage = stage
         self.index_shared = bool(index_shared)
         self.index_topk = topk
 
-    def attend_with(self, x: jax.Array, indices: jax.Array | None, *, positions: jax.Array,
-                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """x [B, L, D] and the previous full layer's selection ``indices`` [B, L, k] (None
-        before any) -> (out [B, L, D], the selection this layer used: its own when full, the
-        given one when shared)."""
+    def share(self, selection: jax.Array | None, n_keys: int, select
+              ) -> tuple[jax.Array, jax.Array]:
+        """(the keys this layer attends to [B, T, k], k = ``min(index_topk, n_keys)``; the
+        selection it carries on): a full layer's own (``select()``), carried padded with -1
+        (empty) to the incoming ``selection``'s width; a shared layer's the incoming one, cut
+        to k and carried unchanged. The carried width is fixed for the whole stack
+        (`GlmMoeDsa.stream_in`: ``index_topk``, while a layer's k shrinks with fewer keys)."""
+        k = min(self.index_topk, n_keys)
+        width = None if selection is None else selection.shape[-1]
+        if width is not None and width < k:
+            raise ValueError(f"GlmMoeDsaAttention: the carried selection holds {width} keys "
+                             f"per query, fewer than this layer's {k} (min(index_topk, "
+                             f"{n_keys} keys)); carry index_topk={self.index_topk} columns")
+        if self.indexer is not None:
+            own = select()
+            if selection is None:
+                return own, own
+            pad = [(0, 0)] * (own.ndim - 1) + [(0, width - own.shape[-1])]
+            return own, jnp.pad(own, pad, constant_values=-1)
+        if selection is None:
+            raise ValueError("GlmMoeDsaAttention: a shared layer (index_shared=True) "
+                             "needs the selection of a full layer before it; the model's "
+                             "first layer must be 'full' (indexer_types)")
+        return selection[..., :k], selection
+
+    def sparse_with(self, x: jax.Array, selection: jax.Array | None, *, positions: jax.Array,
+                    segment_ids: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The DSA forward pass over the selection `share` gives -> (out [B, L, D], the
+        selection carried on, k_pe [B, L, 1, Hr] rotated, latent [B, L, Rkv])."""
         check_call(self, x, positions, segment_ids)
+        c = self.partitioner.constrain
         with jax.named_scope(self.block_name):
-            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            x = c(x, ("batch", "length", "act_embed"), SCOPE)
             with jax.named_scope("project"):
                 q_latent, q, k_pe, latent = self.project_all(x)
-            if self.indexer is not None:
-                with jax.named_scope("select"):
-                    indices = self.indexer.select(x, q_latent, self.index_topk,
-                                                  positions=positions, segment_ids=segment_ids)
-            elif indices is None:
-                raise ValueError("GlmMoeDsaAttention: a shared layer (index_shared=True) "
-                                 "needs the selection of a full layer before it; the model's "
-                                 "first layer must be 'full' (indexer_types)")
-            indices = self.partitioner.constrain(indices, _INDICES, SCOPE)
+            with jax.named_scope("select"):
+                indices, carried = self.share(selection, x.shape[1], lambda: self.indexer.select(
+                    x, q_latent, self.index_topk, positions=positions, segment_ids=segment_ids))
+            indices, carried = c(indices, _INDICES, SCOPE), c(carried, _INDICES, SCOPE)
             with jax.named_scope("rope"):
                 q, k_pe = self.apply_rope(q, k_pe, positions)
             with jax.named_scope("attend"):
                 o = self.attend_selected(q, k_pe, latent, indices, positions=positions,
                                          segment_ids=segment_ids)
             with jax.named_scope("out"):
-                return self.out(o), indices
+                return self.out(o), carried, k_pe, latent
+
+    def attend_with(self, x: jax.Array, selection: jax.Array | None, *, positions: jax.Array,
+                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [B, L, D] and the previous full layer's ``selection`` [B, L, >= k] (None before
+        any) -> (out [B, L, D], the selection carried on: `share`)."""
+        if self.index_stage != "off":
+            return self.train_with(x, selection, positions=positions, segment_ids=segment_ids)
+        return self.sparse_with(x, selection, positions=positions, segment_ids=segment_ids)[:2]
+
+    def train_with(self, x: jax.Array, selection: jax.Array | None, *, positions: jax.Array,
+                   segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """`attend_with` in a training stage (``index_stage``): a full layer runs
+        `MLA.index_training_call` (its indexer's KL sown) and carries its selection on as
+        `share` does ("sparse") or the incoming one ("warmup", which selects nothing); a
+        shared layer runs dense attention in "warmup" and attends to the carried selection in
+        "sparse"."""
+        if self.indexer is not None:
+            out, own = self.index_training_call(x, positions=positions,
+                                                segment_ids=segment_ids)
+            if own is None:
+                return out, selection
+            _, carried = self.share(selection, x.shape[1], lambda: own)
+            return out, self.partitioner.constrain(carried, _INDICES, SCOPE)
+        if self.index_stage == "warmup":
+            return MLA.__call__(self, x, positions=positions, segment_ids=segment_ids), selection
+        return self.sparse_with(x, selection, positions=positions, segment_ids=segment_ids)[:2]
 
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -250,30 +307,70 @@ class GlmMoeDsaAttention(MLA):
         nothing to attend with and raises."""
         return self.attend_with(x, None, positions=positions, segment_ids=segment_ids)[0]
 
-    def _no_cache(self, *args, **kwargs):
-        raise NotImplementedError(
-            "GlmMoeDsaAttention: generation through a shared DSA layer (indexer_types "
-            "'shared') is not supported: zoo.inference caches each layer on its own and "
-            "does not carry a selection between layers; generate with every layer 'full'")
+    @staticmethod
+    def _one(selection: tuple) -> jax.Array | None:
+        if len(selection) > 1:
+            raise TypeError(f"GlmMoeDsaAttention: one carried selection expected, got "
+                            f"{len(selection)} arrays")
+        return selection[0] if selection else None
 
-    def prefill_cache(self, x, *, positions, segment_ids=None):
-        if self.index_shared:
-            self._no_cache()
-        return super().prefill_cache(x, positions=positions, segment_ids=segment_ids)
+    def prefill_cache(self, x: jax.Array, *selection: jax.Array, positions: jax.Array,
+                      segment_ids: jax.Array | None = None):
+        """`MLA.prefill_cache`; with the carried ``selection``: ((out, the selection carried
+        on), cache arrays: ``latent_pe``, and a full layer's ``index_k``)."""
+        if not selection and not self.index_shared:
+            return super().prefill_cache(x, positions=positions, segment_ids=segment_ids)
+        out, carried, k_pe, latent = self.sparse_with(x, self._one(selection),
+                                                      positions=positions,
+                                                      segment_ids=segment_ids)
+        entry = self.cache_entry(k_pe, latent)
+        if self.indexer is not None:
+            x = self.partitioner.constrain(x, ("batch", "length", "act_embed"), SCOPE)
+            entry["index_k"] = jax.lax.stop_gradient(
+                self.indexer.keys(x, positions))[:, None].astype(latent.dtype)
+        return (out, carried), entry
 
-    def decode_step(self, x, put, *, q_positions, kv_positions, kv_segment_ids,
-                    partitioner=None):
-        if self.index_shared:
-            self._no_cache()
-        return super().decode_step(x, put, q_positions=q_positions, kv_positions=kv_positions,
-                                   kv_segment_ids=kv_segment_ids, partitioner=partitioner)
+    def decode_step(self, x: jax.Array, put, *selection: jax.Array, q_positions: jax.Array,
+                    kv_positions: jax.Array, kv_segment_ids: jax.Array,
+                    partitioner: Partitioner | None = None):
+        """`MLA.decode_step`; with the carried ``selection`` [B, T, >= k] (array indices into
+        the cache's slots): (out, the selection carried on). A full layer selects among its
+        ``index_k`` cache as `MLA` does; either kind then attends to its selected slots of
+        ``latent_pe`` in the absorbed form."""
+        if not selection and not self.index_shared:
+            return super().decode_step(x, put, q_positions=q_positions,
+                                       kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                                       partitioner=partitioner)
+        p = resolve(partitioner)
+        rows = ("batch", None, None, None)
+        q_seg = jnp.ones(q_positions.shape, jnp.int32)
+        with jax.named_scope(self.block_name):
+            q_latent, q, k_pe, latent = self.project_all(x)
+            q, k_pe = self.apply_rope(q, k_pe, q_positions)
+
+            def select():
+                iq, iw = self.indexer.queries(x, q_latent, q_positions)
+                new_k = self.indexer.keys(x, q_positions)[:, None].astype(latent.dtype)
+                index_k = put("index_k", reshard(p, new_k, rows))
+                scores = self.indexer.score(iq, iw, index_k[:, 0], q_positions=q_positions,
+                                            kv_positions=kv_positions, q_segment_ids=q_seg,
+                                            kv_segment_ids=kv_segment_ids)
+                return self.indexer.topk(scores, self.index_topk, kv_positions)
+
+            indices, carried = self.share(self._one(selection), kv_positions.shape[1], select)
+            new = self.cache_entry(k_pe, latent)["latent_pe"]
+            cache = put("latent_pe", reshard(p, new, rows))
+            out = self.attend_slots(q, cache, indices, q_positions=q_positions,
+                                    kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                                    partitioner=p)
+            return out, carried
 
 
 class GlmMoeDsaDecoderLayer(DeepSeekV32DecoderLayer):
     """DeepSeek-V3.2's layer with GLM-5's attention; full and shared layers are different
-    kinds (`layer_kind`). Called on ``(hidden, indices)`` it returns ``((hidden, indices),
-    aux)``, the selection carried on; on a plain hidden state (a full layer alone, e.g. an
-    MTP module's) a plain hidden state."""
+    kinds (`layer_kind`). On a stream ``(hidden, selection)`` it returns ``((hidden,
+    selection), aux)``, the selection carried on (`block`); on a plain hidden state (a full
+    layer alone, e.g. an MTP module's) a plain hidden state."""
 
     attention_cls: ClassVar[type] = GlmMoeDsaAttention
 
@@ -286,18 +383,31 @@ class GlmMoeDsaDecoderLayer(DeepSeekV32DecoderLayer):
             rms_norm_eps=MLA_NORM_EPS, index_rope_interleaved=True,
             index_shared=config.indexer_type(self.layer_idx) == "shared")
 
-    def __call__(self, x, *, positions: jax.Array, segment_ids: jax.Array | None = None):
-        carried = isinstance(x, tuple)
-        h, indices = x if carried else (x, None)
-        used = {}
+    def block(self, x, attention, **kwargs):
+        """`DecoderLayer.block`; on a stream ``(hidden, selection)`` the attention is called
+        as ``attention(h, selection) -> (out, selection carried on)`` (`__call__` passes
+        `GlmMoeDsaAttention.attend_with`, `zoo.inference` its cached calls) and the layer
+        returns ``((hidden, selection), aux)``."""
+        if not isinstance(x, tuple):
+            return super().block(x, attention, **kwargs)
+        h, selection = x
+        carried = {}
 
-        def attention(y):
-            out, used["indices"] = self.self_attn.attend_with(
-                y, indices, positions=positions, segment_ids=segment_ids)
+        def attend(y):
+            out, carried["selection"] = attention(y, selection)
             return out
 
-        h, aux = self.block(h, attention)
-        return ((h, used["indices"]) if carried else h), aux
+        h, aux = super().block(h, attend, **kwargs)
+        return (h, carried["selection"]), aux
+
+    def __call__(self, x, *, positions: jax.Array, segment_ids: jax.Array | None = None):
+        def attention(y, *selection):
+            if selection:
+                return self.self_attn.attend_with(y, *selection, positions=positions,
+                                                  segment_ids=segment_ids)
+            return self.self_attn(y, positions=positions, segment_ids=segment_ids)
+
+        return self.block(x, attention)
 
 
 class GlmMoeDsa(DeepSeekV32):
@@ -323,6 +433,22 @@ class GlmMoeDsa(DeepSeekV32):
             if aux is not None:
                 auxes.append(aux)
         return carry[0], auxes
+
+    def stream_in(self, tokens: jax.Array) -> tuple[Any, dict[str, Any]]:
+        """`CausalLM.stream_in` for `zoo.inference`: with shared layers the stream is
+        ``(embedding [B, T, D], selection [B, T, index_topk])``, the selection empty (-1) until
+        the first (full) layer fills it: a prompt of L tokens, or a cache of S slots, gives each
+        layer ``min(index_topk, L or S)`` keys, which `GlmMoeDsaAttention.share` pads to this
+        fixed width. Without shared layers, the plain embedding."""
+        x, kwargs = super().stream_in(tokens)
+        if self.config.num_full_layers == self.config.num_hidden_layers:
+            return x, kwargs
+        empty = jnp.full((*tokens.shape, self.config.index_topk), -1, jnp.int32)
+        return (x, self.partitioner.constrain(empty, _INDICES, SCOPE)), kwargs
+
+    def stream_out(self, x: Any) -> jax.Array:
+        """The hidden state of `stream_in`'s stream (the selection dropped)."""
+        return x[0] if isinstance(x, tuple) else x
 
 
 from_hf, to_hf = family_io(GlmMoeDsa, "GLM-5", "Hub layout, bf16/fp32 or block-FP8")
