@@ -277,10 +277,14 @@ def matrix(argv_args) -> int:
     return 1 if failed else 0
 
 
-def merged_overrides(given) -> list[str]:
+def merged_overrides(given, fields=None) -> list[str]:
     """The goal row's overrides (`GOAL_ROW`) with ``given`` (``FIELD=VALUE`` strings) merged
-    over them by field, in order: a given field replaces its default, others stay."""
-    merged = dict(kv.split("=", 1) for kv in GOAL_ROW)
+    over them by field, in order: a given field replaces its default, others stay. With
+    ``fields`` (the model config's field names), a default the config has no field for is
+    left out (Qwen3-Next has no MTP: ``num_nextn_predict_layers``); a given one is kept, for
+    the config to refuse by name."""
+    merged = {k: v for k, v in (kv.split("=", 1) for kv in GOAL_ROW)
+              if fields is None or k in fields}
     for kv in given or ():
         if "=" not in kv:
             raise SystemExit(f"--set {kv!r}: expected FIELD=VALUE, e.g. --set fp8=blockwise")
@@ -321,7 +325,11 @@ def main(argv=None) -> int:
     cpus = [t.count for t in parsed if t.platform == "cpu" and t.count]
     if cpus:  # before anything starts jax's backend
         set_virtual_devices(max(cpus))
-    overrides = merged_overrides(args.overrides)
+    import dataclasses
+
+    from zoo.models import registry
+    fields = {f.name for f in dataclasses.fields(registry.resolve(args.model)[1])}
+    overrides = merged_overrides(args.overrides, fields)
     remat = None if args.remat in ("none", "None") else args.remat
     rows = []
     for target in targets:

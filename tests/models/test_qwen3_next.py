@@ -147,3 +147,37 @@ def test_layers_subclass_and_keys():
     assert names == sorted(f"model.layers.0.linear_attn.{n}" for n in (
         "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
         "norm.weight", "out_proj.weight"))
+
+
+def test_hub_mtp_tensors_are_named_not_loaded(tmp_path):
+    """A Hub checkpoint's multi-token-prediction tensors (``mtp.*``) are not loaded, and
+    `from_hf` says so once, by name; the model loads whole and equal without them."""
+    import warnings
+
+    from safetensors.numpy import save_file
+    model = Qwen3Next(Qwen3NextConfig.mini(num_experts=4, num_experts_per_tok=2,
+                                           num_hidden_layers=2,
+                                           layer_types=("linear_attention", "full_attention")),
+                      rngs=nnx.Rngs(0))
+    path = tmp_path / "ckpt"
+    model.to_hf(path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        zoo.models.from_hf(path)
+    assert not [w for w in seen if "multi-token" in str(w.message)]
+    mtp = {"mtp.fc.weight": np.ones((128, 256), np.float32),
+           "mtp.layers.0.input_layernorm.weight": np.ones(128, np.float32)}
+    save_file(mtp, str(path / "mtp.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        import json
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+        index.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=r"Qwen3Next.from_hf: .* holds 2 multi-token-prediction "
+                                         r"tensor\(s\) \(mtp.fc.weight, mtp.layers.0.input_"):
+        loaded = zoo.models.from_hf(path)
+    want, got = (jax.tree.leaves(nnx.state(m, nnx.Param)) for m in (model, loaded))
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -367,3 +367,32 @@ def test_too_many_pieces_is_loud():
     xs = gd._prepare(*(bal[n] for n in ("q", "k", "v", "g", "beta")), seg)
     out = gd._shard(*xs, seg, jnp.asarray(bal["positions"]), axes=(), max_pieces=2)
     assert np.isnan(np.asarray(out)).any()
+
+
+def test_pick_rows_equals_gather_without_scatter():
+    """The convolution's context lookup (`gd.pick_rows`, a one-hot product): equal to a masked
+    ``take_along_axis`` in value and gradient, and its backward has no scatter (the gather's
+    transpose, a scatter-add, overflows TPU vector memory at full width: libtpu E1001)."""
+    rng = np.random.default_rng(5)
+    table = rng.normal(size=(2, 6, 7)).astype(np.float32)
+    idx = rng.integers(0, 6, size=(2, 11)).astype(np.int32)
+    valid = rng.uniform(size=(2, 11)) < 0.7
+    ct = rng.normal(size=(2, 11, 7)).astype(np.float32)
+
+    def gather(t, i, m):
+        return jnp.where(m[..., None], jnp.take_along_axis(t, i[..., None], axis=1), 0.0)
+
+    def value_and_vjp(f):
+        return jax.jit(lambda t, i, m, c: (lambda o, vjp: (o, *vjp(c)))(
+            *jax.vjp(lambda t: f(t, i, m), t)))
+
+    got, got_dt = value_and_vjp(gd.pick_rows)(table, idx, valid, ct)
+    want, want_dt = value_and_vjp(gather)(table, idx, valid, ct)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got_dt), np.asarray(want_dt), **tol(jnp.float32, want_dt))
+    assert np.any(np.asarray(want_dt) == 0) and np.any(np.abs(np.asarray(want_dt)) > 1)
+
+    def backward_text(f):
+        return jax.jit(jax.grad(lambda t: jnp.sum(f(t, idx, valid) * ct))).lower(table).as_text()
+    assert "scatter" in backward_text(gather)
+    assert "scatter" not in backward_text(gd.pick_rows)

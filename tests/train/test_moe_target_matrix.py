@@ -159,3 +159,6 @@ def test_matrix_shards_partition_the_cells_and_saved_rows_resume(tmp_path, capsy
     assert t.merged_overrides(["moe_overflow=exact", "fp8=blockwise"]) == [
         "moe_buffer_factor=2", "num_nextn_predict_layers=0", "moe_overflow=exact",
         "fp8=blockwise"]
+    # a default the model's config has no field for is left out; a given field is kept
+    assert t.merged_overrides(["dtype=float32"], {"moe_buffer_factor", "dtype"}) == [
+        "moe_buffer_factor=2", "dtype=float32"]

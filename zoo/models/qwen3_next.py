@@ -17,7 +17,8 @@
   `qwen3_next_80b_a3b` and `mini` (vocab 264).
 * `from_hf(path)` / `to_hf(model, path)`: the layout transformers saves (per-expert
   ``mlp.experts.{e}.gate_proj/up_proj/down_proj``). A Hub checkpoint's ``mtp.*`` tensors
-  (multi-token prediction) are not read.
+  (multi-token prediction) are not read (transformers' model has no MTP module either);
+  `Qwen3Next.from_hf` says so with a warning naming them.
 
 Legend: B batch, L length, D hidden_size, N heads, K kv heads, H head_dim, E experts,
 F moe_intermediate_size, V vocab.
@@ -26,6 +27,8 @@ F moe_intermediate_size, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any, ClassVar
 
 from zoo.layers import hf_keys as hfk
@@ -34,7 +37,7 @@ from zoo.layers.gated_deltanet import GatedDeltaNet
 from zoo.layers.norm import ZeroCentredRMSNorm
 from zoo.layers.rope import RoPE
 from zoo.layers.shared_expert import SharedExpertMoE
-from zoo.models import registry
+from zoo.models import hf, registry
 from zoo.models.config import DecoderConfig, check_positive, zoo_field
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 
@@ -280,6 +283,21 @@ class Qwen3Next(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = Qwen3NextDecoderLayer
     final_norm_cls: ClassVar[type] = ZeroCentredRMSNorm
     hf_model_types: ClassVar[tuple[str, ...]] = ("qwen3_next",)
+
+    @classmethod
+    def from_hf(cls, path, **kwargs):
+        """`CausalLM.from_hf`, then one warning naming the checkpoint's multi-token-prediction
+        tensors (``mtp.*``, published with Qwen3-Next and Qwen3.5), which no parameter takes:
+        zoo's model, like transformers', has no MTP module, so they stay unread."""
+        model = super().from_hf(path, **kwargs)
+        mtp = sorted(k for k in hf.CheckpointReader(path).keys() if k.startswith("mtp."))
+        if mtp:
+            warnings.warn(f"{cls.__name__}.from_hf: checkpoint {os.fspath(path)!r} holds "
+                          f"{len(mtp)} multi-token-prediction tensor(s) ({', '.join(mtp[:3])}"
+                          f"{', ...' if len(mtp) > 3 else ''}); zoo's {cls.__name__} has no MTP "
+                          f"module and does not load them (transformers ignores them too); the "
+                          f"model loads whole without them", UserWarning, stacklevel=2)
+        return model
 
 
 from_hf, to_hf = family_io(Qwen3Next, "Qwen3-Next", "the layout transformers saves")

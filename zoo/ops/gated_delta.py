@@ -82,7 +82,7 @@ import jax.numpy as jnp
 from zoo.partitioning import Partitioner
 
 __all__ = ["CHUNK", "IMPLEMENTATIONS", "causal_conv1d", "conv_tail", "gated_delta_rule", "gates",
-           "l2norm", "recurrent_step", "solve_unit_lower", "unit_lower_inverse"]
+           "l2norm", "pick_rows", "recurrent_step", "solve_unit_lower", "unit_lower_inverse"]
 
 IMPLEMENTATIONS = ("chunked", "recurrent")
 CHUNK = 64
@@ -157,6 +157,22 @@ def _packing_order(seg, pos):
 def _take_rows(x, idx):
     """``x[b, idx[b]]`` for x [B, L, ...]."""
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def pick_rows(table: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
+    """``table[b, idx[b, t]]`` where ``valid[b, t]``, else 0: table [B, R, D] with few rows R,
+    idx and valid [B, L] -> [B, L, D] in table's dtype.
+
+    A one-hot product rather than ``take_along_axis``: a gather's transpose is a scatter-add of
+    L rows onto R, which libtpu fuses into one vector-memory scope that does not fit at D =
+    12,288 (E1001 CompileTimeScopedVmemOom in Qwen3.5-397B's step); the one-hot product's
+    transpose is a matmul as well, and both cost ``L * R * D`` multiply-adds (small R: here
+    ``max_pieces * (W - 1)`` context rows). The forward equals the gather exactly (each output
+    sums one entry with zeros; ``Precision.HIGHEST`` keeps float32 on TPU); the table's
+    gradient sums the same terms as the scatter-add, in another order."""
+    onehot = (idx[..., None] == jnp.arange(table.shape[1])) & valid[..., None]
+    return jnp.einsum("blr,brd->bld", onehot.astype(table.dtype), table,
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def _inverse(perm):
@@ -782,6 +798,6 @@ def _conv_shard(x, weight, seg, pos, *, axes, max_pieces):
         m = j - back  # 1..W-1: the m-th token before the piece's start
         from_ctx = (back < j) & (slot >= 0)
         idx = jnp.clip(slot * (W - 1) + m - 1, 0, ctx.shape[1] - 1)
-        fetched = jnp.where(from_ctx[..., None], _take_rows(ctx, idx), 0.0)
+        fetched = pick_rows(ctx, idx, from_ctx)
         out = out + (local + fetched) * weight[:, W - 1 - j]
     return jnp.where(overflow[:, None, None], jnp.nan, out) if axes else out
