@@ -50,6 +50,7 @@ from flax import nnx
 
 from zoo.layers.moe import ACT, MoE
 from zoo.ops import moe as ops
+from zoo.ops.moe_execution import dispatch_bytes
 from zoo.partitioning import Partitioner, make_mesh
 from zoo.train.launch import set_cpu_devices
 
@@ -238,7 +239,7 @@ def bytes_table(tokens: int) -> None:
     gb = lambda v: f"{v / 1e9:.2f}"
     print(f"\nPer-device collective bytes of one MoE layer, forward+backward, bf16, {tokens} "
           f"tokens per device (GB); 'minimum' = every token copy sent once to its expert's "
-          f"device and back (`zoo.ops.moe.dispatch_bytes`)\n")
+          f"device and back (`zoo.ops.moe_execution.dispatch_bytes`)\n")
     print("| model | EP | all_gather analytic | all_gather measured | minimum (ragged a2a, "
           "balanced) | padded a2a f=2 measured | padded a2a dropless measured |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -248,11 +249,11 @@ def bytes_table(tokens: int) -> None:
             continue
         embed, _, k, _ = PRESET_SHAPES[preset]
         dims = dict(tokens=tokens, k=k, embed=embed, num_shards=ep)
-        row = [preset, str(ep), gb(ops.dispatch_bytes("all_gather", **dims))]
+        row = [preset, str(ep), gb(dispatch_bytes("all_gather", **dims))]
         for kw in (dict(dispatch="all_gather"), None,
                    dict(dispatch="all_to_all", buffer_factor=2.0), dict(dispatch="all_to_all")):
             if kw is None:
-                row.append(gb(ops.dispatch_bytes("all_to_all", **dims)))
+                row.append(gb(dispatch_bytes("all_to_all", **dims)))
                 continue
             got = layer_bytes(preset, ep, tokens, **kw)
             row.append(gb(sum(v for kind, v in got.items() if kind != "all-reduce")))

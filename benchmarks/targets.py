@@ -31,7 +31,7 @@ under a strategy on 8 devices of a target, with the MoE's dispatch, overflow and
 (`cell_config`); its verdict is ``compiles``, ``invalid`` (a combination the MoE refuses at
 construction, with its message: e.g. ``overflow='exact'`` with all_gather) or ``FAILS`` (the
 error). The row also names the grouped-matmul kernel the execution resolved and why, where it
-fell back to XLA's (`zoo.ops.moe.MoEExecution`). ``--pairwise`` runs a covering subset
+fell back to XLA's (`zoo.ops.moe_execution.MoEExecution`). ``--pairwise`` runs a covering subset
 (`pairwise_cells`): every pair of values of any two axes appears in some valid cell.
 """
 
@@ -179,8 +179,9 @@ def run_cell(cell: dict, devices=None) -> dict:
 
 
 def valid(cell: dict) -> bool:
-    """Whether the MoE takes a cell's combination (the rules of `zoo.ops.moe.MoEExecution`:
-    rounds need all_to_all and plain SwiGLU experts; gpt-oss's have biases)."""
+    """Whether the MoE takes a cell's combination (the rules of
+    `zoo.ops.moe_execution.MoEExecution`: rounds need all_to_all and plain SwiGLU experts;
+    gpt-oss's have biases)."""
     if cell["overflow"] == "exact":
         return cell["dispatch"] == "all_to_all" and cell["family"] != "gpt_oss"
     return True

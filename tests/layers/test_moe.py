@@ -14,6 +14,7 @@ from flax import nnx
 
 from zoo.layers.moe import MoE, RouterBias, moe_modules, update_expert_bias
 from zoo.ops import moe as ops
+from zoo.ops.moe_execution import a2a_capacity
 from zoo.partitioning import Partitioner, make_mesh
 
 B, L, D, F, E = 8, 8, 16, 8, 8
@@ -414,7 +415,7 @@ def test_all_to_all_buffer_overflow_is_counted_and_kept_copies_exact(setups, mes
     for bi in range(nb):
         for li in range(nl):
             blk = indices[bi * bs:(bi + 1) * bs, li * ls:(li + 1) * ls].reshape(-1, k)
-            cap = ops.a2a_capacity(bs * ls, k, E // ep, ep, factor)
+            cap = a2a_capacity(bs * ls, k, E // ep, ep, factor)
             keep[bi * bs:(bi + 1) * bs, li * ls:(li + 1) * ls] = _a2a_keep(
                 blk, E // ep, cap).reshape(bs, ls, E)
     dropped = indices.size - int(keep.sum())
@@ -624,7 +625,7 @@ def test_auto_overflow_rule():
     args["overflow"] = "auto"  # the default, stated
     m = MoE(partitioner=ep4, **args)
     assert (m.dispatch, m.overflow, m.exchange_buffer_factor) == ("all_to_all", "exact", 1.25)
-    assert ops.a2a_capacity(8, 2, 2, 4, 1.25) == 5 and ops.a2a_capacity(8, 2, 2, 4, None) == 16
+    assert a2a_capacity(8, 2, 2, 4, 1.25) == 5 and a2a_capacity(8, 2, 2, 4, None) == 16
     # a buffer factor: drop (as before "auto" existed)
     m = MoE(partitioner=ep4, buffer_factor=2.0, **args)
     assert (m.overflow, m.exchange_buffer_factor) == ("drop", 2.0)
@@ -873,7 +874,7 @@ def test_ragged_transport_equals_the_padded_one(impl, monkeypatch):
     wg, wu = (0.3 * jax.random.normal(kk, (n * num_local, d, f)) for kk in keys[3:5])
     wo = 0.3 * jax.random.normal(keys[5], (n * num_local, f, d))
     mesh = make_mesh(expert=n)
-    cap = ops.a2a_capacity(T, k, num_local, n, 0.75)
+    cap = a2a_capacity(T, k, num_local, n, 0.75)
     P = jax.sharding.PartitionSpec
 
     def run(transport):

@@ -1,4 +1,4 @@
-"""FP8 tokens on the MoE's all_to_all wire (`zoo.ops.moe.MoEExecution.fp8_dispatch`).
+"""FP8 tokens on the MoE's all_to_all wire (`zoo.ops.moe_execution.MoEExecution.fp8_dispatch`).
 
 * Bytes: the program's own collectives (the HLO JAX hands XLA, before XLA:CPU widens bfloat16
   collectives to float32) -- the dispatch all-to-all carries ``D + 4 * D/128`` bytes a row

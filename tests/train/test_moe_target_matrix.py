@@ -1,4 +1,4 @@
-"""The MoE execution value (`zoo.ops.moe.MoEExecution`) and the accelerator program space:
+"""The MoE execution value (`zoo.ops.moe_execution.MoEExecution`) and the accelerator program space:
 every family's mini x strategy x dispatch x overflow x dtype x target compiles.
 
 The fast tests check the value (the fallback rule and its reason, ``dropless()``, the record)
@@ -55,7 +55,7 @@ def test_execution_is_resolved_and_validated_in_one_place():
     falls back to XLA's ragged dot with its reason, bfloat16 keeps tokamax; the combination
     rules raise with their fix; ``dropless()`` keeps the scheme and kernel and drops nothing;
     the record is JSON."""
-    from zoo.ops.moe import TRITON_FP32_REASON, MoEExecution
+    from zoo.ops.moe_execution import TRITON_FP32_REASON, MoEExecution
     sizes = dict(sharded=True, expert_shards=4, tokens_per_device=512, num_experts=8, k=2,
                  embed=64)
     gpu = dict(platform="gpu", device="h100", **sizes)

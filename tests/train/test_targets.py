@@ -353,14 +353,14 @@ def test_moe_settles_its_grouped_matmul_by_its_mesh(devices):
 
     from zoo import make_mesh
     from zoo.layers.moe import MoE
-    from zoo.ops import moe as ops
+    from zoo.ops.moe_execution import choose_grouped_matmul
     from zoo.partitioning import Partitioner
     from zoo.targets import compile_with_text
     from zoo.train import target_devices
     from zoo.train.step import abstract_state
 
-    assert ops.choose_grouped_matmul("auto", "tpu") == "ragged_dot"
-    assert ops.choose_grouped_matmul("blocked", "tpu") == "blocked"
+    assert choose_grouped_matmul("auto", "tpu") == "ragged_dot"
+    assert choose_grouped_matmul("blocked", "tpu") == "blocked"
     shape = (8, 512, 256)
 
     def layer(devs, **kw):  # abstract: a target's devices hold nothing

@@ -56,7 +56,7 @@ FSDP-sharded), then dispatches by the constructor's ``dispatch``:
 * ``"all_gather"``: all-gather tokens over ``expert``, run the local experts on all of them
   (`zoo.ops.moe.dropless_experts`), reduce-scatter back: ``(EP - 1) * T`` rows each way and a
   sort over ``EP * T * k`` copies -- right when EP <= k on fast links.
-* ``"auto"``: the one with fewer analytic bytes per device (`zoo.ops.moe.dispatch_bytes`,
+* ``"auto"``: the one with fewer analytic bytes per device (`zoo.ops.moe_execution.dispatch_bytes`,
   i.e. all_to_all when EP > k); all_gather without expert parallelism or with a capacity.
   ``MoE.dispatch`` holds the resolved choice (recorded in ``run.json``).
 
@@ -80,10 +80,10 @@ once per step (`MoE.fp8_weights`) and every grouped matmul takes those copies.
 
 Execution. The arguments that choose how the layer runs (``dispatch``, ``capacity_factor``,
 ``buffer_factor``, ``overflow``, ``grouped_matmul``, with ``dtype`` and the mesh) build one
-frozen value, ``MoE.execution`` (`zoo.ops.moe.MoEExecution`): resolved and validated once at
-construction, passed to the kernels as a static value (its target device reaches their
-backward pass), recorded in ``run.json``. ``MoE.dispatch``, ``MoE.overflow``, ... read it;
-``m.execution = m.execution.dropless()`` makes a layer drop nothing.
+frozen value, ``MoE.execution`` (`zoo.ops.moe_execution.MoEExecution`): resolved and
+validated once at construction, passed to the kernels as a static value (its target device
+reaches their backward pass), recorded in ``run.json``. ``MoE.dispatch``, ``MoE.overflow``,
+... read it; ``m.execution = m.execution.dropless()`` makes a layer drop nothing.
 
 Legend: B batch, L length, D embed, E experts, F mlp, k experts per token.
 """
@@ -106,13 +106,14 @@ from zoo.layers.linear import prequantized, record_fp8_stats
 from zoo.layers.mlp import MLP
 from zoo.ops import fp8 as fp8_ops
 from zoo.ops import moe as ops
+from zoo.ops import moe_execution as execution
 from zoo.ops.moe_rounds import all_to_all_rounds
 from zoo.partitioning import COMPUTE_DTYPE, Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
-DISPATCHES, OVERFLOWS = ops.DISPATCHES, ops.OVERFLOWS
+DISPATCHES, OVERFLOWS = execution.DISPATCHES, execution.OVERFLOWS
 GATE_UPS = ("separate", "interleaved")
-ROUNDS_BUFFER_FACTOR = ops.ROUNDS_BUFFER_FACTOR
+ROUNDS_BUFFER_FACTOR = execution.ROUNDS_BUFFER_FACTOR
 
 
 class RouterBias(nnx.Variable):
@@ -165,7 +166,7 @@ class MoE(nnx.Module):
       dispatch: ``"all_to_all"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
       grouped_matmul: ``"auto"`` (blocked on CPU, XLA's ragged dot on TPU, tokamax on GPU),
         ``"blocked"``, ``"tokamax"`` or ``"ragged_dot"`` (XLA's ragged dot where tokamax cannot
-        run: `zoo.ops.moe.MoEExecution`).
+        run: `zoo.ops.moe_execution.MoEExecution`).
       buffer_factor: all_to_all receive rows per peer as a multiple of the balanced share
         (None: dropless); overflow is dropped and counted in ``aux["dropped_tokens"]``.
       overflow: what all_to_all does with copies beyond ``buffer_factor``'s buffers: ``"drop"``,
@@ -186,7 +187,7 @@ class MoE(nnx.Module):
         `zoo.ops.fp8.ragged_dot`) and the shared experts' products (`zoo.layers.Linear`) in
         blockwise-scaled FP8; the router stays float32 (docs/fp8.md).
       fp8_dispatch: whether the tokens cross the all_to_all wire as FP8 tiles with their
-        scales (`zoo.ops.moe.MoEExecution.fp8_dispatch`): None (the default) wherever the
+        scales (`zoo.ops.moe_execution.MoEExecution.fp8_dispatch`): None (the default) wherever the
         experts run in FP8 behind the all_to_all dispatch, False never, True insists (an
         error where the dispatch resolves to no all_to_all wire).
 
@@ -250,7 +251,7 @@ class MoE(nnx.Module):
                                  f"'fp8_blockwise', but grouped_matmul={grouped_matmul!r} "
                                  f"asks for another; leave it 'auto' or set fp8=None")
             grouped_matmul = "fp8_blockwise"
-        ops.MoEExecution.check(dispatch=dispatch, capacity_factor=capacity_factor,
+        execution.MoEExecution.check(dispatch=dispatch, capacity_factor=capacity_factor,
                                buffer_factor=buffer_factor, overflow=overflow,
                                grouped_matmul=grouped_matmul, plain=plain,
                                fp8_dispatch=fp8_dispatch)
@@ -399,14 +400,15 @@ class MoE(nnx.Module):
         replicated = tuple(a for a in ep_axes if a not in {a for a, _ in plan})
         return tok, plan, replicated
 
-    def resolve_execution(self, **requested) -> ops.MoEExecution:
-        """The `zoo.ops.moe.MoEExecution` the requested options (`MoE`'s arguments of the same
-        names, ``plain`` and ``dtype``) stand for on this layer's mesh and sizes."""
+    def resolve_execution(self, **requested) -> execution.MoEExecution:
+        """The `zoo.ops.moe_execution.MoEExecution` the requested options (`MoE`'s arguments
+        of the same names, ``plain`` and ``dtype``) stand for on this layer's mesh and
+        sizes."""
         p = self.partitioner
         ep = p.size("experts", "moe")
         batch, length, embed = self.inputs_shape
         replicated = self._token_plan()[2] if p.mesh is not None else ()
-        return ops.MoEExecution.resolve(
+        return execution.MoEExecution.resolve(
             **requested, platform=p.platform, device=p.target_device, sharded=p.mesh is not None,
             expert_shards=ep, unsharded_token_axes=replicated,
             tokens_per_device=batch * length // (p.size("batch") * p.size("length")),
@@ -610,7 +612,7 @@ class MoE(nnx.Module):
             wg, wu, wo, bias = gather_weights(local)
             nb, nl = x.shape[:2]
             t = nb * nl
-            cap = ops.a2a_capacity(t, k, num_local, n_ep, self.exchange_buffer_factor)
+            cap = execution.a2a_capacity(t, k, num_local, n_ep, self.exchange_buffer_factor)
             extra = {} if self.overflow == "exact" else dict(activation=self.activation,
                                                              bias=bias)
             exchange = ops.all_to_all_experts if self.overflow == "drop" else all_to_all_rounds

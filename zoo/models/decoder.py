@@ -60,7 +60,7 @@ from zoo.layers.norm import RMSNorm
 from zoo.layers import hf_keys as hfk
 from zoo.models import hf
 from zoo.models.config import DecoderConfig
-from zoo.ops.moe import choose_grouped_matmul
+from zoo.ops.moe_execution import choose_grouped_matmul
 from zoo.models.stacks import (STACK_METADATA, build_stack, interleave_aux, layer_cycles,
                                layer_groups, run_cycle, run_layers)
 from zoo.partitioning import Partitioner, resolve

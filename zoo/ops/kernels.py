@@ -203,8 +203,8 @@ class TokamaxKernel(BlockKernel):
 
     ``implementation``: tokamax's names, tried in order (None: Mosaic (GPU/TPU), Triton (GPU),
     then XLA). ``device``: a device of the target mesh when it is not of the process's default
-    platform (`zoo.Partitioner.target_device`, as `zoo.ops.moe.MoEExecution.device` for the
-    MoE's kernels: a static field, so the backward, traced later, sees it too); the ops are
+    platform (`zoo.Partitioner.target_device`, as `zoo.ops.moe_execution.MoEExecution.device`
+    for the MoE's kernels: a static field, so the backward, traced later, sees it too); the ops are
     traced with it as the default device, which is where tokamax looks for the platform (its
     Mosaic kernels refuse a CPU default device even for a TPU mesh).
     The mask is passed as a dense boolean [B, 1, L, S] block; `ScoreMod` is not supported.

@@ -350,7 +350,7 @@ def _record(family, model_cls, decoder_layer_cls, model_config, partitioner, abs
             custom_tx: bool, processes: int) -> dict[str, Any]:
     """What run.json and each checkpoint record beside the settings."""
     from zoo.layers.moe import moe_modules  # the MoE kernels as resolved for this mesh
-    # the first MoE layer's `zoo.ops.moe.MoEExecution` (kernel and the reason for a fallback)
+    # the first MoE layer's `zoo.ops.moe_execution.MoEExecution` (kernel, reason for a fallback)
     moe = next((m.execution.as_dict() for m in moe_modules(abstract, with_bias=False)), None)
     return dict(family=family.name, model_cls=class_path(model_cls),
                 decoder_layer_cls=class_path(decoder_layer_cls),
