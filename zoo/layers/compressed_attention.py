@@ -167,11 +167,16 @@ class Compressor(nnx.Module):
 
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None):
-        B, L = x.shape[:2]
+        return self.compress(*self.project(x), positions=positions, segment_ids=segment_ids)
+
+    def compress(self, kv: jax.Array, gate: jax.Array, *, positions: jax.Array,
+                 segment_ids: jax.Array | None = None):
+        """`__call__` from the tokens' projections (`project`): (entries, entry_start,
+        entry_segment_ids)."""
+        B, L = kv.shape[:2]
         seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
         table = ca.window_table(positions, seg, self.rate)
         slots, nxt = ca.window_slots(table, positions, seg, self.rate)
-        kv, gate = self.project(x)
         pooled = self.pool(kv, gate, positions, slots, nxt, bias=self.position_bias[...],
                            num_entries=L // self.rate)
         entries = self.finish(pooled, table.entry_start, self.kv_norm.scale[...], kv.dtype)
@@ -203,10 +208,11 @@ class Compressor(nnx.Module):
         x, n_tokens = left_aligned(x, segment_ids)
         j = jnp.arange(P, dtype=jnp.int32)
         pos = jnp.broadcast_to(j, (B, P))
-        entries, _, _ = self(x, positions=pos, segment_ids=(j < n_tokens).astype(jnp.int32))
+        kv, gate = self.project(x)
+        entries, _, _ = self.compress(kv, gate, positions=pos,
+                                      segment_ids=(j < n_tokens).astype(jnp.int32))
         complete = (j[:P // m, None] + 1) * m <= n_tokens[:, :, None]  # [B, E, 1]
         entries = jnp.where(complete, entries, 0)
-        kv, gate = self.project(x)
         g = gate.astype(F32) + jnp.take(self.position_bias[...], pos % m, axis=0)
         n = n_tokens[:, 0] // m  # each row's complete windows
         window = lambda a, first: jnp.take_along_axis(  # tokens first .. first + m - 1
