@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from support import assert_close
-from zoo.layers.compressed_attention import CompressedAttention, rotate_trailing
+from zoo.layers.compressed_attention import CompressedAttention
+from zoo.layers.compressor import rotate_trailing
 from zoo.layers.rope import RoPE, YaRN
 from zoo.ops import compressed_attention as ca
 

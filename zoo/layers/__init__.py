@@ -5,8 +5,8 @@ parameters are created already sharded. Subclass a layer and override one method
 """
 
 from zoo.layers.attention import Attention
-from zoo.layers.compressed_attention import (CompressedAttention, CompressedIndexer, Compressor,
-                                             GroupedOutputProjection)
+from zoo.layers.compressed_attention import CompressedAttention, GroupedOutputProjection
+from zoo.layers.compressor import CompressedIndexer, Compressor
 from zoo.layers.embed import Embed
 from zoo.layers.gated_attention import GatedAttention
 from zoo.layers.gated_deltanet import GatedDeltaNet
