@@ -485,7 +485,7 @@ class MoE(nnx.Module):
         shards hold every scale they may need; `fp8_weights` makes no copies where a tensor
         shard would cut a block); the counts by expert."""
         spec = tuple(spec) + (None,) * (copy.w.ndim - len(spec))
-        scale = tuple(e if e is None or dim % (self.partitioner.axis_size(e) * 128) == 0
+        scale = tuple(e if e is None or fp8_ops.whole_blocks(dim, self.partitioner.axis_size(e))
                       else None for dim, e in zip(copy.w.shape, spec))
         return fp8_ops.QuantizedWeight(P(*spec), P(*spec), P(spec[0], *scale[1:]),
                                        P(spec[0], None))
@@ -496,7 +496,7 @@ class MoE(nnx.Module):
         blocks of the whole weight are those each shard quantises (FSDP shards of ``embed``
         are gathered before the product, so they never cut one)."""
         tensor = self.partitioner.size("mlp", "moe")
-        return tensor == 1 or (self.mlp_dim // tensor) % 128 == 0
+        return tensor == 1 or fp8_ops.whole_blocks(self.mlp_dim, tensor)
 
     def fp8_weights(self) -> dict[str, fp8_ops.QuantizedWeight]:
         """The FP8 copies of the routed experts' weights (`zoo.layers.linear.
@@ -577,10 +577,8 @@ class MoE(nnx.Module):
                     gather = lambda a, d=d, spec=spec: jax.lax.all_gather(
                         a, _entry_axes(spec[d]), axis=d, tiled=True)
                     if isinstance(w, fp8_ops.QuantizedWeight):  # a scale unsharded stays
-                        w = fp8_ops.QuantizedWeight(
-                            gather(w.w), gather(w.q),
-                            gather(w.scale) if len(in_spec.scale) > d and in_spec.scale[d]
-                            else w.scale, w.stats)
+                        w = w.gathered(gather, scale=bool(len(in_spec.scale) > d
+                                                          and in_spec.scale[d]))
                     else:
                         w = gather(w)
                 out.append(w)

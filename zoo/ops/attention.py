@@ -324,7 +324,7 @@ def _straddles(partitioner: Partitioner | None, columns: int) -> bool:
     block may not straddle two shards), so the FP8 copy cannot cross."""
     p = resolve(partitioner)
     tp = p.axis_size(p.mesh_axes("act_heads", "attention")) if p.mesh is not None else 1
-    return tp > 1 and (columns % tp or (columns // tp) % fp8_ops.WEIGHT_BLOCK[1] != 0)
+    return tp > 1 and not fp8_ops.whole_blocks(columns, tp)
 
 
 def _mla_expand(qk_nope_head_dim, fp8, width, params, payload):

@@ -56,7 +56,7 @@ __all__ = ["ACTIVATION_BLOCK", "FP8_DTYPES", "Fp8EmulatedWarning", "MODES", "STA
            "dot", "pack_tiles", "prequantize", "QuantizedWeight", "quantize",
            "quantize_stats", "quantize_tiles", "ragged_dot", "scaled_matmul",
            "sharded_dot", "Tiles",
-           "unpack_tiles"]
+           "unpack_tiles", "whole_blocks"]
 
 ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
@@ -265,10 +265,27 @@ class QuantizedWeight(NamedTuple):
                              "amax/448 scales; pass the unquantised weight for power-of-two "
                              "scales")
 
+    def gathered(self, fn, *, scale: bool = True) -> QuantizedWeight:
+        """The copy of a weight gathered by ``fn`` (an all-gather of one dim inside a
+        `jax.shard_map`): ``w`` and ``q`` through ``fn``, ``scale`` too where it is sharded
+        on that dim (``scale``; a scale left whole by `whole_blocks` stays), ``stats`` as
+        they are."""
+        return QuantizedWeight(fn(self.w), fn(self.q), fn(self.scale) if scale else self.scale,
+                               self.stats)
+
     def map(self, fn) -> QuantizedWeight:
         """`fn` applied to ``w``, ``q``, ``scale`` and ``stats`` (e.g. a slice of leading
         dims, an all-gather along a 128-aligned dim)."""
         return QuantizedWeight(*(fn(a) for a in self))
+
+
+def whole_blocks(dim: int, shards: int) -> bool:
+    """Whether ``shards`` equal shards of a weight dimension of size ``dim`` each hold whole
+    128-blocks: then the blocks each shard quantises are those of the whole weight, so an FP8
+    copy made once (`prequantize`) can be sharded like the weight, its scales included; else
+    a block straddles two shards (each shard must quantise its own part, or the copy's scales
+    stay whole along that dimension)."""
+    return dim % (shards * WEIGHT_BLOCK[1]) == 0
 
 
 def prequantize(w: jax.Array) -> QuantizedWeight:
@@ -357,11 +374,11 @@ def sharded_dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, mesh, x_spec, w
         return dot(x, w, grad_dtype=grad_dtype, power_of_two=power_of_two)
     taken = {a for e in lead for a in names(e)}
     keep_n = (size(w_spec[1]) > 1 and not taken & set(names(w_spec[1]))
-              and n % (size(w_spec[1]) * _TILE) == 0)
+              and whole_blocks(n, size(w_spec[1])))
     gathers = [(0, names(w_spec[0])), (1, () if keep_n else names(w_spec[1]))]
     gathers = [(axis, a) for axis, a in gathers if a]
-    whole_blocks = all(dim % (size(e) * _TILE) == 0 for dim, e in zip((k, n), w_spec))
-    send_copy = pre is not None and whole_blocks
+    send_copy = pre is not None and all(whole_blocks(dim, size(e))
+                                        for dim, e in zip((k, n), w_spec))
 
     def gather(a):  # [..., K, N] shards -> the product's weight (leading dims: none here)
         for axis, a_names in gathers:
@@ -369,10 +386,7 @@ def sharded_dot(x: jax.Array, w: jax.Array | QuantizedWeight, *, mesh, x_spec, w
         return a
 
     def local(x, w):
-        if isinstance(w, QuantizedWeight):
-            w = QuantizedWeight(gather(w.w), gather(w.q), gather(w.scale), w.stats)
-        else:
-            w = gather(w)
+        w = w.gathered(gather) if isinstance(w, QuantizedWeight) else gather(w)
         return dot(x, w, grad_dtype=grad_dtype, power_of_two=power_of_two)
 
     w_in = P(*w_spec)
