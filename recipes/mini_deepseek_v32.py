@@ -3,7 +3,7 @@ its lightning indexer ranks best; one multi-token-prediction module).
 
     python recipes/mini_deepseek_v32.py                  # 8 virtual CPU devices, EP-as-CP
     python recipes/mini_deepseek_v32.py --set index_topk=32
-    python recipes/mini_deepseek_v32.py --set index_stage=warmup   # train the indexer (docs/families.md)
+    python recipes/mini_deepseek_v32.py --set index_stage=warmup   # train the indexer
     python recipes/mini_deepseek_v32.py --help           # every setting, with its default
 
 With no flags on a CPU-only machine: 8 virtual devices, strategy ``ep_as_cp`` on the mesh
