@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from flax import nnx
 
 from test_crash_safety import tiny_state
@@ -154,6 +155,31 @@ def test_a_reader_creates_cleans_and_moves_nothing(tmp_path):
     # a run dir without checkpoints/ stays without it
     assert restore(tmp_path / "none", read_only=True)[0] is None
     assert not (tmp_path / "none").exists()
+
+
+
+def test_a_reader_lists_while_a_trainer_rotates_a_step_out(tmp_path, monkeypatch):
+    """The oldest step is being deleted by a live trainer's rotation while a reader lists the
+    folder: its metadata file is already gone, so Orbax looks at the folder's time, and the
+    folder is gone by then. The reader lists again and restores the newest step."""
+    kernels = saved_steps(tmp_path / "ck", steps=(1, 2, 3))
+    oldest = tmp_path / "ck" / "1"
+    metadata = [p for p in oldest.iterdir() if p.is_file() and "METADATA" in p.name.upper()]
+    assert metadata, sorted(p.name for p in oldest.iterdir())
+    for p in metadata:
+        p.unlink()  # the rotation's rmtree has begun
+    stat, rotated = epath.gpath.PosixGPath.stat, []
+
+    def racing_stat(path):
+        if os.fspath(path) == str(oldest) and not rotated:
+            rotated.append(path)
+            shutil.rmtree(oldest)  # ... and ends right here
+        return stat(path)
+
+    monkeypatch.setattr(epath.gpath.PosixGPath, "stat", racing_stat)
+    got, _ = restore(tmp_path / "ck", read_only=True)
+    assert rotated and got.step == 3
+    np.testing.assert_array_equal(np.asarray(got.model.kernel[...]), kernels[3])
 
 
 # -- through the command lines -----------------------------------------------------------------

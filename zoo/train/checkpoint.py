@@ -52,6 +52,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -71,6 +72,19 @@ SAVE_TIMEOUT_S = 600.0  # the longest wait for one checkpoint save before it cou
 DIGESTS = "zoo-digests.json"  # in each step's folder: every file's size and SHA-256
 _HASH_THREADS = 8
 
+
+
+def _listed(list_steps: Callable[[], Any], attempts: int = 20) -> Any:
+    """``list_steps()`` (which lists the checkpoint folder: Orbax names the steps, then stats
+    each), again whenever a step vanished in between: a live trainer rotates old steps out
+    while a reader (``zoo.generate --run``, ``zoo.evaluate``) looks at the same folder."""
+    for attempt in range(attempts):
+        try:
+            return list_steps()
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
 
 class CheckpointSaveFailed(RuntimeError):
     """A checkpoint save failed (no space, read-only, permission, ...) or did not finish within
@@ -318,8 +332,8 @@ class Checkpointer:
                 enable_async_checkpointing=async_save)
         handlers = dict(state=ocp.StandardCheckpointHandler(), data=ProcessJsonHandler(),
                         config=ocp.JsonCheckpointHandler())
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_handlers=handlers)
+        self.manager = _listed(lambda: ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers))
 
     # -- queries -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -501,7 +515,7 @@ class Checkpointer:
         tried: set[int] = set()
         while True:
             if self.read_only and jax.process_count() == 1:
-                self.manager.reload()
+                _listed(self.manager.reload)
             left = [s for s in self.steps() if s not in tried and s not in self._bad]
             if not left:
                 return
@@ -586,7 +600,7 @@ class Checkpointer:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"zoo_checkpoint_{prefix}_{step}")
-        self.manager.reload()
+        _listed(self.manager.reload)
 
     def wait(self) -> None:
         """Block until the save in flight is on disk (at most ``save_timeout_s``); raises
