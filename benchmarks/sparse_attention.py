@@ -44,6 +44,17 @@ Columns, per device of the SPMD program:
 
     python benchmarks/sparse_attention.py      # 8 virtual CPU devices unless JAX_NUM_CPU_DEVICES
                                                # or XLA_FLAGS sets a count
+
+``--fetch`` prints instead how the selected latents reach each context shard
+(`zoo.ops.sparse_attention.fetch_plan` and ``fetch_bytes``): for a row of packed documents laid
+out by each `zoo.data.load_balance` layout, the distances ``fetch="hops"`` visits and the bytes
+per device of one forward call (the latent, ``k_pe``, positions and segment ids; the backward
+sends the latent's gradient back the same way) under hops and under the all-gather, and what
+``fetch="auto"`` takes. Two selections stand in for the indexer's: ``recent`` (each query's k
+most recent keys of its document) and ``spread`` (k keys evenly over its document's causal
+prefix, the whole prefix when it is shorter than k).
+
+    python benchmarks/sparse_attention.py --fetch
 """
 
 from __future__ import annotations
@@ -218,6 +229,71 @@ def cpu_ms(prog: Program, compiled, iters: int) -> float:
     return statistics.median(times)
 
 
+def packed_documents(length: int, mean: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and segment ids [1, length] of documents with lognormal lengths (median
+    ``mean``), packed until the row is full (the last one cut)."""
+    rng = np.random.default_rng(seed)
+    pos, seg = np.zeros(length, np.int32), np.zeros(length, np.int32)
+    at, doc = 0, 1
+    while at < length:
+        n = min(max(int(rng.lognormal(np.log(mean), 1.0)), 16), length - at)
+        pos[at:at + n], seg[at:at + n] = np.arange(n), doc
+        at, doc = at + n, doc + 1
+    return pos[None], seg[None]
+
+
+def selection(positions: np.ndarray, k: int, kind: str, chunk: int = 4096) -> np.ndarray:
+    """Indices [L, k] int32 into the natural row: ``recent`` or ``spread`` (module docstring),
+    built ``chunk`` queries at a time."""
+    L = positions.shape[-1]
+    out = np.empty((L, k), np.int32)
+    j = np.arange(k, dtype=np.int64)[None]
+    for at in range(0, L, chunk):
+        p = positions[0, at:at + chunk].astype(np.int64)[:, None]  # the queries' positions
+        i = np.arange(at, min(at + chunk, L), dtype=np.int64)[:, None]  # document at i - p
+        if kind == "recent":
+            idx = np.where(j <= p, i - j, -1)
+        else:
+            idx = np.where(p + 1 <= k, np.where(j <= p, i - p + j, -1),
+                           i - p + j * p // max(k - 1, 1))
+        out[at:at + chunk] = idx
+    return out
+
+
+def fetch_table(lengths, cps, d: Dims, dtype, mean: int):
+    from zoo.data import load_balance
+    from zoo.ops.sparse_attention import choose_fetch, fetch_bytes, fetch_plan
+    per_token = (d.kv_lora_rank + d.rope) * dtype.itemsize + 8
+    print(f"## Fetching the selected latents under context parallelism: hops against the "
+          f"all-gather, bytes per device of one forward call (top-{d.topk}; latent "
+          f"{d.kv_lora_rank} + rope {d.rope} in {dtype.name}, positions and segment ids: "
+          f"{per_token} bytes a token; documents of median {mean} tokens)\n")
+    print("| length | cp | layout | selection | distances needed (of cp-1) | hops MiB | "
+          "all-gather MiB | hops / all-gather | auto takes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length in lengths:
+        pos, seg = packed_documents(length, mean)
+        for kind in ("recent", "spread"):
+            natural = selection(pos, min(d.topk, length), kind)  # query i's keys, natural row
+            for cp in cps:
+                for layout in ("row", "document", "auto", "none"):
+                    order = np.asarray(load_balance(
+                        {"o": np.arange(length, dtype=np.int32)[None], "positions": pos,
+                         "segment_ids": seg}, cp, strategy=layout)["o"])[0]  # new -> old
+                    inv = np.argsort(order).astype(np.int32)  # old -> new
+                    # place m of the new row holds query order[m]; its keys, renamed
+                    idx = natural[order]
+                    idx = np.where(idx >= 0, inv[np.maximum(idx, 0)], -1)[None]
+                    dist = np.asarray(fetch_plan(idx, cp)[1])
+                    del idx
+                    wire = fetch_bytes(dist, length // cp, per_token)
+                    hops = int(dist[1:].sum())
+                    take = "hops" if choose_fetch(hops, cp) else "all_gather"
+                    print(f"| {length} | {cp} | {layout} | {kind} | {hops} | "
+                          f"{_num(wire['hops'] / 2**20)} | {_num(wire['all_gather'] / 2**20)} "
+                          f"| {wire['hops'] / wire['all_gather']:.3f} | {take} |", flush=True)
+
+
 def _num(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.4g}"
 
@@ -242,10 +318,18 @@ def main():
     ap.add_argument("--time-max-gib", type=float, default=8.0,
                     help="time a program only if its memory on all devices fits in this")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--fetch", action="store_true",
+                    help="print only the fetch table: hops against the all-gather (docstring)")
+    ap.add_argument("--fetch-lengths", default="32768,131072")
+    ap.add_argument("--document-tokens", type=int, default=2048,
+                    help="median document length of the --fetch rows")
     args = ap.parse_args()
     set_cpu_devices(None)  # importing jax started no backend: still in time
     d = Dims(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Dims)})
     lengths, cps = _ints(args.lengths), _ints(args.cps)
+    if args.fetch:
+        return fetch_table(_ints(args.fetch_lengths), [c for c in cps if c > 1], d,
+                           jnp.dtype(args.dtype), args.document_tokens)
     if max(cps) > len(jax.devices()):
         raise SystemExit(f"--cps {args.cps}: {max(cps)} devices needed, {len(jax.devices())} "
                          f"here; set JAX_NUM_CPU_DEVICES={max(cps)} or lower --cps")

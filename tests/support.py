@@ -7,6 +7,19 @@ import jax
 import numpy as np
 
 
+def packed_rows(docs, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and segment ids [len(docs), length] int32 of rows packing documents of the
+    given lengths (``docs[b]``: row b's, numbered 1, 2, ... from the row's start), the rest
+    of each row padding (segment id 0)."""
+    pos, seg = np.zeros((len(docs), length), np.int32), np.zeros((len(docs), length), np.int32)
+    for b, lengths in enumerate(docs):
+        at = 0
+        for d, n in enumerate(lengths, start=1):
+            pos[b, at:at + n], seg[b, at:at + n] = np.arange(n), d
+            at += n
+    return pos, seg
+
+
 def rel_err(a, b) -> float:
     """Max absolute error relative to the reference's largest magnitude."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -47,3 +60,24 @@ def weight_block_amaxes(jaxpr) -> int:
                 if hasattr(inner, "eqns"):
                     n += weight_block_amaxes(inner)
     return n
+
+
+@jax.jit
+def loss_and_grads(model, data):
+    """The train step's loss (`zoo.train.step.loss_fn`) and its gradients w.r.t. the model's
+    parameters."""
+    from flax import nnx
+
+    from zoo.train import step
+    return nnx.value_and_grad(lambda m: step.loss_fn(m, data), has_aux=True,
+                              argnums=nnx.DiffState(0, nnx.Param))(model)
+
+
+def split_indexer_grads(grads) -> tuple[list[float], list[float]]:
+    """The largest |gradient| of each parameter outside the indexers, and of each inside."""
+    from flax import nnx
+
+    flat = nnx.to_flat_state(grads)
+    main = [float(np.max(np.abs(v[...]))) for p, v in flat if "indexer" not in p]
+    index = [float(np.max(np.abs(v[...]))) for p, v in flat if "indexer" in p]
+    return main, index

@@ -554,7 +554,7 @@ def test_sliding_window_ring_moves_only_visible_hops(name):
 
 def test_sliding_window_ring_hops_over_two_mesh_axes():
     """ep_as_cp shards the sequence over ("context", "expert"), the reverse of the mesh's axis
-    order: the hop plan's sends go to the shards it names in sequence order (`ring._ring_perm`),
+    order: the hop plan's sends go to the shards it names in sequence order (`ring.ring_perm`),
     so forward and dq/dk/dv equal the dense reference (jax 0.10 numbered the ppermute group in
     mesh order and this was off by whole blocks; jax 0.12 refuses such a ppermute)."""
     mask = Causal() & SlidingWindow(20) & Document()

@@ -94,8 +94,8 @@ from zoo.ops import fp8 as fp8_ops
 from zoo.ops.attention import (KV_WIRES, attention, choose_mla_wire, dot_product_attention,
                                mla_attention)
 from zoo.ops.masks import Mask, attention_mask, default_mask
-from zoo.ops.sparse_attention import (TopK, choose_query_chunk, gather_keys, map_query_chunks,
-                                     sparse_attention, sparse_mla_attention)
+from zoo.ops.sparse_attention import (TopK, check_fetch, choose_query_chunk, gather_keys,
+                                     map_query_chunks, sparse_attention, sparse_mla_attention)
 from zoo.partitioning import Partitioner, resolve
 
 _HEADS = ("batch", "length", "act_heads", "act_head_dim")
@@ -132,6 +132,8 @@ class MLA(AttentionBlock):
         (module docstring); used only with ``index_topk``.
       index_rope_interleaved: the indexer's RoPE layout (`Indexer`'s ``rope_interleaved``):
         False (DeepSeek-V3.2, half-split) or True (GLM-5, interleaved).
+      index_fetch: ``"auto"`` (default), ``"all_gather"`` or ``"hops"``: how the selected
+        latents reach each context shard (`zoo.ops.sparse_mla_attention`'s ``fetch``).
     """
 
     block_name = "mla"
@@ -151,7 +153,8 @@ class MLA(AttentionBlock):
                  kv_wire: str = "auto", fp8: str | None = None,
                  index_topk: int | None = None, index_n_heads: int = 64,
                  index_head_dim: int = 128, index_stage: str = "off",
-                 index_rope_interleaved: bool = False, rngs: nnx.Rngs):
+                 index_rope_interleaved: bool = False, index_fetch: str = "auto",
+                 rngs: nnx.Rngs):
         p = resolve(partitioner)
         _, length, embed = check_inputs_shape(inputs_shape, p, num_heads=num_heads,
                                               num_kv_heads=num_heads, what="MLA")
@@ -172,6 +175,7 @@ class MLA(AttentionBlock):
                              f"rotates pairs of dimensions)")
         check_index(index_topk, q_lora_rank, logits_soft_cap, sinks)
         check_index_stage(index_stage, index_topk)
+        check_fetch(index_fetch, "MLA: index_fetch")
         self.num_heads = self.num_kv_heads = num_heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -220,6 +224,7 @@ class MLA(AttentionBlock):
                              out_axes=("embed",), **kw)
         self.index_topk = index_topk
         self.index_stage = index_stage
+        self.index_fetch = index_fetch
         self.indexer = None if index_topk is None else Indexer(
             num_heads=index_n_heads, head_dim=index_head_dim, rope_head_dim=qk_rope_head_dim,
             q_lora_rank=q_lora_rank, inputs_shape=inputs_shape, partitioner=p, rope=self.rope,
@@ -547,7 +552,7 @@ class MLA(AttentionBlock):
                 self.kv_b_proj.kernel[...].astype(dtype), indices,
                 qk_nope_head_dim=self.qk_nope_head_dim, positions=positions,
                 segment_ids=segment_ids, mask=mask, scale=self.scale,
-                partitioner=self.partitioner)
+                partitioner=self.partitioner, fetch=self.index_fetch)
         return self.partitioner.constrain(o, _HEADS, SCOPE)
 
     def expand_kv(self, k_pe: jax.Array, latent: jax.Array) -> tuple[jax.Array, jax.Array]:

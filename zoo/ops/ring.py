@@ -175,7 +175,7 @@ def _expand(cfg, params, payload):
     return tuple(payload) if cfg.expand is None else tuple(cfg.expand(params, payload))
 
 
-def _ring_perm(axes, offset):
+def ring_perm(axes, offset):
     """(axes in mesh order, ppermute pairs) that send shard r to shard r + offset, r being
     ``axis_index(axes)`` -- the sequence order, major axis first as ``axes`` names them.
 
@@ -209,7 +209,7 @@ def _shift(xs, cfg, offset=1):
     """Send every array in xs `offset` shards on (r -> r + offset): shard r gets shard r - d's."""
     if not cfg.axes:
         return xs
-    axes, perm = _ring_perm(tuple(cfg.axes), offset)
+    axes, perm = ring_perm(tuple(cfg.axes), offset)
     return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), xs)
 
 

@@ -32,11 +32,32 @@ marks an empty slot. Indices of one query must be distinct (a top-k is).
   result back -- the per-head K/V are never built. Under context parallelism (a partitioner
   whose attention sequence axes are > 1) it runs under `jax.shard_map`: each shard holds its
   queries and their ``indices`` (array indices into the whole row, as `zoo.layers.Indexer`
-  selects them), all-gathers the latent and ``k_pe`` (R + Hr values per token) with their
-  positions and segment ids over the sequence axes, and attends locally; backward, the
-  latent's gradient is reduce-scattered back (the all-gather's transpose). Exact for any
-  token order (`zoo.data.load_balance`): the indices name places in the gathered row, and the
-  mask is evaluated on the gathered positions and segment ids.
+  selects them; shard s of n holds places [s*S, (s+1)*S) of the row as laid out), fetches the
+  latent and ``k_pe`` (R + Hr values per token) with their positions and segment ids from the
+  shards that own them, and attends locally. Exact for any token order
+  (`zoo.data.load_balance`): the indices name places in the row, and the mask is evaluated on
+  the fetched positions and segment ids.
+
+* Fetching the keys under context parallelism (``fetch=``):
+  - ``"all_gather"``: all-gather the whole row's latent and ``k_pe`` over the sequence axes;
+    backward, their gradient is reduce-scattered back (the all-gather's transpose).
+  - ``"hops"``: only the blocks of shards that hold selected keys move. Each shard marks the
+    source shards its indices name (an [n] bool), all-gathers it into the need matrix
+    [n, n] (`fetch_plan` computes the same from the whole row's indices) and reduces it over
+    the other mesh axes, so every device agrees on it. For each distance d = 1..n-1 one
+    static `jax.lax.ppermute` brings every shard the block of shard (r - d) mod n, inside a
+    `jax.lax.cond` on "some shard needs distance d" (uniform, so every device takes the same
+    branch); a distance no shard needs moves nothing, forward or backward (its gradient goes
+    home by the inverse permutation under the same condition). The local block always counts.
+    The fetched blocks are laid side by side by distance and the indices remapped to them, so
+    the attention is the all-gather's, over the same selected keys: no extra work per block.
+  - ``"auto"`` (default): by bytes per call, decided at run time from the agreed need matrix
+    (`choose_fetch`): hops move (needed distances) x S x (R + Hr) x itemsize per device, the
+    all-gather (n - 1) x the same (positions and segment ids add 8 bytes per token to both);
+    hops when they move fewer bytes, else the all-gather (one collective for the same bytes).
+    Rows of short documents kept whole on their shards (the ``"auto"`` layout's greedy
+    placement, or no reordering) need few distances; ``"document"`` cuts every document over
+    all shards, so every distance is needed and the all-gather is taken.
 
 `choose_query_chunk` and `map_query_chunks` bound the per-step arrays of a computation over
 queries (this op's ``"gather"``, `zoo.layers.Indexer`'s selection, `zoo.ops.compressed_attention`).
@@ -60,9 +81,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zoo.ops.masks import Causal, Document, Mask, evaluate
+from zoo.ops.ring import ring_perm
 from zoo.partitioning import Partitioner, resolve
 
 IMPLEMENTATIONS = ("auto", "dense", "gather")
+FETCHES = ("auto", "all_gather", "hops")  # how the selected latents reach a shard (docstring)
 
 
 @jax.tree_util.register_dataclass
@@ -282,7 +305,8 @@ def sparse_mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up
                          segment_ids: jax.Array | None = None, mask: Mask | None = None,
                          scale: float | None = None, partitioner: Partitioner | None = None,
                          implementation: str = "auto",
-                         query_chunk: int | str | None = "auto") -> jax.Array:
+                         query_chunk: int | str | None = "auto",
+                         fetch: str = "auto") -> jax.Array:
     """MLA self-attention of each query over its selected keys (module docstring) -> [B, L, N, Hv].
 
     Args:
@@ -293,15 +317,20 @@ def sparse_mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up
       positions, segment_ids: [B, L] of the tokens (queries = keys; None: one document).
       mask: the elementwise mask besides the selection (default ``Causal() & Document()``).
       scale: softmax scale (default (Hn + Hr)**-0.5).
-      partitioner: under context parallelism the keys are all-gathered (module docstring).
+      partitioner: under context parallelism the keys are fetched from their shards
+        (module docstring).
       implementation, query_chunk: `sparse_attention`'s, on each shard's queries;
         ``query_chunk="auto"``: `choose_query_chunk` (bounds the gathered keys per step).
+      fetch: ``"auto"``, ``"all_gather"`` or ``"hops"``: how the keys reach each shard under
+        context parallelism (module docstring); no effect without it.
 
-    What crosses the wire per token under context parallelism: the latent and ``k_pe`` (R + Hr
-    values) forward and their gradients backward, plus the positions and segment ids (int32).
+    What crosses the wire per token fetched under context parallelism: the latent and ``k_pe``
+    (R + Hr values) forward and their gradients backward, plus the positions and segment ids
+    (int32).
     """
     B, L, N, Hqk = q.shape
     R, Hn = latent.shape[-1], qk_nope_head_dim
+    check_fetch(fetch)
     if (latent.ndim != 3 or k_pe.ndim != 3 or latent.shape[:2] != (B, L)
             or k_pe.shape[:2] != (B, L) or Hn + k_pe.shape[-1] != Hqk
             or kv_up.shape[:2] != (R, N) or kv_up.shape[2] <= Hn):
@@ -316,7 +345,8 @@ def sparse_mla_attention(q: jax.Array, latent: jax.Array, k_pe: jax.Array, kv_up
     seq_axes = p.sequence_axes("attention") if p.mesh is not None else ()
     local = functools.partial(_absorbed, Hn=Hn, mask=mask, scale=scale,
                               implementation=implementation, query_chunk=query_chunk,
-                              seq_axes=tuple(seq_axes))
+                              seq_axes=tuple(seq_axes), fetch=fetch,
+                              mesh_axes=tuple(p.mesh.axis_names) if seq_axes else ())
     args = (q, latent, k_pe, kv_up, indices, positions, segment_ids)
     if not seq_axes:  # no sequence shards: the plain program (XLA partitions batch and heads)
         return local(*args)
@@ -380,13 +410,13 @@ def _entry(axes):
 
 
 def _absorbed(q, latent, k_pe, kv_up, indices, positions, segment_ids, *, Hn, mask, scale,
-              implementation, query_chunk, seq_axes):
+              implementation, query_chunk, seq_axes, fetch, mesh_axes):
     """One shard's (or the whole row's) absorbed MLA over the selected keys."""
     kv = jnp.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1)  # [B, S_local, R + Hr]
     kv_pos, kv_seg = positions, segment_ids
-    if seq_axes:  # the whole row's keys: indices are places in it
-        kv, kv_pos, kv_seg = (jax.lax.all_gather(a, seq_axes, axis=1, tiled=True)
-                              for a in (kv, kv_pos, kv_seg))
+    if seq_axes:  # the keys the indices name, from their shards
+        kv, kv_pos, kv_seg, indices = _fetch_keys(kv, kv_pos, kv_seg, indices, fetch=fetch,
+                                                  seq_axes=seq_axes, mesh_axes=mesh_axes)
     dtype = kv.dtype
     w = kv_up.astype(dtype)
     w_uk, w_uv = w[..., :Hn], w[..., Hn:]
@@ -400,3 +430,93 @@ def _absorbed(q, latent, k_pe, kv_up, indices, positions, segment_ids, *, Hn, ma
                              v_head_dim=latent.shape[-1], implementation=implementation,
                              query_chunk=query_chunk)  # [B, L, N, R]
     return jnp.einsum("blnr,rnv->blnv", o_lat, w_uv).astype(q.dtype)
+
+
+# -- fetching the selected keys under context parallelism --------------------------------------
+
+def check_fetch(fetch, what: str = "sparse_mla_attention: fetch") -> None:
+    """Raise a `ValueError` naming the value and the choices unless ``fetch`` is one of
+    `FETCHES`; ``what`` names the argument (``"MLA: index_fetch"``)."""
+    if fetch not in FETCHES:
+        raise ValueError(f"{what}={fetch!r} must be one of {FETCHES} (how the selected keys "
+                         f"reach each context shard; 'auto' picks by bytes)")
+
+
+def _need_row(indices: jax.Array, cp: int, tokens_per_shard: int) -> jax.Array:
+    """[cp] bool: which shards own some key that ``indices`` [..., k] names (-1: none)."""
+    owner = jnp.where(indices >= 0, indices // tokens_per_shard, cp).reshape(-1)
+    return jnp.zeros(cp + 1, bool).at[owner].set(True)[:cp]
+
+
+def hop_distances(need: jax.Array) -> jax.Array:
+    """need [n, n] (row r: the source shards shard r needs) -> [n] bool: distance d is needed
+    when some shard r needs shard (r - d) mod n; d = 0 (the local block) always is."""
+    n = need.shape[0]
+    r = jnp.arange(n)
+    by_distance = need[r[:, None], (r[:, None] - r[None, :]) % n]  # [r, d]
+    return jnp.any(by_distance, axis=0).at[0].set(True)
+
+
+def fetch_plan(indices: jax.Array, cp: int) -> tuple[jax.Array, jax.Array]:
+    """The whole row's selection ``indices`` [B, L, k] (places in the row as laid out, -1
+    empty) over ``cp`` shards of L/cp tokens -> (need [cp, cp] bool: some query of shard r
+    selects a key of shard s, over every row; distances [cp] bool: `hop_distances`). The same
+    plan ``fetch="hops"`` makes inside the shard_map from each shard's own indices."""
+    B, L, k = indices.shape
+    if L % cp:
+        raise ValueError(f"fetch_plan: {L} tokens do not split over cp={cp} shards; pass a "
+                         f"length divisible by {cp}")
+    per_shard = jnp.moveaxis(jnp.asarray(indices).reshape(B, cp, L // cp, k), 1, 0)
+    need = jax.vmap(lambda a: _need_row(a, cp, L // cp))(per_shard)
+    return need, hop_distances(need)
+
+
+def fetch_bytes(distances, tokens_per_shard: int, bytes_per_token: int) -> dict[str, int]:
+    """Bytes each device receives per call: ``{"hops": needed distances (d >= 1) x S x bytes,
+    "all_gather": (n - 1) x S x bytes}`` (``bytes_per_token``: (R + Hr) x itemsize, plus 8 for
+    positions and segment ids)."""
+    n, hops = len(distances), int(sum(bool(d) for d in list(distances)[1:]))
+    block = tokens_per_shard * bytes_per_token
+    return {"hops": hops * block, "all_gather": (n - 1) * block}
+
+
+def choose_fetch(num_hops, cp: int):
+    """``fetch="auto"``'s rule: hops (True) when the needed distances ``num_hops`` (d >= 1)
+    move fewer bytes than the all-gather's ``cp - 1`` blocks, else the all-gather (one
+    collective for the same bytes). Works on ints and on traced values."""
+    return num_hops < cp - 1
+
+
+def _fetch_keys(kv, pos, seg, indices, *, fetch, seq_axes, mesh_axes):
+    """Inside the shard_map: the keys ``indices`` (places in the whole row) name, with their
+    positions and segment ids -> (kv, pos, seg, indices into them)."""
+    def gather(_):
+        return (*(jax.lax.all_gather(a, seq_axes, axis=1, tiled=True) for a in (kv, pos, seg)),
+                indices)
+
+    if fetch == "all_gather":
+        return gather(None)
+    n, S = jax.lax.axis_size(seq_axes), kv.shape[1]
+    need = jax.lax.all_gather(_need_row(indices, n, S).astype(jnp.int32), seq_axes)  # [n, n]
+    need = jax.lax.pmax(need, mesh_axes) > 0  # every device of the mesh agrees
+    distances = hop_distances(need)
+
+    def hops(_):
+        blocks = [(kv, pos, seg)]  # blocks[d]: shard (me - d) mod n's
+        for d in range(1, n):
+            axes, perm = ring_perm(seq_axes, d)
+            blocks.append(jax.lax.cond(
+                distances[d],
+                lambda xs, axes=axes, perm=perm: tuple(jax.lax.ppermute(x, axes, perm)
+                                                       for x in xs),
+                lambda xs: tuple(jnp.zeros_like(x) for x in xs), blocks[0]))
+        # one attention over the blocks side by side, indices renamed to them (attending
+        # block by block and merging by log-sum-exp would gather all k slots per block)
+        me = jax.lax.axis_index(seq_axes)
+        owner = indices // S
+        d_of = jnp.where(indices >= 0, (me - owner) % n * S + indices % S, -1)
+        return (*(jnp.concatenate(parts, axis=1) for parts in zip(*blocks)), d_of)
+
+    if fetch == "hops":
+        return hops(None)
+    return jax.lax.cond(choose_fetch(jnp.sum(distances[1:]), n), hops, gather, None)
