@@ -8,7 +8,10 @@
   single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
   ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly,
   and so are MXFP4 tensors (gpt-oss's experts: ``X_blocks`` + ``X_scales`` read as ``X``,
-  see `dequantize_mxfp4`). A tensor holding NaN or Inf is refused (`BadCheckpoint`, naming it).
+  see `dequantize_mxfp4`) and DeepSeek-V4's release (``X.weight`` + ``X.scale``: FP8 e4m3 with
+  one ue8m0 scale per block, or FP4 e2m1 packed two a byte with one per 32 inputs, see
+  `dequantize_fp8` and `dequantize_fp4`). A tensor holding NaN or Inf is refused
+  (`BadCheckpoint`, naming it).
 * `Tensor` -- one row of a model's key map (`zoo.layers.hf_keys`, re-exported here with its
   helpers `linear`, `copy`, `stacked_linear`, `zoo_only`): a zoo variable path, its Hugging Face
   key (or one key per expert, stacked on the leading axis, or none: zoo-only) and the layout
@@ -54,7 +57,8 @@ from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
 
 __all__ = ["BadCheckpoint", "CheckpointReader", "LayerStack", "Tensor", "check_checkpoint",
-           "check_tensors", "copy", "dequantize_mxfp4", "expected_shapes", "export_files",
+           "check_tensors", "copy", "dequantize_fp4", "dequantize_fp8", "dequantize_mxfp4",
+           "expected_shapes", "export_files",
            "export_tensors", "linear", "load_into", "read_config", "rope_from_hf", "rope_to_hf",
            "save_checkpoint", "stacked_linear", "zoo_only"]
 
@@ -196,11 +200,15 @@ def check_fields(cfg: dict[str, Any], expected: dict[str, Any], *, what: str) ->
 # -- reading safetensors ---------------------------------------------------------------------
 
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "F8_E8M0": ml_dtypes.float8_e8m0fnu,
                "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
                "F64": np.float64, "I64": np.int64, "I32": np.int32, "I16": np.int16,
                "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _ML_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-                                             ml_dtypes.float8_e5m2))
+                                             ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu))
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_FP4_PACKED_DTYPES = ("I8", "U8")  # DeepSeek-V4's experts: two e2m1 codes a byte
+FP4_BLOCK = 32  # DeepSeek-V4's FP4 experts: one scale per 32 inputs of a row
 
 
 class CheckpointReader:
@@ -211,7 +219,11 @@ class CheckpointReader:
     ``key + "_blocks"`` / ``key + "_scales"`` (MXFP4, gpt-oss's published experts) is the
     tensor ``key``: `dequantize_mxfp4`, then the last two axes swapped (the blocks are stored
     ``[..., out, in / 32, 16]``; the tensor is ``[..., in, out]``, as transformers' parameter);
-    ``keys()`` lists ``key`` in their place.
+    ``keys()`` lists ``key`` in their place. DeepSeek-V4's release stores ``X.weight`` with its
+    scale as ``X.scale`` (`scale_key`): an e4m3 weight is dequantised like V3's
+    (`dequantize_fp8`, ue8m0 or float scales), an int8 one holds FP4 e2m1 codes two a byte
+    (`dequantize_fp4`; ``shape`` is the unpacked ``[out, in]``). A quantised weight without
+    its scale, or a scale of another shape, is a `ValueError` naming both tensors.
     """
 
     def __init__(self, path: str | os.PathLike, *, block_size: Sequence[int] = (128, 128)):
@@ -246,17 +258,52 @@ class CheckpointReader:
             self._headers[name] = _read_header(name)
         return self._headers[name]
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The shape of tensor `key` from its file's header (no tensor data is read)."""
-        if key in self._mxfp4:
-            *lead, rows, groups, half = self.shape(key + "_blocks")
-            return (*lead, groups * 2 * half, rows)
+    def _info(self, key: str) -> dict[str, Any]:
         name = self._file[key]
         info = self._header(name)[0].get(key)
         if info is None:
             raise ValueError(f"checkpoint: {INDEX_NAME} places {key!r} in {name}, which does "
                              f"not hold it; download the checkpoint folder again")
-        return tuple(info["shape"])
+        return info
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of tensor `key` from its file's header (no tensor data is read); a packed
+        FP4 weight's is the unpacked ``[out, in]``."""
+        if key in self._mxfp4:
+            *lead, rows, groups, half = self.shape(key + "_blocks")
+            return (*lead, groups * 2 * half, rows)
+        shape = tuple(self._info(key)["shape"])
+        if self.quantisation(key) == "fp4":
+            return (*shape[:-1], 2 * shape[-1])
+        return shape
+
+    def scale_key(self, key: str) -> str | None:
+        """The block scale stored beside weight `key`: ``key + "_scale_inv"`` (DeepSeek-V3's
+        release) or, for ``X.weight``, ``X.scale`` (DeepSeek-V4's); None without one."""
+        candidates = [key + "_scale_inv"]
+        if key.endswith(".weight"):
+            candidates.append(key[:-len("weight")] + "scale")
+        return next((k for k in candidates if k in self._file), None)
+
+    def quantisation(self, key: str) -> str | None:
+        """``"fp8"`` (a block-scaled weight), ``"fp4"`` (e2m1 codes two a byte, one scale per
+        `FP4_BLOCK` inputs) or None (read as stored), from the header's dtype and the scale
+        beside it; a FP8 or packed FP4 weight without its scale is a `ValueError`."""
+        if key in self._mxfp4 or key not in self._file:
+            return None
+        dtype, scale = self._info(key)["dtype"], self.scale_key(key)
+        packed = dtype in _FP4_PACKED_DTYPES and key.endswith(".weight")
+        if scale is None and (packed or dtype in _FP8_DTYPES):
+            names = [key + "_scale_inv"] + ([key[:-len("weight")] + "scale"]
+                                            if key.endswith(".weight") else [])
+            raise ValueError(
+                f"checkpoint {self.path!r}: weight {key!r} is stored as {dtype} "
+                f"({'packed FP4 e2m1' if packed else 'FP8'}) but has no block scale beside it "
+                f"({' or '.join(map(repr, names))}); zoo cannot dequantise it: download the "
+                f"checkpoint folder again (every shard the index lists)")
+        if scale is None or (scale.endswith(".scale") and not (packed or dtype in _FP8_DTYPES)):
+            return None  # (a float weight beside a parameter that happens to be named scale)
+        return "fp4" if packed else "fp8"
 
     def keys(self) -> list[str]:
         packed = {k + suffix for k in self._mxfp4 for suffix in ("_blocks", "_scales")}
@@ -271,10 +318,44 @@ class CheckpointReader:
             return self._finite(key, np.ascontiguousarray(np.swapaxes(w, -1, -2)))
         if key not in self._file:
             raise KeyError(f"checkpoint {self.path!r} has no tensor {key!r}")
+        kind = self.quantisation(key)
         arr = self._read(key)
-        if key + "_scale_inv" in self._file:  # block-quantised FP8 weight
-            arr = _dequantize(arr, self._read(key + "_scale_inv"), self.block_size)
+        if kind == "fp8":  # block-quantised FP8 weight (DeepSeek-V3, V4)
+            if arr.ndim != 2:
+                raise ValueError(f"checkpoint {self.path!r}: block-quantised weight {key!r} "
+                                 f"{tuple(arr.shape)} must be 2-D [out, in]")
+            want = tuple(-(-n // b) for n, b in zip(arr.shape, self.block_size))
+            arr = dequantize_fp8(arr, self._scale(key, want, f"blocks of {self.block_size} "
+                                                            f"(quantization_config."
+                                                            f"weight_block_size)"),
+                                 self.block_size)
+        elif kind == "fp4":  # DeepSeek-V4's experts
+            half = arr.shape[-1]
+            if (2 * half) % FP4_BLOCK:
+                raise ValueError(f"checkpoint {self.path!r}: packed FP4 weight {key!r} "
+                                 f"{tuple(arr.shape)} holds {2 * half} inputs a row, not a "
+                                 f"multiple of the FP4 block ({FP4_BLOCK})")
+            want = (*arr.shape[:-1], 2 * half // FP4_BLOCK)
+            arr = dequantize_fp4(arr, self._scale(key, want, f"one per {FP4_BLOCK} inputs"))
         return self._finite(key, arr)
+
+    def _scale(self, key: str, want: tuple[int, ...], rule: str) -> np.ndarray:
+        """The scale of weight `key` as float32, checked: shape `want`, finite, positive."""
+        name = self.scale_key(key)
+        scale = self._read(name)
+        if tuple(scale.shape) != tuple(want):
+            raise ValueError(f"checkpoint {self.path!r}: scale {name!r} of weight {key!r} has "
+                             f"shape {tuple(scale.shape)}, expected {tuple(want)} ({rule}); "
+                             f"is quantization_config from the same checkpoint as the weights?")
+        scale = scale.astype(np.float32)
+        bad = ~(np.isfinite(scale) & (scale > 0))
+        if bad.any():
+            first = [int(i) for i in np.argwhere(bad)[0]]
+            raise BadCheckpoint(f"checkpoint {self.path!r}: scale {name!r} of weight {key!r} "
+                                f"holds {int(bad.sum())} value(s) that are not finite and "
+                                f"positive, the first {scale[tuple(first)]} at {first}; a block "
+                                f"scale must be > 0: download the checkpoint again")
+        return scale
 
     def _finite(self, key: str, arr: np.ndarray) -> np.ndarray:
         """`arr`, unless a floating tensor holds NaN or Inf: then `BadCheckpoint` naming it."""
@@ -340,8 +421,10 @@ def _read_header(name: str) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
-    """``w * scale_inv`` broadcast over ``block``-sized tiles (DeepSeek-V3 FP8 weights)."""
+def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
+    """``w * scale_inv`` broadcast over ``block``-sized tiles (DeepSeek-V3 and V4 FP8 weights:
+    ``w [out, in]`` e4m3, ``scale_inv [ceil(out / bo), ceil(in / bi)]``, float32 or ue8m0;
+    edge tiles partial) -> float32."""
     if w.ndim != 2 or scale_inv.ndim != 2:
         raise ValueError(f"block-quantised weight {w.shape} / scale {scale_inv.shape} must be 2-D")
     bo, bi = block
@@ -365,6 +448,26 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = FP4_E2M1[codes]  # [..., G, 32]
     out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return out.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """DeepSeek-V4's FP4 experts to float32: ``packed [..., out, in / 2]`` int8 or uint8, two
+    e2m1 codes a byte (the low nibble is the even input, the high one the odd), ``scale
+    [..., out, in / B]`` (ue8m0 or float; B = in / scale columns, `FP4_BLOCK` in the release)
+    shared by each run of B inputs of a row -> ``[..., out, in]``."""
+    if packed.dtype not in (np.int8, np.uint8) or scale.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"FP4 weight {packed.dtype}{packed.shape} / scale {scale.dtype}"
+                         f"{scale.shape} must be int8 or uint8 [..., out, in / 2] and "
+                         f"[..., out, in / block]")
+    codes = packed.view(np.uint8)
+    values = np.stack([FP4_E2M1[codes & 0x0F], FP4_E2M1[codes >> 4]], axis=-1)
+    values = values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    groups = scale.shape[-1]
+    if values.shape[-1] % groups:
+        raise ValueError(f"FP4 weight of {values.shape[-1]} inputs a row cannot share "
+                         f"{groups} scales a row evenly")
+    blocks = values.reshape(*values.shape[:-1], groups, -1) * scale.astype(np.float32)[..., None]
+    return blocks.reshape(values.shape)
 
 
 # -- the key map -----------------------------------------------------------------------------
@@ -486,7 +589,8 @@ def check_tensors(model: nnx.Module, table: Iterable[Tensor | LayerStack],
                          f"is not loaded; is config.json from the same checkpoint as the "
                          f"weights, and were the tensors saved in Hugging Face's layout?")
     extra = [k for k in reader.keys() if k not in want
-             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in want)]
+             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in want)
+             and not (k.endswith(".scale") and k[:-len("scale")] + "weight" in want)]
     if extra:
         warnings.warn(f"{what}: ignoring {len(extra)} tensor(s) of checkpoint {reader.path!r} "
                       f"that no zoo parameter takes, e.g. {extra[:4]}", stacklevel=3)
