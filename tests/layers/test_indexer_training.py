@@ -31,7 +31,7 @@ import pytest
 from flax import nnx
 
 import zoo
-from support import assert_close
+from support import assert_close, loss_and_grads, split_indexer_grads
 from zoo.layers import MLA
 from zoo.layers.attention import AttentionBlock
 from zoo.layers.indexer import IndexerLoss
@@ -254,19 +254,6 @@ def batch():
                 segment_ids=seg, loss_weights=(seg != 0).astype(jnp.float32))
 
 
-@jax.jit
-def loss_and_grads(model, data):
-    return nnx.value_and_grad(lambda m: step_lib.loss_fn(m, data), has_aux=True,
-                              argnums=nnx.DiffState(0, nnx.Param))(model)
-
-
-def split(grads):
-    flat = nnx.to_flat_state(grads)
-    main = [float(jnp.max(jnp.abs(v[...]))) for p, v in flat if "indexer" not in p]
-    index = [float(jnp.max(jnp.abs(v[...]))) for p, v in flat if "indexer" in p]
-    return main, index
-
-
 @pytest.mark.slow  # three models compiled with their gradients: ~15 s of CPU
 def test_model_stages_gradients_and_objective():
     data = batch()
@@ -274,11 +261,11 @@ def test_model_stages_gradients_and_objective():
     out = {s: loss_and_grads(m, data) for s, m in models.items()}
     (_, (ce_o, _, aux_o)), g_off = out["off"]
     assert "indexer_loss" not in aux_o
-    main, index = split(g_off)
+    main, index = split_indexer_grads(g_off)
     assert max(index) == 0.0 and max(main) > 0  # off: the indexer does not train
 
     (obj_w, (ce_w, _, aux_w)), g_w = out["warmup"]
-    main, index = split(g_w)
+    main, index = split_indexer_grads(g_w)
     assert max(main) == 0.0 and min(index) >= 0 and max(index) > 0  # main model frozen
     assert float(aux_w["indexer_loss"]) > 0 and not models["warmup"].mtp
     # loss_fn's aux_loss_weight is 0 by default; index_loss_weight is 1 by default
@@ -289,7 +276,7 @@ def test_model_stages_gradients_and_objective():
     assert abs(float(ce_w) - float(ce_o)) > 1e-6  # warmup runs the dense forward
     main_s = nnx.state(g_s, MAIN)
     assert_trees_close(main_s, nnx.state(g_off, MAIN), rtol=1e-5, atol=1e-7)
-    assert max(split(g_s)[1]) > 0
+    assert max(split_indexer_grads(g_s)[1]) > 0
     # the sown losses were popped: the model keeps no intermediates
     assert not jax.tree.leaves(nnx.state(models["sparse"], nnx.Intermediate))
 
@@ -324,7 +311,7 @@ def test_glm_stages_train_full_layers_indexers_and_shared_layers_follow():
     # both full layers' indexers trained
     (obj_w, (ce_w, _, aux_w)), g_w = loss_and_grads(glm(index_stage="warmup"), data)
     np.testing.assert_allclose(float(ce_w), dense_ce, rtol=1e-6)
-    assert max(split(g_w)[0]) == 0.0 and float(aux_w["indexer_loss"]) > 0
+    assert max(split_indexer_grads(g_w)[0]) == 0.0 and float(aux_w["indexer_loss"]) > 0
     g = indexer_grads(g_w)
     assert g[1] is None and g[0] > 0 and g[2] > 0
     np.testing.assert_allclose(float(obj_w), float(ce_w + aux_w["indexer_loss"]), rtol=1e-6)
@@ -334,7 +321,7 @@ def test_glm_stages_train_full_layers_indexers_and_shared_layers_follow():
     np.testing.assert_allclose(float(ce_s), ce_o, rtol=1e-6)
     g = indexer_grads(g_s)
     assert g[1] is None and g[0] > 0 and g[2] > 0 and float(aux_s["indexer_loss"]) > 0
-    assert max(split(g_s)[0]) > 0
+    assert max(split_indexer_grads(g_s)[0]) > 0
 
 
 def test_train_step_logs_indexer_loss_and_warmup_freezes_the_main_model():

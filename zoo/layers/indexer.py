@@ -114,15 +114,28 @@ def distillation_loss(attn_logits: jax.Array, index_scores: jax.Array, visible: 
 
 
 def distillation_kl(attn_logits: jax.Array, index_scores: jax.Array, visible: jax.Array,
-                    query_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    query_valid: jax.Array, *, log_norm: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """`distillation_loss` per query, before the mean: (``KL`` [B, L] float32, zero where the
     query does not count, and ``counts`` [B, L] float32, 1 where it does). Sums of both over
-    any split of the queries (context-parallel shards, query chunks) give the same mean."""
+    any split of the queries (context-parallel shards, query chunks) give the same mean.
+
+    ``log_norm`` [B, L, N]: each head's log-normaliser of a larger attention these keys are
+    part of (DeepSeek-V4's CSA: its softmax also covers the sliding window and the sinks).
+    The target is then each head's probability of these keys in that attention, summed over
+    the heads and L1-renormalised over the keys (heads that look elsewhere weigh less). None:
+    the keys are the whole attention (each head's softmax over them, the heads' mean)."""
     vis = visible[:, :, None, :]
     logits = jnp.where(vis, attn_logits.astype(jnp.float32), -jnp.inf)
     any_key = jnp.any(visible, axis=-1)  # [B, L]
     logits = jnp.where(any_key[:, :, None, None], logits, 0.0)  # no NaN on empty rows
-    p = jax.lax.stop_gradient(jnp.mean(jax.nn.softmax(logits, axis=-1), axis=2))  # [B, L, S]
+    if log_norm is None:
+        p = jnp.mean(jax.nn.softmax(logits, axis=-1), axis=2)  # [B, L, S]
+    else:  # log sum_n p_n(s), renormalised over s in log space (no underflow to 0 / 0)
+        lse = jnp.where(any_key[..., None], log_norm.astype(jnp.float32), 0.0)[..., None]
+        summed = jax.nn.logsumexp(logits - lse, axis=2)  # [B, L, S]
+        p = jax.nn.softmax(jnp.where(any_key[..., None], summed, 0.0), axis=-1)
+    p = jax.lax.stop_gradient(p)
     scores = jnp.where(visible, index_scores.astype(jnp.float32), -jnp.inf)
     log_q = jax.nn.log_softmax(jnp.where(any_key[..., None], scores, 0.0), axis=-1)
     keep = visible & (p > 0)

@@ -53,7 +53,8 @@ from zoo.models.decoder import count_params, family_io
 from zoo.models.deepseek3 import (FULL_SIZE_MOE, DeepSeek3, DeepSeek3Config,
                                   DeepSeek3DecoderLayer, update_selection_bias)
 
-__all__ = ["DeepSeekV32Config", "DeepSeekV32DecoderLayer", "DeepSeekV32", "from_hf", "to_hf"]
+__all__ = ["DeepSeekV32Config", "DeepSeekV32DecoderLayer", "DeepSeekV32", "from_hf", "to_hf",
+           "check_index_training", "index_stage_frozen", "index_stage_outputs"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,15 +75,7 @@ class DeepSeekV32Config(DeepSeek3Config):
     def __post_init__(self):
         super().__post_init__()
         what = type(self).__name__
-        if self.index_stage not in INDEX_STAGES:
-            raise ValueError(f"{what}: index_stage={self.index_stage!r} must be one of "
-                             f"{INDEX_STAGES}: 'off' (sparse forward, no indexer loss), "
-                             f"'warmup' (dense forward, only the indexer trains) or 'sparse' "
-                             f"(sparse forward, indexer on its KL); --set index_stage=warmup")
-        w = self.index_loss_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
-            raise ValueError(f"{what}: index_loss_weight={w!r} must be a finite number >= 0 "
-                             f"(the weight of the indexer's KL in the loss)")
+        check_index_training(self)
         for name in ("index_topk", "index_head_dim", "index_n_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -181,24 +174,53 @@ class DeepSeekV32(DeepSeek3):
         """`DeepSeek3.__call__`; in a training stage (``config.index_stage``) also
         ``aux["indexer_loss"]``, the layers' sown losses summed (and popped: the model keeps
         no intermediates), and in ``"warmup"`` everything else under ``stop_gradient``."""
-        logits, aux = super().__call__(tokens, **kwargs)
-        stage = self.config.index_stage
-        if stage == "off":
-            return logits, aux
-        losses = jax.tree.leaves(nnx.pop(self, IndexerLoss))
-        if stage == "warmup":  # the main model is frozen: only the KL has a gradient
-            logits, aux = jax.lax.stop_gradient((logits, aux))
-        aux["indexer_loss"] = sum((jnp.sum(v) for v in losses), jnp.zeros((), jnp.float32))
-        return logits, aux
+        return index_stage_outputs(self, *super().__call__(tokens, **kwargs))
 
     @property
     def frozen_state(self):
-        """The `nnx` filter of variables a train step must leave unchanged (None: none): in
-        the ``"warmup"`` stage every parameter outside the indexers and the routers' selection
-        bias (DeepSeek's after-step update would otherwise move it)."""
-        if self.config.index_stage != "warmup":
-            return None
-        return nnx.All(nnx.Any(nnx.Param, RouterBias), nnx.Not(nnx.PathContains("indexer")))
+        """`index_stage_frozen` of the config's stage."""
+        return index_stage_frozen(self.config.index_stage)
+
+
+def check_index_training(config) -> None:
+    """Construction checks of a config that trains an indexer (``index_stage``,
+    ``index_loss_weight``: DeepSeek-V3.2's, GLM-5's, DeepSeek-V4's CSA)."""
+    what = type(config).__name__
+    if config.index_stage not in INDEX_STAGES:
+        raise ValueError(f"{what}: index_stage={config.index_stage!r} must be one of "
+                         f"{INDEX_STAGES}: 'off' (sparse forward, no indexer loss), "
+                         f"'warmup' (dense forward, only the indexer trains) or 'sparse' "
+                         f"(sparse forward, indexer on its KL); --set index_stage=warmup")
+    w = config.index_loss_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+        raise ValueError(f"{what}: index_loss_weight={w!r} must be a finite number >= 0 "
+                         f"(the weight of the indexer's KL in the loss)")
+
+
+def index_stage_outputs(model: nnx.Module, logits: jax.Array, aux: dict[str, jax.Array]
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A model's ``(logits, aux)`` in its ``config.index_stage``: unchanged when ``"off"``;
+    else with ``aux["indexer_loss"]``, its layers' sown `IndexerLoss` values summed (and
+    popped: the model keeps no intermediates), and in ``"warmup"`` everything else under
+    ``stop_gradient`` (the main model is frozen: only the KL has a gradient)."""
+    stage = model.config.index_stage
+    if stage == "off":
+        return logits, aux
+    losses = jax.tree.leaves(nnx.pop(model, IndexerLoss))
+    if stage == "warmup":
+        logits, aux = jax.lax.stop_gradient((logits, aux))
+    aux["indexer_loss"] = sum((jnp.sum(v) for v in losses), jnp.zeros((), jnp.float32))
+    return logits, aux
+
+
+def index_stage_frozen(stage: str):
+    """The `nnx` filter of variables a train step must leave unchanged in ``stage`` (None:
+    none): in ``"warmup"`` every parameter outside the indexers (any path through a module
+    named ``indexer``) and the routers' selection bias (DeepSeek's after-step update would
+    otherwise move it)."""
+    if stage != "warmup":
+        return None
+    return nnx.All(nnx.Any(nnx.Param, RouterBias), nnx.Not(nnx.PathContains("indexer")))
 
 
 from_hf, to_hf = family_io(DeepSeekV32, "DeepSeek-V3.2", "Hub layout, bf16/fp32 or block-FP8")

@@ -35,7 +35,9 @@ tokens (the reference; a decode step's ring) or through `sliding_band`: the row 
 (segment id, position), each query gathers the ``window`` tokens ending at it, so the work and
 memory are O(L * window), for any token order. ``query_chunk`` bounds the per-step arrays
 (`zoo.ops.sparse_attention.choose_query_chunk`, `zoo.ops.sparse_attention.map_query_chunks`):
-[B, chunk, N, window + E] (HCA) or [B, chunk, window + k, H] (CSA).
+[B, chunk, N, window + E] (HCA) or [B, chunk, window + k, H] (CSA). `attention_logits` is
+its softmax's input by part (`Logits`: sliding keys, entries, sinks), which DeepSeek-V4's CSA
+indexer learns from.
 
 Legend: B batch, L queries / tokens, S key tokens, E entry slots, N heads, H head dim,
 k selected entries.
@@ -232,9 +234,33 @@ def attend(q: jax.Array, kv: jax.Array, entries: jax.Array | None, *, q_position
     return map_query_chunks(one, query_chunk, per_query).astype(q.dtype)
 
 
-def _attend_chunk(q, kvf, ef, q_positions, q_segment_ids, kv_positions, kv_segment_ids, window,
-                  entry_start, entry_segment_ids, rate, indices, sinks, scale, band):
-    B, L, N, _ = q.shape
+class Logits(NamedTuple):
+    """One chunk of queries' scaled logits in `attend`'s softmax, by part (`attention_logits`),
+    each ``-inf`` where the query does not see the key."""
+
+    sliding: jax.Array  # [B, L, N, S] (dense over the row) or [B, L, N, window] (band)
+    keys: jax.Array  # the sliding keys = values: kv [B, S, H] or gathered [B, L, window, H]
+    entries: jax.Array | None  # [B, L, N, E] (all entries) or [B, L, N, k] (selected)
+    values: jax.Array | None  # the entries scored: [B, E, H] or gathered [B, L, k, H]
+    entry_visible: jax.Array | None  # [B, L, E] / [B, L, k]: which of them the query sees
+    sinks: jax.Array | None  # [B, L, N, 1]
+
+    def log_norm(self) -> jax.Array:
+        """Each head's log-normaliser of the whole softmax [B, L, N] (float32)."""
+        parts = [a for a in (self.sliding, self.entries, self.sinks) if a is not None]
+        return jax.nn.logsumexp(jnp.concatenate(parts, axis=-1), axis=-1)
+
+
+def attention_logits(q, kv, entries, *, q_positions, q_segment_ids, kv_positions,
+                     kv_segment_ids, window, entry_start=None, entry_segment_ids=None, rate=1,
+                     indices=None, sinks=None, scale=None, band=None) -> Logits:
+    """The `Logits` of `attend`'s softmax for queries ``q [B, L, N, H]`` (`attend`'s
+    arguments; float32): what `attend` normalises, and what a DeepSeek-V4 CSA indexer learns
+    from (`zoo.layers.compressed_attention.CompressedAttention`'s ``index_stage``)."""
+    B, L, N, H = q.shape
+    scale = H ** -0.5 if scale is None else float(scale)
+    kvf = kv.astype(F32)
+    ef = None if entries is None else entries.astype(F32)
     qf = q.astype(F32) * scale
     qp, qs = q_positions[:, :, None], q_segment_ids[:, :, None]
     if band is None:  # dense over every key of the row
@@ -246,29 +272,42 @@ def _attend_chunk(q, kvf, ef, q_positions, q_segment_ids, kv_positions, kv_segme
         (keys,) = gather_keys(band, kvf)  # [B, L, W, H]
         vis = band >= 0
         s = jnp.einsum("blnh,blwh->blnw", qf, keys)
-    logits, values = [jnp.where(vis[:, :, None], s, -jnp.inf)], None
+    sliding = jnp.where(vis[:, :, None], s, -jnp.inf)
+    ent = values = ev = sink = None
     if ef is not None:
         if indices is None:
             ev = entry_visible(qp, qs, entry_start[:, None, :], entry_segment_ids[:, None, :],
                                rate)
+            values = ef
             s = jnp.einsum("blnh,beh->blne", qf, ef)
         else:
             values, start, seg = gather_keys(indices, ef, entry_start, entry_segment_ids)
             ev = entry_visible(qp, qs, start, seg, rate) & (indices >= 0)
             s = jnp.einsum("blnh,blkh->blnk", qf, values)
-        logits.append(jnp.where(ev[:, :, None], s, -jnp.inf))
+        ev = jnp.broadcast_to(ev, s.shape[:2] + s.shape[3:])
+        ent = jnp.where(ev[:, :, None], s, -jnp.inf)
     if sinks is not None:
-        logits.append(jnp.broadcast_to(sinks.astype(F32)[None, None, :, None], (B, L, N, 1)))
-    s = jnp.concatenate(logits, axis=-1)
+        sink = jnp.broadcast_to(sinks.astype(F32)[None, None, :, None], (B, L, N, 1))
+    return Logits(sliding, keys, ent, values, ev, sink)
+
+
+def _attend_chunk(q, kv, entries, q_positions, q_segment_ids, kv_positions, kv_segment_ids,
+                  window, entry_start, entry_segment_ids, rate, indices, sinks, scale, band):
+    lg = attention_logits(q, kv, entries, q_positions=q_positions, q_segment_ids=q_segment_ids,
+                          kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                          window=window, entry_start=entry_start,
+                          entry_segment_ids=entry_segment_ids, rate=rate, indices=indices,
+                          sinks=sinks, scale=scale, band=band)
+    s = jnp.concatenate([a for a in (lg.sliding, lg.entries, lg.sinks) if a is not None], -1)
     mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
-    S = logits[0].shape[-1]
-    out = (jnp.einsum("blns,bsh->blnh", p[..., :S], keys) if band is None
-           else jnp.einsum("blnw,blwh->blnh", p[..., :S], keys))
-    if ef is not None:
-        pe = p[..., S:S + logits[1].shape[-1]]
-        out = out + (jnp.einsum("blne,beh->blnh", pe, ef) if indices is None
-                     else jnp.einsum("blnk,blkh->blnh", pe, values))
+    S = lg.sliding.shape[-1]
+    out = (jnp.einsum("blns,bsh->blnh", p[..., :S], lg.keys) if band is None
+           else jnp.einsum("blnw,blwh->blnh", p[..., :S], lg.keys))
+    if lg.entries is not None:
+        pe = p[..., S:S + lg.entries.shape[-1]]
+        out = out + (jnp.einsum("blne,beh->blnh", pe, lg.values) if indices is None
+                     else jnp.einsum("blnk,blkh->blnh", pe, lg.values))
     return out
