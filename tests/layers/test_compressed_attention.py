@@ -334,6 +334,24 @@ CP_MESHES = {  # name -> (strategy, mesh sizes, load_balance strategy)
 }
 
 
+def sharded_and_plain(kind, p, length, seed=7):
+    """The layer sharded by `p` and unsharded, for [B, length, D] inputs, with the same random
+    parameters (norms near 1, kernels scaled by their fan-in)."""
+    sharded = make(kind, inputs_shape=(B, length, D), partitioner=p)
+    rng = np.random.default_rng(seed)
+    flat = nnx.to_flat_state(nnx.state(sharded, nnx.Param))
+    for path, var in flat:
+        x = rng.standard_normal(var.shape).astype(np.float32)
+        name = ".".join(map(str, path))
+        x = 1.0 + 0.2 * x if "norm" in name else x / np.sqrt(var.shape[0]) if "kernel" in name \
+            else x
+        var[...] = jax.device_put(x, var[...].sharding)
+    plain = make(kind, inputs_shape=(B, length, D))
+    for path, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        var[...] = jnp.asarray(np.asarray(dict(flat)[path][...]))
+    return sharded, plain
+
+
 def value_and_grads(module, x, pos, seg, ct):
     graphdef, params = nnx.split(module, nnx.Param)
 
@@ -357,19 +375,8 @@ def test_context_parallel_equals_unsharded(kind, mesh):
     strategy, sizes, lb = CP_MESHES[mesh]
     p = zoo.Partitioner(zoo.make_mesh(**sizes), strategy)
     cp = p.context_size("attention")
-    sharded = make(kind, inputs_shape=(B, LCP, D), partitioner=p)
+    sharded, plain = sharded_and_plain(kind, p, LCP)
     rng = np.random.default_rng(7)
-    flat = nnx.to_flat_state(nnx.state(sharded, nnx.Param))
-    for path, var in flat:
-        x = rng.standard_normal(var.shape).astype(np.float32)
-        name = ".".join(map(str, path))
-        x = 1.0 + 0.2 * x if "norm" in name else x / np.sqrt(var.shape[0]) if "kernel" in name \
-            else x
-        var[...] = jax.device_put(x, var[...].sharding)
-    plain = make(kind, inputs_shape=(B, LCP, D))
-    for path, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
-        var[...] = jnp.asarray(np.asarray(dict(flat)[path][...]))
-
     pos, seg = packed(CP_DOCS, LCP)
     x = rng.standard_normal((B, LCP, D)).astype(np.float32)
     ct = rng.standard_normal((B, LCP, D)).astype(np.float32)

@@ -12,7 +12,8 @@
 * rows packing documents (lengths not multiples of 4 or 8) and padding equal each document
   run alone by transformers;
 * greedy generation (`zoo.inference`, left-padded prompts of several lengths) equals
-  transformers' generate, and each step's cached logits the model's full forward;
+  transformers' generate, unsharded, under fsdp and under ep_as_cp, and each step's cached
+  logits the model's full forward;
 * `to_hf` / `from_hf` round trip through transformers (tied embeddings, scanned and unrolled);
 * parameter counts of V4-Flash, V4-Pro (without their MTP module, which transformers does
   not build) and mini equal transformers' meta-device counts; the presets scan as cycles;
@@ -198,28 +199,45 @@ GEN_PROMPTS = [[5, 17, 33, 2, 40, 9, 11, 30, 3], [21, 8], [3, 60, 14, 27, 50]]
 GEN_NEW = 14
 
 
-@pytest.mark.slow  # ~35 s on a loaded 2-core box: the prefill and decode compiles
-def test_greedy_equals_transformers_and_cached_logits_equal_full_forward(ref, model):
-    """`zoo.inference.generate` over the layers' states (each sliding window's ring, the
-    compressed entries written as windows close, the open windows, CSA's overlap and its
-    indexer's entries), the prompts left-padded in one batch: greedy tokens equal
-    transformers' generate of each prompt alone, and every step's logits the model's own
-    full forward over prompt + continuation."""
+@pytest.fixture(scope="module")
+def hf_greedy(ref):
+    """transformers' greedy continuation of each of `GEN_PROMPTS` alone."""
     want = []
     with torch.no_grad():
         for prompt in GEN_PROMPTS:
             seq = ref.model.generate(torch.tensor([prompt]), max_new_tokens=GEN_NEW,
                                      do_sample=False, eos_token_id=None, pad_token_id=0)
             want.append(seq[0, len(prompt):].tolist())
+    return want
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core box: the prefill and decode compiles
+def test_greedy_equals_transformers_and_cached_logits_equal_full_forward(ref, model,
+                                                                           hf_greedy):
+    """`zoo.inference.generate` over the layers' states (each sliding window's ring, the
+    compressed entries written as windows close, the open windows, CSA's overlap and its
+    indexer's entries), the prompts left-padded in one batch: greedy tokens equal
+    transformers' generate of each prompt alone, and every step's logits the model's own
+    full forward over prompt + continuation."""
     tokens, logits = zoo.inference.generate_with_logits(model, GEN_PROMPTS,
                                                         max_new_tokens=GEN_NEW)
-    assert tokens == want
+    assert tokens == hf_greedy
     batch = np.zeros((len(GEN_PROMPTS), max(map(len, GEN_PROMPTS)) + GEN_NEW), np.int32)
     for i, (p, t) in enumerate(zip(GEN_PROMPTS, tokens)):
         batch[i, :len(p) + GEN_NEW] = p + t  # right-padded: causal, the padding is unseen
     full = np.asarray(jax.jit(lambda m, t: m(t)[0])(model, jnp.asarray(batch)))
     for i, p in enumerate(GEN_PROMPTS):
         assert rel_err(logits[i], full[i, len(p) - 1:len(p) - 1 + GEN_NEW]) < 1e-5, i
+
+
+@pytest.mark.slow  # ~20 s each on a 2-core box (40-45 s at load 14): the sharded compiles
+@pytest.mark.parametrize("strategy", ["fsdp", "ep_as_cp"])
+def test_sharded_greedy_equals_transformers(ref, hf_greedy, strategy, devices):
+    """Under fsdp (parameters over fsdp x tensor, rows over the batch axes) and ep_as_cp
+    (the prefill's compression windows, indexer top-k and sliding keys across 4 context
+    shards; decode over the batch-sharded states) greedy tokens equal transformers'."""
+    sharded = zoo.models.from_hf(ref.path, partitioner=partitioner(strategy))
+    assert zoo.inference.generate(sharded, GEN_PROMPTS, max_new_tokens=GEN_NEW) == hf_greedy
 
 
 @pytest.mark.slow  # ~25 s on a loaded 2-core box

@@ -15,7 +15,8 @@
 * V4-Flash's count: transformers' meta-device count excludes MTP and equals the published
   "284B"; the preset (one module, as published) adds exactly one sliding routed layer and
   the module's own tensors;
-* speculative decoding is refused by name; construction errors.
+* speculative decoding (``speculative="mtp"``) gives plain greedy decoding's tokens with
+  drafts rejected, accepted, or both; construction errors.
 """
 
 from __future__ import annotations
@@ -274,10 +275,187 @@ def test_flash_count_with_mtp():
     assert flash.num_params() == 284_332_230_231 + layer + extras == 290_942_278_866
 
 
-def test_speculative_decoding_is_refused():
+# CSA in the trunk and in the MTP layer (the sliding window, the compressor with its carried
+# overlap, the indexer's keys; HCA's state is a subset): every kind of state a verify step
+# must take a rejected draft back out of. (A sliding layer's alone heals: the next step
+# rewrites the rejected position's ring slot before reading it; the carried overlap does
+# not.) 3 Sinkhorn iterations: the compiles halve.
+SPEC_CONFIG = dict(num_hidden_layers=1, layer_types=(CSA,), mlp_layer_types=("moe",),
+                   num_nextn_predict_layers=1, mtp_layer_types=(CSA,),
+                   max_position_embeddings=64, hc_sinkhorn_iters=3)
+# lengths 9, 2, 5: windows of 4 open at different places per row; 14 new tokens close several
+# more, drafts included
+SPEC_PROMPTS = [[5, 17, 33, 2, 40, 9, 11, 30, 3], [21, 8], [3, 60, 14, 27, 50]]
+
+
+def _drafting(model, attention_scale: float):
+    """`model` made to draft well (DeepSeek-V3's test_speculative construction for V4): every
+    MoE's output zeroed, ``h_proj`` zero, ``e_proj`` the identity and ``enorm`` unweighted, the
+    MTP's ``norm`` the trunk's. Streams then carry the token's embedding (scaled, which the
+    norms undo) plus attention: with ``attention_scale=0`` the MTP module predicts exactly the
+    trunk's next choice; scaled down (trunk's and MTP's attention alike) it agrees some of the
+    time, and the attention over the caches still moves the tokens."""
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "/".join(map(str, path))
+        if name.endswith(("mlp/wo", "shared_experts/down/kernel")) or \
+                name == "mtp/0/h_proj/kernel":
+            v[...] = jnp.zeros_like(v[...])
+        elif name.endswith("o_b_proj/kernel"):
+            v[...] = v[...] * attention_scale
+        elif name == "mtp/0/e_proj/kernel":
+            v[...] = jnp.eye(v[...].shape[0], dtype=v[...].dtype)
+        elif name == "mtp/0/enorm/scale":
+            v[...] = jnp.ones_like(v[...])
+        elif name == "mtp/0/norm/scale":
+            v[...] = model.norm.scale[...]
+    return model
+
+
+@pytest.fixture(scope="module")
+def spec_config():
+    """Module-scoped so the cases run on one xdist worker: the first compiles the plain and
+    speculative programs, the others (the same shapes) reuse them."""
+    return _config(**SPEC_CONFIG)
+
+
+@pytest.mark.slow  # the first case 13-28 s on a loaded 2-core box (four compiles), the rest ~3 s
+@pytest.mark.parametrize("attention_scale", [None, 0.0, 0.8])
+def test_speculative_decoding_equals_plain_greedy(spec_config, attention_scale):
+    """`zoo.inference.generate(..., speculative="mtp")` gives plain greedy decoding's tokens,
+    prompts of three lengths in one batch, whether drafts are rejected (random weights: the
+    rejected draft's token, taken into every layer's sliding window, open windows, carried
+    overlap, compressed entries and index keys, must leave no trace), all accepted (a model
+    whose MTP predicts the trunk) or both, rows advancing apart."""
+    import zoo.inference as G
+    import zoo.inference.speculative as S
+    model = _make(spec_config, 3)
+    if attention_scale is not None:
+        model = _drafting(model, attention_scale)
+    plain = G.generate(model, SPEC_PROMPTS, max_new_tokens=14)
+    tokens, stats = S.generate_speculative(model, SPEC_PROMPTS, max_new_tokens=14)
+    assert tokens == plain
+    assert len({t for row in plain for t in row}) > 3, plain  # not one repeated token
+    assert stats.tokens == sum(map(len, tokens)) == 3 * 14
+    assert stats.tokens == stats.rows + stats.drafted + stats.accepted - stats.discarded
+    rejected = stats.drafted - stats.accepted
+    if attention_scale is None:
+        assert rejected > 0.8 * stats.drafted, str(stats)
+    elif attention_scale == 0:
+        assert rejected == 0 and stats.steps == 7, str(stats)
+    else:
+        assert 0 < stats.accepted and 0 < rejected, str(stats)
+    if attention_scale is not None:  # the MTP's cache: its drafts are the uncached module's
+        assert (stats.drafted, stats.accepted) == _draft_counts(model, plain, 14), str(stats)
+
+
+@jax.jit
+def _mtp_logits(model, tokens, positions, segment_ids, ahead):
+    return model(tokens, positions=positions, segment_ids=segment_ids,
+                 mtp_tokens=ahead)[1]["mtp_logits"][0]
+
+
+def _draft_counts(model, continuations, new):
+    """(drafted, accepted) of speculative decoding with the drafts taken from the model's full
+    forward (``mtp_logits``, no cache) over each prompt + continuation ``S``: the draft for
+    ``S[j]`` is the MTP's argmax at position ``j - 2`` (it reads ``S[j - 1]``); a row drafts
+    ``S[n + 1]`` after prefill, then after accepting ``S[j]`` it drafts ``S[j + 2]``, after
+    rejecting it ``S[j + 1]``, until it holds `new` tokens."""
+    seqs = [p + c for p, c in zip(SPEC_PROMPTS, continuations, strict=True)]
+    width = max(map(len, seqs)) + 1
+    tokens, seg = np.zeros((len(seqs), width), np.int32), np.zeros((len(seqs), width), np.int32)
+    for b, seq in enumerate(seqs):
+        tokens[b, :len(seq)], seg[b, :len(seq)] = seq, 1  # right-padded: causal, unseen
+    pos = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+    ahead = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)[None]
+    guess = np.argmax(np.asarray(_mtp_logits(model, tokens, pos, seg, ahead)), -1)
+    drafted = accepted = 0
+    for b, seq in enumerate(seqs):
+        have, j = 1, len(SPEC_PROMPTS[b]) + 1
+        while have < new:
+            drafted += 1
+            ok = guess[b, j - 2] == seq[j]
+            accepted += int(ok)
+            have, j = have + 1 + ok, j + 1 + ok
+    return drafted, accepted
+
+
+@pytest.mark.slow  # 13-20 s on a loaded 2-core box: the sharded prefill and verify compiles
+def test_speculative_decoding_under_ep_as_cp_equals_unsharded(spec_config, devices):
+    """The same, the model under ep_as_cp (prefill's windows and top-k across 4 context
+    shards, the states sharded over the batch axes in the verify step): its speculative
+    tokens equal the unsharded model's plain greedy ones."""
+    import zoo.inference as G
+    import zoo.inference.speculative as S
+    from conformance import partitioner
+    model = _drafting(_make(spec_config, 3), 0.8)
+    graphdef, state = nnx.split(v4.DeepSeekV4.abstract(spec_config,
+                                                       partitioner=partitioner("ep_as_cp")))
+    values = dict(nnx.to_flat_state(nnx.state(model)))
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(jax.device_put(values[path].get_value(), var.get_value().sharding))
+    tokens, stats = S.generate_speculative(nnx.merge(graphdef, state), SPEC_PROMPTS,
+                                           max_new_tokens=14)
+    assert tokens == G.generate(model, SPEC_PROMPTS, max_new_tokens=14)
+    assert 0 < stats.accepted < stats.drafted, str(stats)
+
+def test_verify_keeps_each_layers_state_after_the_first_token(spec_config):
+    """The seam under a verify step, on V4's CSA layers (the trunk's, scanned; the MTP
+    module's): `cached_layers` over 2 tokens with ``first_states`` returns, beside the states
+    after both, states equal to a plain 1-token decode of the first from the same cache (every
+    array: window ring, open windows, carried overlap, entries, index keys), rows at
+    different positions; `kept_states` takes them for the chosen rows (over each array's
+    batch axis) and the 2-token states for the others."""
+    import zoo.inference.engine as E
+    import zoo.inference.speculative as S
+    from zoo.inference.prompts import pad_prompts
+    model = _make(spec_config, 3)
+    tokens, segs = (jnp.asarray(a) for a in pad_prompts(model, SPEC_PROMPTS))
+    B, P = tokens.shape
+    rng = np.random.default_rng(0)
+    nxt = jnp.asarray(rng.integers(0, 64, (B, 2)), jnp.int32)  # any 2 tokens per row
+
+    @jax.jit
+    def run(model):
+        pos = E.prefill_positions(segs)
+        out = {}
+        x, kw = model.stream_in(tokens)
+        new, new_kw = model.stream_in(nxt)
+        for name, layers in (("trunk", model.layers), ("mtp", [model.mtp[0].layer])):
+            _, entries = E.prefill_layers(layers, x, pos, segs, layer_kwargs=kw,
+                                          dtype=jnp.dtype(model.config.dtype),
+                                          max_length=P + 4)
+            cache = E.filled_cache(layers, entries, pos, segs, P + 4)
+            q = cache.next_positions[:, None] + jnp.arange(2)  # each row's own
+            args = (cache.positions, cache.segment_ids, cache.length)
+            _, both, firsts = E.cached_layers(layers, cache.layers, new, q, *args,
+                                              layer_kwargs=new_kw, first_states=True)
+            _, one = E.cached_layers(layers, cache.layers, new[:, :1], q[:, :1], *args,
+                                     layer_kwargs={"tokens": new_kw["tokens"][:, :1]})
+            rows = jnp.arange(B) % 2 == 0
+            out[name] = (both, firsts, one, S.kept_states(both, firsts, cache.axes, rows))
+        return out
+
+    for name, (both, firsts, one, kept) in run(model).items():
+        for entry_b, entry_f, entry_1, entry_k in zip(both, firsts, one, kept, strict=True):
+            assert sorted(entry_f) == sorted(entry_1), name  # every array is a state
+            for k in entry_1:
+                f, o, b, kp = (np.asarray(e[k]) for e in (entry_f, entry_1, entry_b, entry_k))
+                np.testing.assert_allclose(f, o, rtol=1e-6, atol=1e-7, err_msg=f"{name} {k}")
+                np.testing.assert_array_equal(kp[:, 0::2], o[:, 0::2], err_msg=f"{name} {k}")
+                np.testing.assert_array_equal(kp[:, 1::2], b[:, 1::2], err_msg=f"{name} {k}")
+            # the second token moved the state: the ring took it in, and (rows at positions
+            # 9, 2, 5: the second token at 10, 3, 6) the row at 3 closed a window
+            assert not np.array_equal(entry_f["window_pos"], entry_b["window_pos"]), name
+            assert not np.array_equal(entry_f["prev_kv"], entry_b["prev_kv"]), name
+            assert not np.array_equal(entry_f["index_entries"], entry_b["index_entries"]), name
+
+
+def test_speculative_support():
+    """DeepSeek-V4 drafts with its MTP module; without one it is refused, naming the fix."""
     import zoo
-    model = v4.DeepSeekV4.abstract(_config())
-    with pytest.raises(ValueError, match="compressed attention's cache"):
+    assert v4.DeepSeekV4.abstract(_config()).speculative_support() is None
+    model = v4.DeepSeekV4.abstract(_config(num_nextn_predict_layers=0))
+    with pytest.raises(ValueError, match=r"DeepSeekV4 has none.*num_nextn_predict_layers=1"):
         zoo.inference.generate(model, [[3, 4, 5]], max_new_tokens=2, speculative="mtp")
 
 

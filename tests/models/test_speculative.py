@@ -67,9 +67,10 @@ def random_model():
 
 
 def test_random_model_equals_plain_greedy(random_model):
+    before = compiled_steps(S.verify_jit)  # other families' tests in this process compile theirs
     stats = _check(random_model)
     assert stats.steps == NEW - 1 and stats.speedup == 1.0  # random drafts: rejected
-    assert compiled_steps(S.verify_jit) == 1, "one compiled verify step"
+    assert compiled_steps(S.verify_jit) == before + 1, "one compiled verify step"
 
 
 def test_accepted_drafts_save_forward_passes():

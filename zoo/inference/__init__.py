@@ -8,7 +8,7 @@
 * `zoo.inference.sampling` -- greedy, temperature, top-k, top-p; the argument checks.
 * `zoo.inference.prompts` -- prompts checked and left-padded into a batch.
 * `zoo.inference.generation` -- `generate`, `generate_with_logits`.
-* `zoo.inference.speculative` -- speculative decoding with DeepSeek-V3's MTP module
+* `zoo.inference.speculative` -- speculative decoding with a model's MTP module
   (`generate_speculative`, `SpeculativeStats`).
 * `zoo.inference.cli` -- ``python -m zoo.generate`` (also ``python -m zoo.inference.cli``).
 * `zoo.inference.rehearsal` -- `rehearse_decode`: one decode step compiled ahead of time for

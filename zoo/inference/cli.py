@@ -44,8 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    "tokens holding this probability mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative", choices=["mtp"], default=None, help="draft with the "
-                   "model's multi-token-prediction module and verify (greedy; DeepSeek-V3 with "
-                   "num_nextn_predict_layers >= 1)")
+                   "model's multi-token-prediction module and verify (greedy; DeepSeek-V3, V3.2, "
+                   "GLM-5 or V4 with num_nextn_predict_layers >= 1)")
     p.add_argument("--step", type=int, default=None, help="--run: this checkpoint step "
                    "(default the newest)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's; "
@@ -138,10 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.top_k is not None and args.top_k > vocab:
             raise ValueError(f"--top-k {args.top_k}: the model has {vocab} tokens; pass "
                              f"--top-k {vocab} or fewer")
-        if args.speculative and not len(getattr(model, "mtp", ())):
-            raise ValueError(f"--speculative {args.speculative}: this {type(model).__name__} "
-                             f"has none of the multi-token-prediction modules that draft "
-                             f"(DeepSeek-V3 with num_nextn_predict_layers >= 1); drop "
+        refusal = model.speculative_support() if args.speculative else None
+        if refusal:
+            raise ValueError(f"--speculative {args.speculative}: {refusal}; or drop "
                              f"--speculative")
         if args.speculative:
             start = time.perf_counter()

@@ -237,11 +237,19 @@ def prefill(model, tokens, segment_ids, *, max_length: int) -> tuple[jax.Array, 
 # -- decode ----------------------------------------------------------------------------------
 
 def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
-                  p: Partitioner = UNSHARDED, *, layer_kwargs: dict | None = None):
+                  p: Partitioner = UNSHARDED, *, layer_kwargs: dict | None = None,
+                  first_states: bool = False):
     """Run ``layers`` over ``x [B, T, D]`` (queries at ``q_pos [B, T]``) from their cache
     ``entries``, writing the T new slots at ``slot``: (x, the updated entries).
     ``kv_pos``/``kv_seg`` are the cache's positions and segment ids with the new slots; a
     ring entry (fewer slots than they have) sees them through `ring_view`.
+
+    T > 1 (speculative decoding's verify step) over a layer's *state* (arrays that are not
+    `slotted`, which a later step cannot mask a token out of) needs a layer that takes the
+    T tokens in turn, replacing its state after each (``replaces_state_per_token``,
+    `zoo.layers.attention.LayerCache`); with `first_states` the call returns (x, entries,
+    firsts), ``firsts`` per entry the state arrays as they were after the first of the T
+    tokens (empty for slotted arrays, whose extra slots the caller masks by segment id).
 
     Layouts under `p` (the model's partitioner; the layers run their unsharded code, see
     `Decoder`, so nothing else states them): a step's activations are a few tokens, far
@@ -258,7 +266,8 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
                          f"{len(layers)}")
     for layer, entry in zip(layers, entries):
         slots = entry_slots(layer.self_attn, entry)
-        if T > 1 and any(not slotted(layer.self_attn.cache_axes[k]) for k in entry):
+        if T > 1 and any(not slotted(layer.self_attn.cache_axes[k]) for k in entry) \
+                and not getattr(layer.self_attn, "replaces_state_per_token", False):
             # the state takes in every token; a rejected draft could not be taken back out
             raise ValueError(f"decoding {T} tokens a step (speculative decoding) over "
                              f"{type(layer.self_attn).__name__}'s recurrent state is not "
@@ -280,16 +289,30 @@ def cached_layers(layers, entries, x, q_pos, kv_pos, kv_seg, slot,
             return reshard_stream(p, x)
         return fn, at
 
+    def with_firsts(layer, entry):  # a copy of each state array, for the first token's
+        axes = layer.self_attn.cache_axes
+        return entry | {k + FIRST: a for k, a in entry.items() if not slotted(axes[k])}
+
     new = []
     kwargs = layer_kwargs or {}
     x = reshard_stream(p, x)
     entries, i = list(entries), 0
     for group in layer_groups(layers):
         mine = entries[i:i + len(group)]
-        x, out = _run_cached(group, x, mine, [layer_fn(la, e) for la, e in zip(group, mine)])
+        fns = [layer_fn(la, e) for la, e in zip(group, mine)]
+        if first_states:
+            mine = [with_firsts(la, e) for la, e in zip(group, mine)]
+        x, out = _run_cached(group, x, mine, fns)
         new += out
         i += len(group)
-    return x, tuple(new)
+    if not first_states:
+        return x, tuple(new)
+    split = lambda e, first: {k.removesuffix(FIRST): a for k, a in e.items()
+                              if k.endswith(FIRST) == first}
+    return x, tuple(split(e, False) for e in new), tuple(split(e, True) for e in new)
+
+
+FIRST = "@first"  # a state array's copy after a step's first token (`cached_layers`)
 
 
 class _StackCache:
@@ -298,6 +321,7 @@ class _StackCache:
 
     def __init__(self, cache: dict, i, slot):
         self.cache, self.i, self.slot = cache, i, slot
+        self.replaced: set[str] = set()
 
     def __call__(self, name, new):
         self.cache[name], layer_keys = put(self.cache[name], new, self.i, self.slot)
@@ -313,6 +337,10 @@ class _StackCache:
                              f"the cache keeps {stack.shape[1:]}")
         self.cache[name] = jax.lax.dynamic_update_index_in_dim(
             stack, value.astype(stack.dtype), self.i, 0)
+        if name not in self.replaced and name + FIRST in self.cache:  # after the first token
+            self.cache[name + FIRST] = jax.lax.dynamic_update_index_in_dim(
+                self.cache[name + FIRST], value.astype(stack.dtype), self.i, 0)
+        self.replaced.add(name)
 
 
 def _run_cached(group, x, entries, fns):

@@ -4,7 +4,7 @@
   batch the partitioner divides (`pad_prompts`), each row's positions starting at 0.
 * Sampling: greedy (``temperature=0``), or temperature, then top-k, then top-p on the scaled
   logits (`zoo.inference.sampling`); ``stop`` ids end a row (the stop id is kept).
-* ``speculative="mtp"``: DeepSeek-V3's MTP module drafts a token per step and the model
+* ``speculative="mtp"``: the model's MTP module drafts a token per step and the model
   verifies it (`zoo.inference.speculative`), with plain greedy decoding's tokens.
 * `run` is `generate` with the figures (seconds compiling, in prefill, in the decode steps,
   the cache's bytes per token) the command line prints.

@@ -1,11 +1,15 @@
-"""Speculative decoding with DeepSeek-V3's multi-token-prediction (MTP) module.
+"""Speculative decoding with a model's multi-token-prediction (MTP) module (DeepSeek-V3,
+V3.2, GLM-5, V4: `CausalLM.speculative_support`).
 
 * The MTP module at position ``i`` reads the trunk's hidden state ``h_i`` (before the final
   norm) and the embedding of token ``i + 1``, and predicts token ``i + 2``: after the model has
   chosen token ``p + 1`` from position ``p``, the module drafts token ``p + 2`` for free.
 * Prefill runs the prompts through the trunk, takes the greedy first token ``t``, then runs
   the MTP layer over the prompt's hidden states with the shifted embeddings (the prompt's
-  next tokens, ``t`` last), filling the MTP layer's own KV cache and drafting ``d``.
+  next tokens, ``t`` last), filling the MTP layer's own KV cache and drafting ``d``. The
+  model says how its MTP layer meets the trunk's stream (``model.draft_input(stream,
+  ahead)``, ``model.draft_hidden(x)``: DeepSeek-V4's MTP reads the hyper-connection streams
+  and has its own hyper head).
 * Each step (one compiled program) verifies: the model runs over 2 positions from its cache,
   the last accepted token ``t`` at ``p`` and the draft ``d`` at ``p + 1``; its greedy choices
   ``g1`` (for ``p + 1``) and ``g2`` (for ``p + 2``). ``d == g1``: both are kept (2 tokens),
@@ -15,6 +19,12 @@
   at the row's length, the row's length and positions advance by the tokens accepted, and a
   rejected slot's segment id is set to 0 (invisible to every later query; the next step
   overwrites it). Finished rows stop advancing.
+* A layer whose cache is a state rather than slots (DeepSeek-V4's compressed attention: the
+  sliding window, the compressor's open window and carried overlap, the compressed entries
+  and index keys) cannot mask a token out: it takes the step's 2 tokens in turn
+  (``replaces_state_per_token``), `cached_layers` keeps its state after the first, and a row
+  whose draft is rejected takes that one (`kept_states`, per row over each array's batch
+  axis). One forward pass still verifies.
 * Greedy only: ``temperature > 0`` is refused (rejection sampling is not implemented).
   Only the first MTP module drafts (one token ahead) when the model has more.
 * `generate_speculative(model, prompts, ...) -> (tokens, SpeculativeStats)`;
@@ -40,7 +50,8 @@ from zoo.inference.engine import (cached_layers, compiled, filled_cache, final_l
 from zoo.inference.prompts import checked_prompts, decoded, pad_prompts
 from zoo.partitioning import Partitioner
 
-__all__ = ["SpeculativeStats", "check_speculative", "generate_speculative", "verify_jit"]
+__all__ = ["SpeculativeStats", "check_speculative", "generate_speculative", "kept_states",
+           "verify_jit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +102,9 @@ def check_speculative(model, speculative, temperature) -> None:
     if speculative != "mtp":
         raise ValueError(f"generate: speculative={speculative!r} is not a drafting method; "
                          f"pass speculative='mtp' or None")
-    if not len(getattr(model, "mtp", ())):
-        name = type(model).__name__
-        raise ValueError(
-            f"generate: speculative='mtp' needs multi-token-prediction modules, and this "
-            f"{name} has none (only DeepSeek-V3 has them, with num_nextn_predict_layers >= 1); "
-            f"build DeepSeek3 with num_nextn_predict_layers=1 or pass speculative=None")
-    refusal = getattr(model, "speculative_refusal", None)  # a model whose drafts cannot verify
+    refusal = model.speculative_support()
     if refusal:
-        raise ValueError(f"generate: speculative='mtp' with {type(model).__name__}: {refusal}; "
-                         f"pass speculative=None")
+        raise ValueError(f"generate: speculative='mtp': {refusal}; or pass speculative=None")
     if temperature != 0:
         raise ValueError(f"generate: speculative='mtp' is greedy only (temperature="
                          f"{temperature!r}; rejection sampling is not implemented); pass "
@@ -124,9 +128,11 @@ def _prefill(model, p: Partitioner, tokens, segment_ids, max_length: int):
     first = jnp.argmax(final_logits(model, h[:, -1]), -1).astype(jnp.int32)
     ahead = jnp.concatenate([tokens[:, 1:], first[:, None]], axis=1)  # token i + 1 at i
     mtp = model.mtp[0]
-    x = mtp.combine(h, model.embed_tokens(ahead))
-    hm, mtp_layers = prefill_layers([mtp.layer], x, positions, segment_ids, **kw)
-    draft = jnp.argmax(final_logits(model, hm[:, -1], mtp.norm), -1).astype(jnp.int32)
+    xm, mtp_kwargs = model.draft_input(x, ahead)
+    hm, mtp_layers = prefill_layers([mtp.layer], xm, positions, segment_ids,
+                                    layer_kwargs=mtp_kwargs, **kw)
+    hm = model.draft_hidden(hm[:, -1:])[:, 0]
+    draft = jnp.argmax(final_logits(model, hm, mtp.norm), -1).astype(jnp.int32)
     caches = [_per_row(constrain_cache(filled_cache(owners, e, positions, segment_ids,
                                                     max_length), p), p)
               for owners, e in ((model.layers, layers), ([mtp.layer], mtp_layers))]
@@ -147,21 +153,24 @@ def _verify(model, p: Partitioner, cache: KVCache, mtp_cache: KVCache, tokens, d
     kv_pos = write(cache.positions, q_pos, slot)
     kv_seg = write(cache.segment_ids, jnp.ones_like(q_pos), slot)
     x, layer_kwargs = model.stream_in(jnp.stack([tokens, drafts], axis=1))
-    x, layers = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg, slot, p,
-                              layer_kwargs=layer_kwargs)
+    x, layers, firsts = cached_layers(model.layers, cache.layers, x, q_pos, kv_pos, kv_seg,
+                                      slot, p, layer_kwargs=layer_kwargs, first_states=True)
     h = model.stream_out(x)
     choice = jnp.argmax(final_logits(model, h), -1).astype(jnp.int32)  # [B, 2]
     accept = (choice[:, 0] == drafts) & active
     mtp = model.mtp[0]
-    xm = mtp.combine(h, model.embed_tokens(choice))
-    hm, mtp_layers = cached_layers([mtp.layer], mtp_cache.layers, xm, q_pos, kv_pos,
-                                   kv_seg, slot, p)
-    guess = jnp.argmax(final_logits(model, hm, mtp.norm), -1).astype(jnp.int32)  # [B, 2]
+    xm, mtp_kwargs = model.draft_input(x, choice)
+    hm, mtp_layers, mtp_firsts = cached_layers(
+        [mtp.layer], mtp_cache.layers, xm, q_pos, kv_pos, kv_seg, slot, p,
+        layer_kwargs=mtp_kwargs, first_states=True)
+    guess = jnp.argmax(final_logits(model, model.draft_hidden(hm), mtp.norm),
+                       -1).astype(jnp.int32)  # [B, 2]
     advance = jnp.where(active, 1 + accept.astype(jnp.int32), 0)
     seen = (jnp.arange(2)[None] < advance[:, None]).astype(jnp.int32)  # rejected: segment 0
     kv_seg = write(cache.segment_ids, seen, slot)
 
-    def new(c, entries):
+    def new(c, entries, firsts):
+        entries = kept_states(entries, firsts, c.axes, advance < 2)
         c = KVCache(entries, kv_pos, kv_seg, slot + advance, cache.next_positions + advance,
                     axes=c.axes)
         c = constrain_cache(c, p)
@@ -169,7 +178,25 @@ def _verify(model, p: Partitioner, cache: KVCache, mtp_cache: KVCache, tokens, d
 
     nxt = jnp.where(accept, choice[:, 1], choice[:, 0])
     draft = jnp.where(accept, guess[:, 1], guess[:, 0])
-    return choice, accept, nxt, draft, new(cache, layers), new(mtp_cache, mtp_layers)
+    return (choice, accept, nxt, draft, new(cache, layers, firsts),
+            new(mtp_cache, mtp_layers, mtp_firsts))
+
+
+def kept_states(entries, firsts, axes, rows):
+    """The cache entries after a verify step: each state array (``firsts``, from
+    `cached_layers`' ``first_states``) as it was after the step's first token in ``rows
+    [B]`` (a rejected draft, or a finished row), after both elsewhere; the batch axis of each
+    array is where its logical axes (`KVCache.axes`) name ``"batch"``."""
+    out = []
+    for entry, first, names in zip(entries, firsts, axes, strict=True):
+        names = dict(names)
+        entry = dict(entry)
+        for k, a in first.items():
+            shape = [1] * a.ndim
+            shape[names[k].index("batch")] = -1
+            entry[k] = jnp.where(rows.reshape(shape), a, entry[k])
+        out.append(entry)
+    return tuple(out)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "p"),

@@ -188,7 +188,12 @@ class LayerCache(Protocol):
         """This layer's array `name` as the cache holds it now (leading layer axis dropped)."""
 
     def replace(self, name: str, value: jax.Array) -> None:
-        """Store `value` as this layer's array `name` (same shape)."""
+        """Store `value` as this layer's array `name` (same shape). A layer given T > 1 tokens
+        a step (speculative decoding's verify step) with a state cache says so with the
+        attribute ``replaces_state_per_token = True`` and replaces its state after each token
+        in turn: the loop keeps the state after the first, for rows whose draft is
+        rejected (`zoo.inference.engine.cached_layers`). A state layer without it is refused
+        T > 1."""
 
 
 def splittable_axes(p: Partitioner, axes: Sequence[str | None],

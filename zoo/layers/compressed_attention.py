@@ -33,10 +33,31 @@ run sharded; then, under `jax.shard_map`, each shard all-gathers the positions a
 slots and all-reduces the partial softmax sums (pmax + psum of ``[B, L/rate, H]``: a window
 that straddles shards is completed from its neighbours, every shard gets all entries; for CSA
 the indexer's entries ``[B, L/rate, index_head_dim]`` too), so the indexer's top-k is global
-over the row; and all-gathers the sliding keys ``[B, L, H]`` with their positions (the sliding
-branch needs each query's previous ``sliding_window - 1`` tokens, whichever shard holds them).
+over the row; and fetches the sliding keys (the sliding branch needs each query's previous
+``sliding_window - 1`` tokens, whichever shard holds them). With a declared ``layout``
+(``"contiguous"`` or ``"balanced"``, `zoo.ops.attention`'s; `DecoderConfig.attention_layout`)
+only the ring offsets a window can reach move (`sliding_hops`, `zoo.ops.ring.hop_plan`: one
+``ppermute`` of ``[B, L/cp, H]`` keys each), when the batch satisfies the plan
+(`zoo.ops.ring.sequence_order_ok`, checked per batch); otherwise, and without a layout, the
+keys ``[B, L, H]`` are all-gathered.
 Backward, the all-gather's transpose reduce-scatters the keys' gradient and the all-reduce's
 transpose all-reduces the entries'. Exact for every `zoo.data.load_balance` order.
+
+Training CSA's indexer (``index_stage``, DeepSeek-V3.2's two stages; `__call__` only, the
+cached calls always select): ``"off"`` (default) is the above, with no indexer loss.
+``"warmup"``: each query attends to every compressed entry it may see (as HCA does; beside the
+sliding window and the sinks), and the indexer, reading ``x`` and the query latent under
+``stop_gradient``, learns by `zoo.layers.indexer.distillation_kl` the main attention's
+distribution over those entries: each head's probabilities of them in the layer's own softmax
+(`zoo.ops.compressed_attention.attention_logits`: sliding keys, entries and sink together),
+summed over the heads and renormalised over the entries, under ``stop_gradient``.
+``"sparse"``: the sparse forward, and the same KL over each query's selected entries only. The
+per-layer mean over the queries that see an entry is sown as a `zoo.layers.indexer.IndexerLoss`
+(the model collects it); its gradient reaches only the indexer's parameters (its compressor's
+included), in query chunks (`local_distillation`). Under context parallelism each shard
+computes the KL of its own queries inside the same `jax.shard_map`, from what the attention
+already gathered (the row's entries and index keys, the sliding keys); only the queries with
+every head (and the whole sinks) enter it besides, so it is exact for every order too.
 
 Generation (`CompressedAttention.prefill` / `decode`, one document per row from position 0):
 the cache is the layer's state as a dict of arrays (`cache_shape`): the last
@@ -65,11 +86,14 @@ from jax.sharding import PartitionSpec as P
 from zoo.layers import hf_keys as hfk
 from zoo.layers.compressor import (F32, SCOPE, CompressedIndexer, Compressor, check_positive,
                                    rotate_trailing, v4_rope)
+from zoo.layers.indexer import INDEX_STAGES, IndexerLoss, distillation_kl
 from zoo.layers.linear import Linear
 from zoo.layers.norm import RMSNorm
 from zoo.layers.rope import RoPE
 from zoo.ops import compressed_attention as ca
-from zoo.ops.sparse_attention import choose_query_chunk, map_query_chunks
+from zoo.ops import ring
+from zoo.ops.masks import Causal, Document, SlidingWindow
+from zoo.ops.sparse_attention import choose_query_chunk, gather_keys, map_query_chunks
 from zoo.partitioning import Partitioner, resolve
 
 KINDS = ("sliding", "csa", "hca")
@@ -128,6 +152,12 @@ class CompressedAttention(nnx.Module):
       rms_norm_eps: of every RMS norm.
       query_chunk: queries per step of the attention (`zoo.ops.compressed_attention.attend`;
         ``"auto"``: `choose_query_chunk`, all at once at short lengths).
+      index_stage: ``"off"`` (default), ``"warmup"`` or ``"sparse"``: how CSA's indexer
+        trains (module docstring; ``"off"`` for sliding and HCA layers, which have none).
+      layout: how the sequence lies on the context shards (`zoo.ops.attention`'s
+        ``"contiguous"`` / ``"balanced"``, or None: unknown): with one, the sliding branch
+        under context parallelism fetches only the ring hops its window can reach (module
+        docstring).
       dtype / param_dtype: computation / storage.
     """
 
@@ -136,11 +166,20 @@ class CompressedAttention(nnx.Module):
                  inputs_shape: Sequence[int], partitioner: Partitioner | None,
                  compress_rate: int | None = None, index_n_heads: int = 64,
                  index_head_dim: int = 128, index_topk: int = 512, rope: RoPE | None = None,
-                 rms_norm_eps: float = 1e-6, query_chunk: int | str = "auto", dtype=None,
+                 rms_norm_eps: float = 1e-6, query_chunk: int | str = "auto",
+                 index_stage: str = "off", layout: str | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         p = resolve(partitioner)
         if kind not in KINDS:
             raise ValueError(f"CompressedAttention: kind={kind!r} must be one of {KINDS}")
+        if index_stage not in INDEX_STAGES:
+            raise ValueError(f"CompressedAttention: index_stage={index_stage!r} must be one of "
+                             f"{INDEX_STAGES} (how the CSA indexer trains: off, the dense "
+                             f"warm-up, or sparse)")
+        if index_stage != "off" and kind != "csa":
+            raise ValueError(f"CompressedAttention: index_stage={index_stage!r} trains CSA's "
+                             f"indexer, but kind={kind!r} has none; pass index_stage='off' for "
+                             f"sliding and HCA layers")
         check_positive("CompressedAttention", num_heads=num_heads, head_dim=head_dim,
                         q_lora_rank=q_lora_rank, sliding_window=sliding_window)
         if not isinstance(rope_head_dim, int) or rope_head_dim < 2 or rope_head_dim % 2 \
@@ -159,7 +198,12 @@ class CompressedAttention(nnx.Module):
         if query_chunk != "auto" and (not isinstance(query_chunk, int) or query_chunk < 1):
             raise ValueError(f"CompressedAttention: query_chunk={query_chunk!r} must be a "
                              f"positive int dividing each shard's queries, or 'auto'")
-        self.kind, self.rate, self.query_chunk = kind, rate, query_chunk
+        if layout not in ring.LAYOUTS:
+            raise ValueError(f"CompressedAttention: layout={layout!r}; valid values are "
+                             f"{ring.LAYOUTS} (how the sequence lies on the context shards; "
+                             f"None: unknown)")
+        self.kind, self.rate, self.query_chunk, self.layout = kind, rate, query_chunk, layout
+        self.index_stage = index_stage
         self.num_heads, self.head_dim, self.rope_head_dim = num_heads, head_dim, rope_head_dim
         self.q_lora_rank, self.sliding_window = q_lora_rank, sliding_window
         self.index_topk = index_topk if kind == "csa" else None
@@ -219,13 +263,16 @@ class CompressedAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        """x [B, L, D] -> [B, L, D]; positions and segment ids [B, L] (None: one document)."""
-        return self.forward(x, positions, segment_ids)[0]
+        """x [B, L, D] -> [B, L, D]; positions and segment ids [B, L] (None: one document). In
+        a training stage (``index_stage``) CSA also sows its indexer's loss as an
+        `IndexerLoss` named ``indexer_loss`` (the model collects it)."""
+        return self.forward(x, positions, segment_ids, index_stage=self.index_stage)[0]
 
-    def forward(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
-                ) -> tuple[jax.Array, jax.Array]:
+    def forward(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, *,
+                index_stage: str = "off") -> tuple[jax.Array, jax.Array]:
         """`__call__` that also returns the shared rotated key/value [B, L, H] (`project`'s,
-        what `prefill` caches for the sliding window)."""
+        what `prefill` caches for the sliding window); ``index_stage`` (`__call__` passes the
+        layer's; the cached calls always select, ``"off"``): module docstring."""
         B, L, _ = x.shape
         if positions.shape != (B, L) or (segment_ids is not None
                                           and segment_ids.shape != (B, L)):
@@ -243,22 +290,39 @@ class CompressedAttention(nnx.Module):
                 comp = self.compressor.project(x)
                 params["bias"] = self.compressor.position_bias[...]
                 params["norm"] = self.compressor.kv_norm.scale[...]
+            target = ()
             if self.kind == "csa":
                 ix = self.compressor.indexer
                 iq, iw = ix.queries(jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_lat), pos)
                 idx = (iq, iw, *ix.compressor.project(jax.lax.stop_gradient(x)))
-                params["ibias"] = jax.lax.stop_gradient(ix.compressor.position_bias[...])
-                params["inorm"] = jax.lax.stop_gradient(ix.compressor.kv_norm.scale[...])
-            o = self._attend(q, kv, comp, idx, params, pos, seg)
+                ibias, inorm = ix.compressor.position_bias[...], ix.compressor.kv_norm.scale[...]
+                if index_stage == "off":  # the selection alone trains nothing
+                    ibias, inorm = jax.lax.stop_gradient((ibias, inorm))
+                params["ibias"], params["inorm"] = ibias, inorm
+                if index_stage != "off":  # the indexer's target: every head, whole sinks
+                    target = (jax.lax.stop_gradient(q),)
+                    params["target_sinks"] = jax.lax.stop_gradient(params["sinks"])
+            o = self._attend(q, kv, comp, idx, params, pos, seg, target, index_stage)
+            if index_stage != "off":
+                o, kl = o
+                with jax.named_scope("indexer_loss"):
+                    self.indexer_loss = IndexerLoss(  # the model pops it
+                        jnp.sum(kl[..., 0]) / jnp.maximum(jnp.sum(kl[..., 1]), 1.0))
             return self.out(o, pos), kv
 
     # -- the cross-token part: one shard's queries (or the whole row) -----------------------------
-    def _attend(self, q, kv, comp, idx, params, pos, seg):
+    def _attend(self, q, kv, comp, idx, params, pos, seg, target=(), index_stage="off"):
         p = self.partitioner
         seq_axes = tuple(p.sequence_axes(SCOPE)) if p.mesh is not None else ()
-        local = functools.partial(self.attend_local, axes=seq_axes)
         if not seq_axes:
-            return local(q, kv, comp, idx, params, pos, seg)
+            return self.attend_local(q, kv, comp, idx, params, pos, seg, target,
+                                     index_stage=index_stage)
+        hops = self.sliding_hops(p.axis_size(seq_axes), pos.shape[1])
+        # the plan's assumption, checked on the whole batch (one scalar all shards agree on)
+        ok = (ring.sequence_order_ok(self.layout, p.axis_size(seq_axes), pos, pos, seg, seg)
+              if hops is not None else jnp.ones((), bool))
+        local = functools.partial(self.attend_local, axes=seq_axes, index_stage=index_stage,
+                                  hops=hops)
         B, _, N, _ = q.shape
         batch_axes = p.batch_axes(SCOPE)
         while batch_axes and B % p.axis_size(batch_axes):
@@ -271,19 +335,33 @@ class CompressedAttention(nnx.Module):
         tok3, tok4 = P(b, s, None), P(b, s, None, None)
         par = {k: P(h) if k == "sinks" else P() for k in params}
         specs = (P(b, s, h, None), tok3, tuple(tok3 for _ in comp),
-                 tuple((tok4, tok3, tok3, tok3)[:len(idx)]), par, P(b, s), P(b, s))
+                 tuple((tok4, tok3, tok3, tok3)[:len(idx)]), par, P(b, s), P(b, s),
+                 tuple(tok4 for _ in target), P())
+        out = P(b, s, h, None) if index_stage == "off" else (P(b, s, h, None), tok3)
         with jax.named_scope("compressed_attention_cp"):
-            return jax.shard_map(local, mesh=p.mesh, in_specs=specs,
-                                 out_specs=P(b, s, h, None), check_vma=False)(
-                q, kv, comp, idx, params, pos, seg)
+            return jax.shard_map(local, mesh=p.mesh, in_specs=specs, out_specs=out,
+                                 check_vma=False)(q, kv, comp, idx, params, pos, seg, target,
+                                                  ok)
 
-    def attend_local(self, q, kv, comp, idx, params, pos, seg, *, axes=()):
+    def sliding_hops(self, cp: int, length: int) -> tuple[int, ...] | None:
+        """The ring offsets (`zoo.ops.ring.hop_plan`) whose shards hold keys of some query's
+        sliding window under this layer's ``layout``, over ``cp`` shards of a ``length``-token
+        row; None: every offset (or no layout), and the sliding keys are all-gathered."""
+        window = SlidingWindow(self.sliding_window) & Causal() & Document()
+        return ring.hop_plan(window.reach(), self.layout, cp, length)
+
+    def attend_local(self, q, kv, comp, idx, params, pos, seg, target=(), ok=None, *,
+                     axes=(), index_stage="off", hops=None):
         """Attention of these queries (one shard's, or the row's when ``axes`` is empty) over
-        their sliding window and the row's compressed entries (module docstring)."""
-        kv_pos, kv_seg, kv_all = pos, seg, kv
-        if axes:
-            kv_all, kv_pos, kv_seg = (jax.lax.all_gather(a, axes, axis=1, tiled=True)
-                                      for a in (kv, pos, seg))
+        their sliding window and the row's compressed entries (module docstring); in a
+        training stage also (out, `local_distillation`'s [B, L, 2]), ``target`` holding the
+        queries with every head (under ``stop_gradient``). ``hops`` (`sliding_hops`) and
+        ``ok`` (the batch satisfies their plan): the sliding keys come from those ring
+        offsets alone, else from the all-gather."""
+        kv_pos, kv_seg = pos, seg
+        if axes:  # the row's positions and segment ids number its compression windows
+            kv_pos, kv_seg = (jax.lax.all_gather(a, axes, axis=1, tiled=True)
+                              for a in (pos, seg))
         entries = start = eseg = indices = None
         if self.compressor is not None:
             c = self.compressor
@@ -310,23 +388,101 @@ class CompressedAttention(nnx.Module):
 
                 chunk = self.query_chunk if self.query_chunk != "auto" else \
                     choose_query_chunk(L, ix.num_heads * E)
-                indices = jax.lax.stop_gradient(map_query_chunks(select, chunk,
-                                                                    (iq, iw, pos, seg)))
+                if index_stage != "warmup":  # the warm-up attends to every visible entry
+                    indices = jax.lax.stop_gradient(map_query_chunks(select, chunk,
+                                                                        (iq, iw, pos, seg)))
         L = pos.shape[1]
-        first = jax.lax.axis_index(axes) * L if axes else 0
-        query_index = jnp.broadcast_to(first + jnp.arange(L, dtype=jnp.int32), pos.shape)
-        band = ca.sliding_band(query_index, kv_pos, kv_seg, self.sliding_window)
         chunk = self.query_chunk
         if chunk == "auto":
             per_query = self.sliding_window + (0 if entries is None else indices.shape[2]
                                                if indices is not None else entries.shape[1])
             chunk = choose_query_chunk(L, per_query)
-        return ca.attend(q, kv_all, entries, q_positions=pos, q_segment_ids=seg,
-                         kv_positions=kv_pos, kv_segment_ids=kv_seg,
-                         window=self.sliding_window, entry_start=start,
-                         entry_segment_ids=eseg, rate=self.rate or 1, indices=indices,
-                         sinks=params["sinks"], scale=self.scale, band=band,
-                         query_chunk=chunk)
+
+        def attend(keys, keys_pos, keys_seg, first):  # over these sliding keys
+            query_index = jnp.broadcast_to(first + jnp.arange(L, dtype=jnp.int32), pos.shape)
+            band = ca.sliding_band(query_index, keys_pos, keys_seg, self.sliding_window)
+            o = ca.attend(q, keys, entries, q_positions=pos, q_segment_ids=seg,
+                          kv_positions=keys_pos, kv_segment_ids=keys_seg,
+                          window=self.sliding_window, entry_start=start,
+                          entry_segment_ids=eseg, rate=self.rate or 1, indices=indices,
+                          sinks=params["sinks"], scale=self.scale, band=band,
+                          query_chunk=chunk)
+            if index_stage == "off":
+                return o
+            with jax.named_scope("indexer_loss"):
+                kl = self.local_distillation(
+                    target[0], keys, entries, iq, iw, ikeys, params["target_sinks"], pos,
+                    seg, kv_positions=keys_pos, kv_segment_ids=keys_seg, entry_start=start,
+                    entry_segment_ids=eseg, band=band, indices=indices)
+            return o, kl
+
+        def gathered(kv):  # the whole row's sliding keys
+            with jax.named_scope("sliding_all_gather"):
+                keys = jax.lax.all_gather(kv, axes, axis=1, tiled=True) if axes else kv
+            return attend(keys, kv_pos, kv_seg, jax.lax.axis_index(axes) * L if axes else 0)
+
+        if not axes or hops is None:
+            return gathered(kv)
+
+        def hopped(kv):  # this shard's keys, then each planned offset's shard's
+            blocks = [(kv, pos, seg)]
+            with jax.named_scope("sliding_ring_hops"):
+                for d in hops:
+                    names, pairs = ring.ring_perm(axes, d)
+                    blocks.append(tuple(jax.lax.ppermute(a, names, pairs)
+                                        for a in (kv, pos, seg)))
+            keys, keys_pos, keys_seg = (jnp.concatenate(a, axis=1) for a in zip(*blocks))
+            return attend(keys, keys_pos, keys_seg, 0)
+
+        return jax.lax.cond(ok, hopped, gathered, kv)
+
+    def local_distillation(self, q, kv, entries, iq, iw, index_keys, sinks, positions,
+                           segment_ids, *, kv_positions, kv_segment_ids, entry_start,
+                           entry_segment_ids, band=None, indices=None,
+                           query_chunk: int | str | None = "auto") -> jax.Array:
+        """The indexer's KL of these queries (`zoo.layers.indexer.distillation_kl`) -> [B, L, 2]
+        float32: each query's KL and whether it counts (not padding, some entry visible).
+
+        The target is the main attention's distribution over the compressed entries -- every
+        visible one (``indices`` None: the warm-up, attended densely) or the query's selected
+        ones (``indices`` [B, L, k]) -- taken from `attend`'s own softmax (sliding keys, those
+        entries and the sinks; `zoo.ops.compressed_attention.attention_logits`), each head's
+        probabilities of the entries summed over the heads and renormalised over them, under
+        ``stop_gradient``: ``q`` [B, L, N, H] (every head), ``kv`` [B, S, H] with its positions
+        and segment ids, ``entries`` [B, E, H], ``sinks`` [N], ``band`` (`sliding_band`). The
+        indexer's side: its queries ``iq`` [B, L, Ni, Hi], weights ``iw`` [B, L, Ni] and
+        compressed keys ``index_keys`` [B, E, Hi] (gradient flows there only). Queries go in
+        chunks (``"auto"``: `choose_query_chunk`), each rematerialised in the backward pass."""
+        q, kv, entries, sinks = jax.lax.stop_gradient((q, kv, entries, sinks))
+        ix = self.compressor.indexer
+        L, N = q.shape[1], q.shape[2]
+        width = entries.shape[1] if indices is None else indices.shape[2]
+        if query_chunk == "auto":
+            sliding = kv.shape[1] if band is None else band.shape[2]
+            query_chunk = choose_query_chunk(L, (N + 1) * (sliding + width) + ix.num_heads
+                                             * width)
+
+        def chunk(args):
+            q_c, iq_c, iw_c, pos_c, seg_c, band_c, idx_c = args
+            lg = ca.attention_logits(
+                q_c, kv, entries, q_positions=pos_c, q_segment_ids=seg_c,
+                kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
+                window=self.sliding_window, entry_start=entry_start,
+                entry_segment_ids=entry_segment_ids, rate=self.rate, indices=idx_c,
+                sinks=sinks, scale=self.scale, band=band_c)
+            if idx_c is None:  # every entry of the row
+                scores = ix.entry_scores(iq_c, iw_c, index_keys, entry_start,
+                                         entry_segment_ids, positions=pos_c,
+                                         segment_ids=seg_c)
+            else:  # the selected ones, gathered
+                (keys,) = gather_keys(idx_c, index_keys)
+                scores = ix.score_selected(iq_c, iw_c, keys)
+            return jnp.stack(distillation_kl(lg.entries, scores, lg.entry_visible, seg_c != 0,
+                                             log_norm=lg.log_norm()), axis=-1)
+
+        return map_query_chunks(jax.checkpoint(chunk), query_chunk,
+                                (q, iq, iw, positions, segment_ids, band, indices),
+                                what="CompressedAttention.local_distillation")
 
     # -- generation ----------------------------------------------------------------------------
     # The cache is a dict of arrays, each the layer's state for a batch of single-document
@@ -438,6 +594,11 @@ class CompressedAttention(nnx.Module):
         del max_length
         return 0
 
+    # `decode_step` takes T tokens in turn, replacing the state after each: a speculative
+    # verify step keeps the state after the first for rows whose draft it rejects
+    # (`zoo.layers.attention.LayerCache.replace`)
+    replaces_state_per_token = True
+
     def prefill_cache(self, x: jax.Array, *, positions: jax.Array,
                       segment_ids: jax.Array | None = None
                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -451,15 +612,19 @@ class CompressedAttention(nnx.Module):
                     kv_positions: jax.Array | None = None,
                     kv_segment_ids: jax.Array | None = None,
                     partitioner: Partitioner | None = None) -> jax.Array:
-        """One token per row from the cache's state (``cache.read`` / ``cache.replace``,
-        `zoo.layers.attention.LayerCache`): x [B, 1, D] at ``q_positions [B, 1]`` -> [B, 1, D].
-        The positions and segment ids of other layers' slots are not needed."""
+        """T tokens per row from the cache's state (``cache.read`` / ``cache.replace``,
+        `zoo.layers.attention.LayerCache`), each a `decode` step in turn: x [B, T, D] at
+        ``q_positions [B, T]`` (each row's own) -> [B, T, D], the state replaced after each
+        token. The positions and segment ids of other layers' slots are not needed."""
         del kv_positions, kv_segment_ids, partitioner
         state = {k: cache.read(k) for k in self.cache_axes}
-        y, new = self.decode(x, state, positions=q_positions)
-        for k in self.cache_axes:
-            cache.replace(k, new[k])
-        return y
+        out = []
+        for j in range(x.shape[1]):
+            y, state = self.decode(x[:, j:j + 1], state, positions=q_positions[:, j:j + 1])
+            for k in self.cache_axes:
+                cache.replace(k, state[k])
+            out.append(y)
+        return jnp.concatenate(out, axis=1)
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         """Hugging Face ``DeepseekV4Attention``'s keys under ``prefix`` (``...self_attn``)."""

@@ -432,6 +432,16 @@ class CausalLM(nnx.Module):
                                                       self.partitioner.platform))
         return dataclasses.replace(self.config, **changes)
 
+    def speculative_support(self) -> str | None:
+        """None when `zoo.inference`'s speculative decoding (``speculative="mtp"``) can draft
+        with this model, else why not (a clause the caller completes with its own fix). A
+        family with multi-token-prediction modules overrides this, with `draft_input` and
+        `draft_hidden` (the seams the verify step calls)."""
+        return (f"drafts come from multi-token-prediction modules and this "
+                f"{type(self).__name__} has none (DeepSeek-V3, DeepSeek-V3.2, GLM-5 and "
+                f"DeepSeek-V4 have them, with num_nextn_predict_layers >= 1); build one of "
+                f"those with num_nextn_predict_layers=1")
+
     def for_inference(self, *, unsharded: bool = False) -> CausalLM:
         """A copy of this model configured for generation (`zoo.inference`), sharing its
         parameters: rebuilt under `inference_config` (dropless MoE), with the same class,

@@ -360,6 +360,21 @@ class DeepSeek3(CausalLM):
                 inputs_shape=(*self.inputs_shape, config.hidden_size),
                 partitioner=self.partitioner, rngs=rngs) for d in range(config.mtp_depth)])
 
+    # -- speculative decoding (zoo.inference.speculative): the first MTP module drafts --------
+    def speculative_support(self) -> str | None:
+        """None with an MTP module (`CausalLM.speculative_support`)."""
+        return None if len(self.mtp) else super().speculative_support()
+
+    def draft_input(self, stream, ahead: jax.Array) -> tuple[jax.Array, dict]:
+        """The first MTP module's layer input from the trunk's stream after its last layer
+        (`CausalLM.stream_in`'s kind) and the ids ``ahead [B, T]`` of each position's next
+        token: (``combine(hidden, embed(ahead))``, the layer's keyword inputs: none)."""
+        return self.mtp[0].combine(self.stream_out(stream), self.embed_tokens(ahead)), {}
+
+    def draft_hidden(self, x: jax.Array) -> jax.Array:
+        """The first MTP module's layer output -> hidden ``[B, T, D]`` for its ``norm``."""
+        return x
+
     def hf_keys(self, prefix: str = "") -> list:
         """The base's rows, then MTP module ``d``'s under the layer index after the trunk's
         (``model.layers.{num_hidden_layers + d - 1}.*``, DeepSeek's published layout), with

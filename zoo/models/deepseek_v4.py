@@ -21,6 +21,16 @@
 * Scanned as cycles: layers of one (attention kind, MoE kind) share a stack, and a pattern
   that repeats (V4-Flash: sliding, sliding, CSA, then (HCA, CSA) x 20) runs as one scan over
   the cycle (`zoo.models.stacks.layer_cycles`).
+* Training the CSA indexers as DeepSeek-V3.2 trains its own (``index_stage``, zoo-only;
+  ``--set index_stage=...``; `zoo.models.deepseek_v32.index_stage_outputs` and
+  `index_stage_frozen`): ``"off"`` (default, and what `from_hf` gives) selects with no
+  indexer loss; ``"warmup"`` attends densely to every visible compressed entry (beside the
+  sliding window and sinks) while the main model is frozen (logits and other aux under
+  ``stop_gradient``, `DeepSeekV4.frozen_state`), the indexers learning the main attention's
+  head-summed distribution over the entries by KL; ``"sparse"`` the sparse forward, the main
+  model on the language-model loss and the indexers (detached input) on the KL over their
+  selected entries. ``aux["indexer_loss"]`` sums the CSA layers' mean KL per query (MTP's
+  included); sliding and HCA layers have no indexer.
 * `DeepSeekV4Config` has Hugging Face's ``DeepseekV4Config`` field names (``model_type``
   ``deepseek_v4``). Presets: `deepseek_v4_flash` (284B, what transformers' defaults build),
   `deepseek_v4_pro` (1.6T) and `mini`.
@@ -37,8 +47,9 @@
   DeepSeek-V3. transformers builds no MTP and ignores the checkpoint's ``mtp.*`` tensors:
   its meta-device counts (V4-Flash 284,332,230,231, the published "284B") exclude them, so
   the presets (one module, as published) count more (`DeepSeekV4Config.num_params`).
-  Speculative decoding with it is refused: the compressed attention's state cache decodes
-  one token a step.
+  Speculative decoding (``speculative="mtp"``) drafts with the first module: a verify step
+  decodes 2 tokens, each layer's state taking them in turn, and a row whose draft is rejected
+  keeps its states as they were after the first (`zoo.inference.speculative`).
 * `from_hf(path)` / `to_hf(model, path)`: the layout transformers' ``save_pretrained`` writes
   and ``from_pretrained`` reads for ``deepseek_v4`` (DeepSeek's names: ``model.layers.{i}.attn
   .wq_a``, ``.ffn.experts.{e}.w1``, ``.hc_attn_fn``, ``head.weight``, ...; `published_key`
@@ -47,6 +58,12 @@
   ``.hnorm``, ``.norm``, ``.hc_head_fn``/``_base``/``_scale``, then the layer's ``.attn.*``,
   ``.ffn.*``, ``.hc_attn_fn``, ...), which transformers skips on load; a checkpoint without
   them (transformers saves none) leaves the modules freshly initialised, with a warning.
+  DeepSeek's release layout loads too (told apart by its keys, `checkpoint_layout`): the same
+  names without ``model.`` (``embed.weight``, ``norm.weight``, ``hc_head_fn``,
+  ``layers.{i}.attn.kv_norm``, `release_key`), FP8 e4m3 weights with a ue8m0 ``X.scale`` per
+  128x128 block and routed experts in FP4 e2m1 (two a byte, a ue8m0 scale per 32 inputs),
+  dequantised on load to ``param_dtype`` (`zoo.models.hf.CheckpointReader`);
+  ``to_hf(model, path, layout="release")`` writes those names back, weights unquantised.
 
 Legend: B batch, L length, n streams (hc_mult), D hidden_size, E routed experts.
 """
@@ -73,11 +90,12 @@ from zoo.models import hf, registry
 from zoo.models.config import DecoderConfig, check_hf_types, check_positive, zoo_field
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
 from zoo.models.deepseek3 import mtp_positions, update_selection_bias
+from zoo.models.deepseek_v32 import check_index_training, index_stage_frozen, index_stage_outputs
 from zoo.models.stacks import interleave_aux, layer_groups, run_cycle, run_layers
 from zoo.ops import moe as moe_ops
 
 __all__ = ["DeepSeekV4Config", "DeepSeekV4DecoderLayer", "DeepSeekV4MTP", "DeepSeekV4",
-           "from_hf", "to_hf", "published_key"]
+           "from_hf", "to_hf", "published_key", "release_key", "checkpoint_layout", "LAYOUTS"]
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -160,6 +178,9 @@ class DeepSeekV4Config(DecoderConfig):
     mtp_layer_types: tuple[str, ...] | None = None
     mtp_loss_weight: float = zoo_field(0.3)
     aux_loss_alpha: float = zoo_field(1e-4)  # weight of aux["load_balance_loss"]
+    # how the CSA layers' indexers train (module docstring): "off" | "warmup" | "sparse"
+    index_stage: str = zoo_field("off")
+    index_loss_weight: float = zoo_field(1.0)  # weight of aux["indexer_loss"] in the loss
 
     def __post_init__(self):
         what = type(self).__name__
@@ -183,6 +204,7 @@ class DeepSeekV4Config(DecoderConfig):
         mtp = None if mtp is not None and set(mtp) <= {SLIDING} else mtp
         set_("mtp_layer_types", mtp)
         super().__post_init__()
+        check_index_training(self)
         check_positive(self, ("moe_intermediate_size", "head_dim", "qk_rope_head_dim",
                               "q_lora_rank", "num_experts_per_tok", "n_routed_experts",
                               "compress_rate_csa", "compress_rate_hca", "hc_mult",
@@ -454,10 +476,41 @@ def published_key(key: str) -> str:
     return key
 
 
-def _published(row):
+def _published(row, key=published_key):
     if isinstance(row, hf.LayerStack):
-        return dataclasses.replace(row, rows=tuple(_published(r) for r in row.rows))
-    return dataclasses.replace(row, keys=tuple(published_key(k) for k in row.keys))
+        return dataclasses.replace(row, rows=tuple(_published(r, key) for r in row.rows))
+    return dataclasses.replace(row, keys=tuple(key(k) for k in row.keys))
+
+
+# transformers' checkpoint names (`published_key`) -> DeepSeek's release (the safetensors of
+# deepseek-ai/DeepSeek-V4-Flash and -Pro, the names of its inference/model.py): no ``model.``
+# prefix, ``embed`` / ``norm`` / ``hc_head_{fn,base,scale}`` at the top, the attention's own
+# KV norm ``kv_norm`` (its compressors' stay ``norm``); MTP names are the same in both
+_RELEASE = [(re.compile(a), b) for a, b in (
+    (r"^model\.embed_tokens\.", "embed."),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.", ""),
+    (r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm."),
+)]
+LAYOUTS = ("transformers", "release")
+
+
+def release_key(key: str) -> str:
+    """A key as transformers' ``save_pretrained`` names it (`published_key`:
+    ``model.layers.1.attn.norm.weight``) as DeepSeek's release does
+    (``layers.1.attn.kv_norm.weight``; ``model.embed_tokens.weight`` -> ``embed.weight``,
+    ``model.hc_head.hc_fn`` -> ``hc_head_fn``)."""
+    for pattern, repl in _RELEASE:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def checkpoint_layout(keys) -> str:
+    """``"release"`` when `keys` are DeepSeek's release names (``embed.weight``,
+    ``layers.{i}.*``), else ``"transformers"``."""
+    keys = set(keys)
+    return "release" if "embed.weight" in keys or any(k.startswith("layers.") for k in keys) \
+        else "transformers"
 
 
 class DeepSeekV4DecoderLayer(DecoderLayer):
@@ -497,8 +550,9 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
             sliding_window=config.sliding_window, compress_rate=rate,
             index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
             index_topk=config.index_topk, rope=config.rope(kind),
-            rms_norm_eps=config.rms_norm_eps, dtype=config.dtype,
-            param_dtype=config.param_dtype, inputs_shape=inputs_shape,
+            index_stage=config.index_stage if kind == CSA else "off",
+            rms_norm_eps=config.rms_norm_eps, layout=config.attention_layout,
+            dtype=config.dtype, param_dtype=config.param_dtype, inputs_shape=inputs_shape,
             partitioner=partitioner, rngs=rngs)
 
     def make_moe(self, config: DeepSeekV4Config, *, inputs_shape, partitioner, rngs):
@@ -605,11 +659,6 @@ class DeepSeekV4(CausalLM):
     decoder_layer_cls: ClassVar[type[DecoderLayer]] = DeepSeekV4DecoderLayer
     hf_model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
     hf_names: ClassVar[dict[str, str]] = {**CausalLM.hf_names, "hc_head": "model.hc_head"}
-    # `zoo.inference.speculative` refuses with this: verifying a draft decodes 2 tokens a step
-    speculative_refusal: ClassVar[str] = (
-        "verifying a draft decodes 2 tokens a step, and the compressed attention's cache "
-        "(sliding-window ring, compressed entries, open windows) takes in every token and "
-        "cannot take a rejected draft back out")
 
     def __init__(self, config: DeepSeekV4Config, *, rngs: nnx.Rngs, **kwargs):
         super().__init__(config, rngs=rngs, **kwargs)
@@ -657,11 +706,31 @@ class DeepSeekV4(CausalLM):
         """The streams collapsed by the hyper head (``hc_head``) -> ``[B, L, D]``."""
         return self.hc_head(x)
 
+    # -- speculative decoding (zoo.inference.speculative): the first MTP module drafts --------
+    def speculative_support(self) -> str | None:
+        """None with an MTP module (`CausalLM.speculative_support`)."""
+        return None if len(self.mtp) else super().speculative_support()
+
+    def draft_input(self, stream: jax.Array, ahead: jax.Array) -> tuple[jax.Array, dict]:
+        """The first MTP module's layer input from the trunk's streams ``[B, T, n, D]``
+        after its last layer (before the hyper head) and the ids ``ahead [B, T]`` of each
+        position's next token: (`DeepSeekV4MTP.combine`'s streams, the layer's keyword
+        inputs: the ids, as every V4 layer takes them)."""
+        return self.mtp[0].combine(stream, self.embed_tokens(ahead)), {"tokens": ahead}
+
+    def draft_hidden(self, x: jax.Array) -> jax.Array:
+        """The first MTP module's layer output streams -> hidden ``[B, T, D]`` through its
+        own hyper head (``hc_head``), for its ``norm``."""
+        return self.mtp[0].hc_head(x)
+
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, mtp_tokens: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`CausalLM.__call__` (with ``mtp_tokens``: class docstring); in an indexer training
+        stage (``config.index_stage``) also ``aux["indexer_loss"]`` (`index_stage_outputs`)."""
         if mtp_tokens is None or not len(self.mtp):
-            return super().__call__(tokens, positions=positions, segment_ids=segment_ids)
+            return index_stage_outputs(self, *super().__call__(
+                tokens, positions=positions, segment_ids=segment_ids))
         positions = mtp_positions("DeepSeekV4", tokens, positions, mtp_tokens, len(self.mtp))
         with jax.named_scope("deepseekv4"):
             x, auxes = self.streams(tokens, positions, segment_ids)
@@ -675,7 +744,13 @@ class DeepSeekV4(CausalLM):
                     mtp_logits.append(self.head(module.hc_head(x), module.norm))
         out = self.collect_aux(auxes)
         out["mtp_logits"] = jnp.stack(mtp_logits)
-        return logits, out
+        return index_stage_outputs(self, logits, out)
+
+    @property
+    def frozen_state(self):
+        """What a train step leaves unchanged: `index_stage_frozen` of the config's stage
+        (in ``"warmup"`` everything but the CSA indexers)."""
+        return index_stage_frozen(self.config.index_stage)
 
     def hf_keys(self, prefix: str = "") -> list:
         """The base's rows, the hyper head's, then MTP module ``d``'s under ``mtp.{d}``
@@ -687,10 +762,22 @@ class DeepSeekV4(CausalLM):
                      for r in module.hf_keys(hfk.join(prefix, f"mtp.{d}"))]
         return [_published(r) for r in rows]
 
+    def hf_layout_map(self, layout: str = "transformers") -> list:
+        """`hf_key_map` in transformers' names (``"transformers"``) or DeepSeek's release
+        names (``"release"``, `release_key`)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"DeepSeekV4: layout={layout!r} is not one of {LAYOUTS}; "
+                             f"'transformers' is what save_pretrained writes, 'release' the "
+                             f"names of DeepSeek's published safetensors")
+        rows = self.hf_key_map()
+        return rows if layout == "transformers" else [_published(r, release_key) for r in rows]
+
     def hf_load_map(self, keys) -> list:
-        """`hf_key_map`, with the MTP modules a checkpoint lacks (transformers saves none)
-        zoo-only: they start as the constructor initialises them, with a warning."""
+        """`hf_layout_map` of the layout `keys` are in (`checkpoint_layout`), with the MTP
+        modules a checkpoint lacks (transformers saves none) zoo-only: they start as the
+        constructor initialises them, with a warning."""
         keys = set(keys)
+        table = self.hf_layout_map(checkpoint_layout(keys))
         fresh = [f"mtp.{d}." for d in range(len(self.mtp))
                  if f"mtp.{d}.e_proj.weight" not in keys]
         if fresh:
@@ -699,11 +786,32 @@ class DeepSeekV4(CausalLM):
                           f"e_proj.weight there; transformers saves none): those MTP modules "
                           f"start freshly initialised", stacklevel=4)
         return [hfk.zoo_only(r.path) if any(k.startswith(p) for k in r.keys for p in fresh)
-                else r for r in self.hf_key_map()]
+                else r for r in table]
+
+    def to_hf(self, path, *, layout: str = "transformers", max_shard_bytes: int = 5 * 2**30,
+              overwrite: bool = False) -> None:
+        """`CausalLM.to_hf` in transformers' names (``layout="transformers"``) or DeepSeek's
+        release names (``"release"``); either way the weights are the parameters as they are
+        (``param_dtype``, no FP8/FP4 or scales: as zoo exports DeepSeek-V3)."""
+        table = self.hf_layout_map(layout)
+        hf.save_checkpoint(path, hf.export_tensors(self, table), self.config.to_hf_config(),
+                           max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
-from_hf, to_hf = family_io(DeepSeekV4, "DeepSeek-V4",
-                           "transformers' deepseek_v4 layout, bf16/fp32")
+from_hf, _to_hf = family_io(
+    DeepSeekV4, "DeepSeek-V4",
+    "transformers' deepseek_v4 layout or DeepSeek's release layout, bf16/fp32, or the "
+    "release's FP8 (block-scaled e4m3) with FP4 (e2m1) experts, dequantised on load")
+
+
+def to_hf(model: DeepSeekV4, path, *, layout: str = "transformers",
+          max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> None:
+    """Write a DeepSeek-V4 model as a checkpoint folder (safetensors + config.json) in
+    transformers' names (``layout="transformers"``, what ``from_pretrained`` reads) or
+    DeepSeek's release names (``"release"``), weights in ``param_dtype`` (not re-quantised);
+    an earlier export there is replaced whole, a folder holding other files is refused
+    unless overwrite=True."""
+    model.to_hf(path, layout=layout, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 registry.register(registry.Family(
     name="deepseek_v4", config_cls=DeepSeekV4Config, model_cls=DeepSeekV4,
