@@ -43,6 +43,13 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU 
              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6": 918e12}
 
 
+# the losses section's families and their expert-bias rates (aux-loss-free balancing where the
+# family routes with a selection bias)
+LOSS_MODELS = {"deepseek3": 1e-2, "mixtral": 0.0, "qwen3_moe": 0.0, "glm4_moe": 1e-2,
+               "gpt_oss": 0.0, "deepseek_v32": 1e-2, "glm_moe_dsa": 1e-2, "deepseek_v4": 1e-2,
+               "qwen3_next": 0.0, "qwen3_5_moe": 0.0}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, reduced widths, 2 steps")
@@ -51,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[],
                    choices=("losses", "layers", "parts", "memory"))
+    p.add_argument("--models", nargs="*", default=["deepseek3", "mixtral"], choices=LOSS_MODELS,
+                   help="families whose mini preset the losses section trains")
     p.add_argument("--parts", nargs="*", default=["accel_moe", "accel_attention"],
                    choices=("accel_moe", "accel_attention"), help="which parts to run")
     return p.parse_args(argv)
@@ -120,8 +129,8 @@ def check_losses(args) -> None:
     steps = 2 if args.dry_run else args.steps
     it = data.text_dataset(None, seq_len=128, batch_size=8)
     batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
-    presets = [("mini_deepseek3", "deepseek3", 1e-2), ("mini_mixtral", "mixtral", 0.0)]
-    for name, family, bias_rate in presets:
+    for family in args.models:
+        name, bias_rate = f"mini_{family}", LOSS_MODELS[family]
         # the reference at full fp32; the accelerator at its default precision, as a run
         # trains (a TPU's Mosaic ragged dot refuses "highest" for its bf16 passes)
         with jax.default_matmul_precision("highest"):
