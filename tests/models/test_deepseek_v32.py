@@ -228,3 +228,28 @@ def test_sparse_mla_chunked_equals_dense_topk_reference():
     assert rel_err(got, want) < TOL
     for a, b in zip(g_got, g_want):
         assert rel_err(a, b) < TOL
+
+
+@pytest.mark.slow  # ~12 s on a loaded box: two lowered forwards
+def test_index_fetch_is_a_config_field(devices):
+    """``index_fetch`` (zoo-only) is checked at construction, reaches every DSA layer of
+    V3.2 and GLM-5 (`--set index_fetch=hops`), stays out of config.json, and decides the
+    program: under cp 4 the "hops" model's lowered forward holds one collective-permute per
+    shard distance (latent, positions, segment ids), the "all_gather" model's
+    none."""
+    from zoo.models.glm_moe_dsa import GlmMoeDsa, GlmMoeDsaConfig
+    with pytest.raises(ValueError, match=r"DeepSeekV32Config: index_fetch='ring' must be one of"):
+        DeepSeekV32Config.mini(index_fetch="ring")
+    assert "index_fetch" not in DeepSeekV32Config.mini(index_fetch="hops").to_hf_config()
+    p = zoo.Partitioner(zoo.make_mesh(fsdp=2, context=4), "cp")
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    counts = {}
+    for fetch in ("hops", "all_gather"):
+        model = DeepSeekV32(DeepSeekV32Config.mini(num_hidden_layers=1, index_fetch=fetch),
+                            partitioner=p, rngs=nnx.Rngs(0))
+        assert {layer.self_attn.index_fetch for layer in model.layers} == {fetch}
+        text = jax.jit(lambda m, t: m(t)[0]).lower(model, tokens).as_text()
+        counts[fetch] = text.count("stablehlo.collective_permute")
+    assert counts == {"hops": 3 * 3, "all_gather": 0}
+    glm = GlmMoeDsa(GlmMoeDsaConfig.mini(index_fetch="hops"), rngs=nnx.Rngs(0))
+    assert {layer.self_attn.index_fetch for layer in glm.layers} == {"hops"}

@@ -50,6 +50,7 @@ from zoo.layers.moe import RouterBias
 from zoo.models import registry
 from zoo.models.config import zoo_field
 from zoo.models.decoder import count_params, family_io
+from zoo.ops.sparse_attention import check_fetch
 from zoo.models.deepseek3 import (FULL_SIZE_MOE, DeepSeek3, DeepSeek3Config,
                                   DeepSeek3DecoderLayer, update_selection_bias)
 
@@ -71,11 +72,15 @@ class DeepSeekV32Config(DeepSeek3Config):
     # how the indexer trains (module docstring): "off" | "warmup" | "sparse"
     index_stage: str = zoo_field("off")
     index_loss_weight: float = zoo_field(1.0)  # weight of aux["indexer_loss"] in the loss
+    # how the selected keys reach each context shard (`zoo.ops.sparse_attention`'s ``fetch``):
+    # "auto" (by bytes, at run time) | "all_gather" | "hops"
+    index_fetch: str = zoo_field("auto")
 
     def __post_init__(self):
         super().__post_init__()
         what = type(self).__name__
         check_index_training(self)
+        check_fetch(self.index_fetch, f"{what}: index_fetch")
         for name in ("index_topk", "index_head_dim", "index_n_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -160,7 +165,8 @@ class DeepSeekV32DecoderLayer(DeepSeek3DecoderLayer):
     def attention_kwargs(self, config: DeepSeekV32Config) -> dict:
         return super().attention_kwargs(config) | dict(
             index_topk=config.index_topk, index_n_heads=config.index_n_heads,
-            index_head_dim=config.index_head_dim, index_stage=config.index_stage)
+            index_head_dim=config.index_head_dim, index_stage=config.index_stage,
+            index_fetch=config.index_fetch)
 
 
 class DeepSeekV32(DeepSeek3):
