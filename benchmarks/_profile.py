@@ -12,7 +12,7 @@ row by its opcode and its named scope (the ``op_name`` metadata XLA keeps from
 * ``optimizer``: the optimizer update (the train step's ``optimizer`` scope);
 * ``attention``: the attention op inside each layer's ``attend`` scope (the kernel, the ring
   or the gather's local work, MLA's latent expansion), not the q/k/v/o projections;
-* ``grouped matmul``: the experts' matmuls (`zoo.ops.moe`'s ``grouped_matmul`` scope);
+* ``grouped matmul``: the experts' matmuls (`zoo.ops.grouped`'s ``grouped_matmul`` scope);
 * ``dense matmuls``: every other op that contains a dot (projections, dense MLPs, shared
   experts, the router, the head);
 * ``MoE dispatch``: the rest of the ``moe`` scope (routing, sorting, gathering and scattering

@@ -10,7 +10,7 @@ tables); ``python benchmarks/accel_moe.py`` runs it alone and prints plain rows.
   ragged_dot, each compared with the same layer run unsharded on the CPU with the blocked
   grouped matmul (the path CI tests). Columns: the largest error relative to the reference's
   largest value, and whether the program holds ``ragged-all-to-all``.
-* ``moe grouped matmul`` rows: `zoo.ops.moe.grouped_swiglu` with ``"tokamax"`` and
+* ``moe grouped matmul`` rows: `zoo.ops.grouped.grouped_swiglu` with ``"tokamax"`` and
   ``"ragged_dot"`` at a few expert counts, forward and forward+backward milliseconds; on a TPU
   also the Pallas Mosaic grouped matmul that ships with jax (``megablox``), the kernel that
   tokamax's Mosaic TPU ragged dot and MaxText use.
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.layers.moe import ACT, MoE
-from zoo.ops import moe as ops
+from zoo.ops.grouped import grouped_swiglu
 from zoo.partitioning import Partitioner, make_mesh
 
 
@@ -110,7 +110,7 @@ def grouped_matmul_rows(report, rows: int = 16384, embed: int = 2048, mlp: int =
         impls = ("tokamax", "ragged_dot", *(("megablox",) if on_tpu() else ()))
         for impl in impls:
             swiglu = _megablox_swiglu if impl == "megablox" else (
-                lambda x, wg, wu, wo, gs, impl=impl: ops.grouped_swiglu(x, wg, wu, wo, gs, impl))
+                lambda x, wg, wu, wo, gs, impl=impl: grouped_swiglu(x, wg, wu, wo, gs, impl))
             fwd = jax.jit(lambda x, wg, wu, wo, f=swiglu, gs=gs: f(x, wg, wu, wo, gs))
             both = jax.jit(jax.grad(lambda x, wg, wu, wo, f=swiglu, gs=gs: jnp.sum(
                 f(x, wg, wu, wo, gs).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3)))

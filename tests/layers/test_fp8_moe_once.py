@@ -91,10 +91,10 @@ def test_copies_fall_back_where_a_tensor_shard_cuts_a_block(devices):
                    partitioner=None, rngs=nnx.Rngs(0)).fp8_weights()
     assert not moe(128, 256, None, capacity_factor=2.0).fp8_weights()
     assert not moe(128, 256, None, dtype=None).fp8_weights()
-    from zoo.ops import fp8, moe as moe_ops
+    from zoo.ops import fp8, grouped
     copy = fp8.prequantize(jnp.ones((2, 128, 128)))
     with pytest.raises(ValueError, match="only impl='fp8_blockwise' takes"):
-        moe_ops.grouped_swiglu(jnp.ones((4, 128)), copy, copy, copy, jnp.array([2, 2]),
+        grouped.grouped_swiglu(jnp.ones((4, 128)), copy, copy, copy, jnp.array([2, 2]),
                                "blocked")
 
 
@@ -102,7 +102,7 @@ def test_copies_fall_back_where_a_tensor_shard_cuts_a_block(devices):
 def test_unsharded_interleaved_moe_takes_gate_and_up_copies_apart():
     """gpt-oss's fused ``wi_gate_up`` (gate in the even columns, biases, clamped SwiGLU): the
     copies hold its gate and up columns apart; outputs and gradients equal per-use ones."""
-    from zoo.ops.moe import GLU
+    from zoo.ops.grouped import GLU
     layer = moe(128, 128, None, gate_up="interleaved", expert_bias=True,
                 activation=GLU(alpha=1.702, limit=7.0, up_offset=1.0))
     copies = layer.fp8_weights()

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from zoo.layers.moe import MoE, RouterBias, moe_modules, update_expert_bias
+from zoo.ops import grouped
 from zoo.ops import moe as ops
 from zoo.ops.moe_execution import a2a_capacity
 from zoo.partitioning import Partitioner, make_mesh
@@ -533,8 +534,8 @@ def test_blocked_grouped_matmul_flops_near_useful():
     args = (jax.ShapeDtypeStruct((rows, d), jnp.float32),
             *(jax.ShapeDtypeStruct((num_e, d, f), jnp.float32) for _ in range(2)),
             jax.ShapeDtypeStruct((num_e, f, d), jnp.float32))
-    fwd = lambda x, wg, wu, wo: ops.grouped_swiglu(x, wg, wu, wo, jnp.asarray(sizes, jnp.int32),
-                                                   "blocked")
+    fwd = lambda x, wg, wu, wo: grouped.grouped_swiglu(x, wg, wu, wo, jnp.asarray(sizes, jnp.int32),
+                                                       "blocked")
     useful = 3 * 2 * rows * d * f
     forward = hlo_dot_flops(jax.jit(fwd).lower(*args).compile().as_text())
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(fwd(*a) ** 2), argnums=(0, 1, 2, 3)))
@@ -630,7 +631,7 @@ def test_auto_overflow_rule():
     m = MoE(partitioner=ep4, buffer_factor=2.0, **args)
     assert (m.overflow, m.exchange_buffer_factor) == ("drop", 2.0)
     # the experts rounds cannot run: gpt-oss's biases, the clamped activation
-    for kw in (dict(expert_bias=True), dict(activation=ops.GLU(alpha=1.702, limit=7.0))):
+    for kw in (dict(expert_bias=True), dict(activation=grouped.GLU(alpha=1.702, limit=7.0))):
         assert MoE(partitioner=ep4, **args, **kw).overflow == "drop"
     # top-1 on EP 2: worst case 8 rows per peer, rounds 5 -- not under half, one round
     m = MoE(partitioner=Partitioner(make_mesh(fsdp=4, expert=2), "ep_as_cp"),
@@ -748,7 +749,7 @@ def test_exact_overflow_loads_the_drop_layers_weights(setups):
 # weight (the unsharded layer is checked against transformers in the conformance suite)
 OSS = dict(num_experts=E, num_experts_per_tok=2, mlp_dim=F, scoring="softmax",
            router_bias=True, expert_bias=True, gate_up="interleaved",
-           activation=ops.GLU(alpha=1.702, limit=0.5, up_offset=1.0))
+           activation=grouped.GLU(alpha=1.702, limit=0.5, up_offset=1.0))
 
 
 @pytest.fixture(scope="module")
@@ -792,17 +793,17 @@ def test_gpt_oss_options_under_every_dispatch(oss_reference, mesh, dispatch, imp
 
 
 def test_glu_clamps_as_gpt_oss():
-    act = ops.GLU(alpha=1.702, limit=7.0, up_offset=1.0)
+    act = grouped.GLU(alpha=1.702, limit=7.0, up_offset=1.0)
     gate, up = jnp.asarray([-9.0, 0.5, 9.0]), jnp.asarray([-9.0, 0.5, 9.0])
     g = np.minimum(np.asarray(gate), 7.0)
     want = g / (1 + np.exp(-1.702 * g)) * (np.clip(np.asarray(up), -7, 7) + 1)
     np.testing.assert_allclose(np.asarray(act(gate, up)), want, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(ops.GLU()(gate, up)),
+    np.testing.assert_array_equal(np.asarray(grouped.GLU()(gate, up)),
                                   np.asarray(jax.nn.silu(gate) * up))
 
 
 def test_grouped_matmul_traced_for_a_target_device_is_exact(devices):
-    """`zoo.ops.moe.tokamax_dot` with a static target ``device``: tokamax's grouped matmul
+    """`zoo.ops.grouped.tokamax_dot` with a static target ``device``: tokamax's grouped matmul
     traced with that device as the default (what a GPU/TPU mesh compiled on a CPU host gets)
     has its own backward; values and both gradients equal `jax.lax.ragged_dot`'s, plain and
     inside a shard_map (where the kernel's outputs are marked as varying like its inputs)."""
@@ -814,7 +815,7 @@ def test_grouped_matmul_traced_for_a_target_device_is_exact(devices):
     g = jax.random.normal(kg, (48, 5)) * (jnp.arange(48) % 24 < 20)[:, None]
 
     def target(x, w, gs):
-        return ops.tokamax_dot(x, w, gs, device=devices[0])
+        return grouped.tokamax_dot(x, w, gs, device=devices[0])
 
     def grads(dot, x, w, g):
         return jax.value_and_grad(lambda x, w: jnp.sum(dot(x, w, gs) * g), (0, 1))(x, w)

@@ -15,6 +15,7 @@ from flax import nnx
 from support import assert_close
 from zoo.layers.moe import MoE
 from zoo.ops import moe as ops
+from zoo.ops.grouped import GLU
 from zoo.partitioning import Partitioner, make_mesh
 
 torch = pytest.importorskip("torch")
@@ -96,7 +97,7 @@ def ours_from(block, hashed: bool, partitioner=None, **kw):
     moe = MoE(num_experts=E, num_experts_per_tok=K, mlp_dim=F, inputs_shape=(B, L, D),
               partitioner=partitioner, scoring="sqrtsoftplus",
               routed_scaling_factor=SCALE, num_shared_experts=1,
-              activation=ops.GLU(limit=LIMIT), shared_limit=LIMIT,
+              activation=GLU(limit=LIMIT), shared_limit=LIMIT,
               hash_vocab_size=V if hashed else None, rngs=nnx.Rngs(0), **kw)
     sd = {k: v.detach().numpy() for k, v in block.state_dict().items()}
     gate_up, down = sd["experts.gate_up_proj"], sd["experts.down_proj"]

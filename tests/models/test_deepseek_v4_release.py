@@ -1,6 +1,6 @@
 """DeepSeek-V4 checkpoints in DeepSeek's release layout (`zoo.models.deepseek_v4`):
 
-* `zoo.models.hf.dequantize_fp4` against a decode of the e2m1 bits written here (every byte,
+* `zoo.models.hf_quant.dequantize_fp4` against a decode of the e2m1 bits written here (every byte,
   so all 16 codes in both nibbles, int8 and uint8 storage, ue8m0 and float scales);
 * a synthetic release checkpoint written here (raw safetensors: ``embed.weight``,
   ``layers.{i}.attn.kv_norm.weight``, ``hc_head_fn``, ...; the attention, indexer, shared
@@ -31,7 +31,7 @@ from flax import nnx
 
 import zoo
 from zoo.models import deepseek_v4 as v4
-from zoo.models import hf
+from zoo.models import hf, hf_quant
 
 BLOCK = (16, 24)  # FP8 blocks: several per tensor at mini sizes, partial ones at the edges
 FP8 = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|\.shared_experts\.w[123]|"
@@ -71,16 +71,16 @@ def test_fp4_decode_against_bit_decoding():
     assert sorted(set(np.abs(want / np.repeat([[ue8m0(s) for s in r] for r in scale], 32, 1))
                       .ravel())) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     np.testing.assert_array_equal(
-        hf.dequantize_fp4(packed, scale.view(ml_dtypes.float8_e8m0fnu)), want)
+        hf_quant.dequantize_fp4(packed, scale.view(ml_dtypes.float8_e8m0fnu)), want)
     np.testing.assert_array_equal(  # int8 storage (the release's I8), float32 scales
-        hf.dequantize_fp4(packed.view(np.int8), np.vectorize(ue8m0)(scale).astype(np.float32)),
-        want)
+        hf_quant.dequantize_fp4(packed.view(np.int8),
+                                np.vectorize(ue8m0)(scale).astype(np.float32)), want)
     stacked = np.stack([packed, packed[::-1]])  # leading axes pass through
-    got = hf.dequantize_fp4(stacked, np.stack([scale, scale[::-1]]).view(
+    got = hf_quant.dequantize_fp4(stacked, np.stack([scale, scale[::-1]]).view(
         ml_dtypes.float8_e8m0fnu))
     np.testing.assert_array_equal(got[1], decode_fp4(packed[::-1], scale[::-1]))
     with pytest.raises(ValueError, match="int8 or uint8"):
-        hf.dequantize_fp4(packed.astype(np.int32), scale)
+        hf_quant.dequantize_fp4(packed.astype(np.int32), scale)
 
 
 # -- a plain quantiser and the synthetic release checkpoint -------------------------------------

@@ -9,7 +9,7 @@ chunked pass's solve at once (a collective releases them together), so with 8 de
 pool threads wait on tasks that no thread is left to run: the program deadlocks with no CPU
 in use (seen with gdb: every ``tf_XLAEigen`` thread in ``ParallelBatchMap`` ->
 ``BlockingCounter::Wait``). Solves under 2e5 FLOP a call run inline (no tasks), so small
-shards never hung. `zoo.ops.gated_delta.solve_unit_lower` therefore solves on CPU by a
+shards never hung. `zoo.ops.gated_delta_chunked.solve_unit_lower` therefore solves on CPU by a
 product with a blocked inverse (plain dots) and keeps the native solve on GPU/TPU;
 `test_unit_lower_solve` checks both the numbers and that no LAPACK call is left in a CPU
 program. Tolerances (`tol`) scale with the compared dtype's epsilon and the arrays' magnitude.
@@ -25,6 +25,8 @@ import pytest
 import zoo
 from zoo.data import load_balance
 from zoo.ops import gated_delta as gd
+from zoo.ops import gated_delta_chunked as gdc
+from zoo.ops import gated_delta_cp as gcp
 
 B, L, HK, H, DK, DV, W = 2, 128, 1, 2, 8, 4, 4
 D_CONV = 2 * HK * DK + H * DV  # the convolution makes q, k, v as in the layer
@@ -115,7 +117,7 @@ def op(d, impl="chunked", partitioner=None, max_pieces=4):
 def loss_and_grads(impl="chunked", partitioner=None, max_pieces=4):
     """(outputs, gradients) of a weighted sum of the convolution's and the op's outputs, the
     convolution adding to q, k, v as in the layer (its collectives then come first: XLA:CPU
-    deadlocks on independent collectives, see `zoo.ops.gated_delta._pieces`)."""
+    deadlocks on independent collectives, see `zoo.ops.gated_delta_cp._pieces`)."""
     def f(q, k, v, g, beta, x, d):
         c = gd.causal_conv1d(x, jnp.asarray(WEIGHT), segment_ids=d["segment_ids"],
                              positions=d["positions"], partitioner=partitioner,
@@ -162,10 +164,10 @@ def test_chunked_gradients_match_recurrent():
 
 
 def test_chunked_picked_states_and_gradients():
-    """`_chunked`'s states after chosen chunks (repeated, the last of a padded length), with
-    a zero reset state and with ``identity`` (state ``[K, K + V]``, reset ``[I | 0]``, values
-    ``[0 | v]``), forward and gradients through outputs and states, against a token-by-token
-    scan of the recurrence."""
+    """`gated_delta_chunked.chunked`'s states after chosen chunks (repeated, the last of a
+    padded length), with a zero reset state and with ``identity`` (state ``[K, K + V]``, reset
+    ``[I | 0]``, values ``[0 | v]``), forward and gradients through outputs and states, against
+    a token-by-token scan of the recurrence."""
     rng = np.random.default_rng(5)
     Bt, Ht, T, K, V, C = 2, 2, 37, 8, 6, 8  # 5 chunks, the last padded
     f = np.float32
@@ -196,7 +198,7 @@ def test_chunked_picked_states_and_gradients():
             return jnp.moveaxis(o, 0, 2), jax.vmap(lambda s, i: s[i], (1, 0))(states, last)
 
         def chunked(q, k, v, g, beta, identity=identity):
-            return gd._chunked(q, k, v, g, beta, reset, identity=identity, chunk=C, picks=picks)
+            return gdc.chunked(q, k, v, g, beta, reset, identity=identity, chunk=C, picks=picks)
 
         def value_and_grads(fn, w_o=w_o, w_s=w_s):
             def loss(*a):
@@ -223,7 +225,7 @@ def test_any_row_order_without_mesh():
     wb = load_balance(want, 4, strategy="row")
     seg = jnp.asarray(bal["segment_ids"])
     xs = gd._prepare(*(bal[n] for n in ("q", "k", "v", "g", "beta")), seg)
-    one = gd._shard(*xs, seg, jnp.asarray(bal["positions"]), axes=(), max_pieces=8)
+    one = gcp.shard(*xs, seg, jnp.asarray(bal["positions"]), axes=(), max_pieces=8)
     np.testing.assert_allclose(np.asarray(gd._finish(one, seg, jnp.float32)), wb, atol=1e-5)
 
 
@@ -337,7 +339,7 @@ def test_unit_lower_solve():
     program keeps the native triangular solve."""
     @jax.jit
     def solve_and_vjp(a, b, ct):
-        x, vjp = jax.vjp(gd.solve_unit_lower, a, b)
+        x, vjp = jax.vjp(gdc.solve_unit_lower, a, b)
         return x, *vjp(ct)
 
     rng = np.random.default_rng(4)
@@ -354,9 +356,9 @@ def test_unit_lower_solve():
             np.testing.assert_allclose(np.asarray(g), w, err_msg=f"C={C} {name}",
                                        **tol(jnp.float32, w))
     args = (jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    cpu = jax.jit(gd.solve_unit_lower).lower(*args).as_text()
+    cpu = jax.jit(gdc.solve_unit_lower).lower(*args).as_text()
     assert "lapack" not in cpu and "triangular_solve" not in cpu
-    gpu = jax.jit(gd.solve_unit_lower).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    gpu = jax.jit(gdc.solve_unit_lower).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "triangular_solve" in gpu
 
 
@@ -365,12 +367,12 @@ def test_too_many_pieces_is_loud():
     bal = load_balance(data(), 4, strategy="row")
     seg = jnp.asarray(bal["segment_ids"])
     xs = gd._prepare(*(bal[n] for n in ("q", "k", "v", "g", "beta")), seg)
-    out = gd._shard(*xs, seg, jnp.asarray(bal["positions"]), axes=(), max_pieces=2)
+    out = gcp.shard(*xs, seg, jnp.asarray(bal["positions"]), axes=(), max_pieces=2)
     assert np.isnan(np.asarray(out)).any()
 
 
 def test_pick_rows_equals_gather_without_scatter():
-    """The convolution's context lookup (`gd.pick_rows`, a one-hot product): equal to a masked
+    """The convolution's context lookup (`gcp.pick_rows`, a one-hot product): equal to a masked
     ``take_along_axis`` in value and gradient, and its backward has no scatter (the gather's
     transpose, a scatter-add, overflows TPU vector memory at full width: libtpu E1001)."""
     rng = np.random.default_rng(5)
@@ -386,7 +388,7 @@ def test_pick_rows_equals_gather_without_scatter():
         return jax.jit(lambda t, i, m, c: (lambda o, vjp: (o, *vjp(c)))(
             *jax.vjp(lambda t: f(t, i, m), t)))
 
-    got, got_dt = value_and_vjp(gd.pick_rows)(table, idx, valid, ct)
+    got, got_dt = value_and_vjp(gcp.pick_rows)(table, idx, valid, ct)
     want, want_dt = value_and_vjp(gather)(table, idx, valid, ct)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_allclose(np.asarray(got_dt), np.asarray(want_dt), **tol(jnp.float32, want_dt))
@@ -395,4 +397,4 @@ def test_pick_rows_equals_gather_without_scatter():
     def backward_text(f):
         return jax.jit(jax.grad(lambda t: jnp.sum(f(t, idx, valid) * ct))).lower(table).as_text()
     assert "scatter" in backward_text(gather)
-    assert "scatter" not in backward_text(gd.pick_rows)
+    assert "scatter" not in backward_text(gcp.pick_rows)

@@ -15,7 +15,7 @@
 * gpt-oss's options (off by default, so other checkpoints load unchanged): ``router_bias``
   (a learned ``[E]`` bias on the router logits), ``expert_bias`` (learned per-expert biases
   on the gate/up projections, added before the activation, and on the down projection,
-  added per routed copy and weighted with it), ``activation`` (a `zoo.ops.moe.GLU`: the
+  added per routed copy and weighted with it), ``activation`` (a `zoo.ops.grouped.GLU`: the
   clamped SwiGLU) and ``gate_up="interleaved"`` (one ``wi_gate_up [E, D, 2F]`` whose even
   columns are the gate and odd ones the up projection, Hugging Face's fused
   ``experts.gate_up_proj``; a tensor shard keeps whole pairs).
@@ -65,7 +65,7 @@ in F). With a capacity, the capacity is per dispatch group: the tokens one devic
 the all-gather (unsharded: the whole batch), as in GShard, so which copies drop depends on the
 mesh.
 
-Grouped matmul (``grouped_matmul=``, `zoo.ops.moe.grouped_swiglu`): ``"auto"`` runs the
+Grouped matmul (``grouped_matmul=``, `zoo.ops.grouped.grouped_swiglu`): ``"auto"`` runs the
 blocked grouped matmul on CPU (loops of block matmuls, FLOPs within ~1.25x of the useful ones),
 XLA's own ragged-dot kernel on TPU (`jax.lax.ragged_dot`) and ``tokamax.ragged_dot`` on GPU,
 chosen from the mesh; ``"blocked"``, ``"tokamax"`` and ``"ragged_dot"`` force one. Where a
@@ -106,8 +106,10 @@ from zoo.layers.linear import prequantized, record_fp8_stats
 from zoo.layers.mlp import MLP
 from zoo.ops import fp8 as fp8_ops
 from zoo.ops import moe as ops
+from zoo.ops.grouped import GLU, SWIGLU
 from zoo.ops import moe_execution as execution
 from zoo.ops.moe_rounds import all_to_all_rounds
+from zoo.ops.rows import mark_varying, varying_axes
 from zoo.partitioning import COMPUTE_DTYPE, Partitioner, resolve
 
 ACT = ("batch", "length", "act_embed")
@@ -177,7 +179,7 @@ class MoE(nnx.Module):
       router_bias: a learned bias on the router logits (gpt-oss).
       expert_bias: learned per-expert biases on the gate/up and down projections (gpt-oss).
         With a capacity or buffers that drop copies, a dropped copy still adds its down bias.
-      activation: the experts' gated activation (`zoo.ops.moe.GLU`; default SwiGLU).
+      activation: the experts' gated activation (`zoo.ops.grouped.GLU`; default SwiGLU).
       gate_up: ``"separate"`` (``wi_gate``/``wi_up``) or ``"interleaved"`` (``wi_gate_up``,
         gate in the even columns: gpt-oss's fused layout).
       dtype: computation dtype of the experts, None for the input's (the router is always
@@ -207,7 +209,7 @@ class MoE(nnx.Module):
                  capacity_factor: float | None = None, dispatch: str = "auto",
                  grouped_matmul: str = "auto", buffer_factor: float | None = None,
                  overflow: str = "auto", router_bias: bool = False, expert_bias: bool = False,
-                 activation: ops.GLU = ops.SWIGLU, gate_up: str = "separate",
+                 activation: GLU = SWIGLU, gate_up: str = "separate",
                  dtype=jnp.float32, param_dtype=jnp.float32, fp8: str | None = None,
                  hash_vocab_size: int | None = None, shared_limit: float | None = None,
                  fp8_dispatch: bool | None = None, rngs: nnx.Rngs):
@@ -237,13 +239,13 @@ class MoE(nnx.Module):
             raise ValueError(f"num_experts_per_tok={k} exceeds the {topk_group * (E // n_group)}"
                              f" experts in the topk_group={topk_group} best groups of "
                              f"{E // n_group}; raise topk_group or lower num_experts_per_tok")
-        if not isinstance(activation, ops.GLU):
-            raise ValueError(f"activation={activation!r} must be a zoo.ops.moe.GLU (e.g. GLU() "
+        if not isinstance(activation, GLU):
+            raise ValueError(f"activation={activation!r} must be a zoo.ops.grouped.GLU (e.g. GLU() "
                              f"for SwiGLU, GLU(alpha=1.702, limit=7.0, up_offset=1.0) for gpt-oss)")
         if gate_up not in GATE_UPS:
             raise ValueError(f"gate_up={gate_up!r} must be one of {GATE_UPS} ('interleaved': one "
                              f"[E, D, 2F] weight, gate in the even columns, as gpt-oss)")
-        plain = not expert_bias and activation == ops.SWIGLU
+        plain = not expert_bias and activation == SWIGLU
         fp8_ops.check_target(fp8_ops.check_mode(fp8, what="MoE(fp8=)"), p.mesh)
         if fp8_ops.check_mode(fp8, what="MoE(fp8=)") == "blockwise":
             if grouped_matmul not in ("auto", "fp8_blockwise"):
@@ -627,8 +629,8 @@ class MoE(nnx.Module):
             # stat (the rounds) is already the same over the expert axes, and over the tensor
             # axes (the routing is); jax 0.12's pmax wants every axis it reduces to be one its
             # input varies over
-            axes = tuple(sorted(set(token_axes) | ops.varying_axes(stat)))
-            rounds = jax.lax.pmax(ops.mark_varying(stat, axes), axes)
+            axes = tuple(sorted(set(token_axes) | varying_axes(stat)))
+            rounds = jax.lax.pmax(mark_varying(stat, axes), axes)
             return y, jnp.stack([jnp.zeros((), jnp.int32), rounds])
 
         body = all_to_all_body if self.dispatch == "all_to_all" else all_gather_body

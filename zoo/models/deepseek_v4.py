@@ -93,6 +93,7 @@ from zoo.models.deepseek3 import mtp_positions, update_selection_bias
 from zoo.models.deepseek_v32 import check_index_training, index_stage_frozen, index_stage_outputs
 from zoo.models.stacks import interleave_aux, layer_groups, run_cycle, run_layers
 from zoo.ops import moe as moe_ops
+from zoo.ops.grouped import GLU
 
 __all__ = ["DeepSeekV4Config", "DeepSeekV4DecoderLayer", "DeepSeekV4MTP", "DeepSeekV4",
            "from_hf", "to_hf", "published_key", "release_key", "checkpoint_layout", "LAYOUTS"]
@@ -563,7 +564,7 @@ class DeepSeekV4DecoderLayer(DecoderLayer):
             partitioner=partitioner, scoring=config.scoring_func,
             routed_scaling_factor=config.routed_scaling_factor,
             norm_topk_prob=config.norm_topk_prob, num_shared_experts=config.n_shared_experts,
-            activation=moe_ops.GLU(limit=config.swiglu_limit),
+            activation=GLU(limit=config.swiglu_limit),
             shared_limit=config.swiglu_limit,
             hash_vocab_size=config.vocab_size if hashed else None,
             **config.moe_options(), rngs=rngs)

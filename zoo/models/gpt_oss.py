@@ -12,13 +12,13 @@
   ``intermediate_size``: router logits with a bias, softmax over the top
   ``num_experts_per_tok`` logits; experts with biases and the clamped SwiGLU
   ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``, ``gate <= swiglu_limit``, ``up`` in
-  ``[-swiglu_limit, swiglu_limit]`` (`zoo.ops.moe.GLU`); gate and up interleaved in one
+  ``[-swiglu_limit, swiglu_limit]`` (`zoo.ops.grouped.GLU`); gate and up interleaved in one
   weight (``gate_up_proj``, gate in the even columns), as the checkpoints store them.
 * `GptOssConfig` (a `zoo.models.config.DecoderConfig`) uses the Hugging Face field names and
   defaults (gpt-oss-120b's shape). Presets: `gpt_oss_20b`, `gpt_oss_120b`, `mini`.
 * `from_hf(path)`: bf16/fp32 checkpoints (transformers' ``save_pretrained``) and the published
   MXFP4 ones (``*_blocks``/``*_scales`` experts, dequantized tensor by tensor while loading,
-  `zoo.models.hf.dequantize_mxfp4`); `to_hf(model, path)` writes bf16/fp32, never MXFP4.
+  `zoo.models.hf_quant.dequantize_mxfp4`); `to_hf(model, path)` writes bf16/fp32, never MXFP4.
 
 Legend: B batch, L length, D hidden_size, N heads, K kv heads, H head_dim, E experts,
 F intermediate_size, V vocab.
@@ -35,7 +35,7 @@ from zoo.layers.rope import RoPE, YaRN
 from zoo.models import registry
 from zoo.models.config import DecoderConfig, check_positive
 from zoo.models.decoder import CausalLM, DecoderLayer, count_params, family_io
-from zoo.ops.moe import GLU
+from zoo.ops.grouped import GLU
 
 __all__ = ["GptOssConfig", "GptOssDecoderLayer", "GptOssMoE", "GptOss", "from_hf", "to_hf"]
 

@@ -7,11 +7,12 @@
 * `CheckpointReader` -- reads one tensor at a time with `safetensors.safe_open` (numpy), from a
   single file or a sharded folder (``model.safetensors.index.json``); FP8 tensors with a
   ``*_scale_inv`` block scale (the published DeepSeek-V3 weights) are dequantised on the fly,
-  and so are MXFP4 tensors (gpt-oss's experts: ``X_blocks`` + ``X_scales`` read as ``X``,
-  see `dequantize_mxfp4`) and DeepSeek-V4's release (``X.weight`` + ``X.scale``: FP8 e4m3 with
-  one ue8m0 scale per block, or FP4 e2m1 packed two a byte with one per 32 inputs, see
-  `dequantize_fp8` and `dequantize_fp4`). A tensor holding NaN or Inf is refused
-  (`BadCheckpoint`, naming it).
+  and so are MXFP4 tensors (gpt-oss's experts: ``X_blocks`` + ``X_scales`` read as ``X``)
+  and DeepSeek-V4's release (``X.weight`` + ``X.scale``: FP8 e4m3 with one ue8m0 scale per
+  block, or FP4 e2m1 packed two a byte with one per 32 inputs). The decoders
+  (`dequantize_fp8`, `dequantize_fp4`, `dequantize_mxfp4`) and the rule that a quantised weight
+  needs its scale are `zoo.models.hf_quant`'s (the decoders re-exported here). A tensor holding
+  NaN or Inf is refused (`BadCheckpoint`, naming it).
 * `Tensor` -- one row of a model's key map (`zoo.layers.hf_keys`, re-exported here with its
   helpers `linear`, `copy`, `stacked_linear`, `zoo_only`): a zoo variable path, its Hugging Face
   key (or one key per expert, stacked on the leading axis, or none: zoo-only) and the layout
@@ -55,7 +56,10 @@ from jax.sharding import NamedSharding
 
 from zoo.layers.hf_keys import Tensor, copy, linear, stacked_linear, zoo_only
 from zoo.layers.rope import YaRN, yarn_get_mscale
+from zoo.models.hf_quant import (FP4_BLOCK, dequantize_fp4, dequantize_fp8,
+                                 dequantize_mxfp4, scale_keys, weight_quantisation)
 
+# dequantize_fp4 / _fp8 / _mxfp4 are zoo.models.hf_quant's, re-exported
 __all__ = ["BadCheckpoint", "CheckpointReader", "LayerStack", "Tensor", "check_checkpoint",
            "check_tensors", "copy", "dequantize_fp4", "dequantize_fp8", "dequantize_mxfp4",
            "expected_shapes", "export_files",
@@ -206,9 +210,6 @@ _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e
                "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _ML_FLOATS = frozenset(np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
                                              ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu))
-_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-_FP4_PACKED_DTYPES = ("I8", "U8")  # DeepSeek-V4's experts: two e2m1 codes a byte
-FP4_BLOCK = 32  # DeepSeek-V4's FP4 experts: one scale per 32 inputs of a row
 
 
 class CheckpointReader:
@@ -280,10 +281,7 @@ class CheckpointReader:
     def scale_key(self, key: str) -> str | None:
         """The block scale stored beside weight `key`: ``key + "_scale_inv"`` (DeepSeek-V3's
         release) or, for ``X.weight``, ``X.scale`` (DeepSeek-V4's); None without one."""
-        candidates = [key + "_scale_inv"]
-        if key.endswith(".weight"):
-            candidates.append(key[:-len("weight")] + "scale")
-        return next((k for k in candidates if k in self._file), None)
+        return next((k for k in scale_keys(key) if k in self._file), None)
 
     def quantisation(self, key: str) -> str | None:
         """``"fp8"`` (a block-scaled weight), ``"fp4"`` (e2m1 codes two a byte, one scale per
@@ -291,19 +289,8 @@ class CheckpointReader:
         beside it; a FP8 or packed FP4 weight without its scale is a `ValueError`."""
         if key in self._mxfp4 or key not in self._file:
             return None
-        dtype, scale = self._info(key)["dtype"], self.scale_key(key)
-        packed = dtype in _FP4_PACKED_DTYPES and key.endswith(".weight")
-        if scale is None and (packed or dtype in _FP8_DTYPES):
-            names = [key + "_scale_inv"] + ([key[:-len("weight")] + "scale"]
-                                            if key.endswith(".weight") else [])
-            raise ValueError(
-                f"checkpoint {self.path!r}: weight {key!r} is stored as {dtype} "
-                f"({'packed FP4 e2m1' if packed else 'FP8'}) but has no block scale beside it "
-                f"({' or '.join(map(repr, names))}); zoo cannot dequantise it: download the "
-                f"checkpoint folder again (every shard the index lists)")
-        if scale is None or (scale.endswith(".scale") and not (packed or dtype in _FP8_DTYPES)):
-            return None  # (a float weight beside a parameter that happens to be named scale)
-        return "fp4" if packed else "fp8"
+        return weight_quantisation(key, self._info(key)["dtype"], self.scale_key(key),
+                                   where=self.path)
 
     def keys(self) -> list[str]:
         packed = {k + suffix for k in self._mxfp4 for suffix in ("_blocks", "_scales")}
@@ -419,55 +406,6 @@ def _read_header(name: str) -> tuple[dict[str, Any], int]:
                          f"to byte {8 + n + end}, but the file has {size} bytes; download it "
                          f"again")
     return header, 8 + n
-
-
-def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, ...]) -> np.ndarray:
-    """``w * scale_inv`` broadcast over ``block``-sized tiles (DeepSeek-V3 and V4 FP8 weights:
-    ``w [out, in]`` e4m3, ``scale_inv [ceil(out / bo), ceil(in / bi)]``, float32 or ue8m0;
-    edge tiles partial) -> float32."""
-    if w.ndim != 2 or scale_inv.ndim != 2:
-        raise ValueError(f"block-quantised weight {w.shape} / scale {scale_inv.shape} must be 2-D")
-    bo, bi = block
-    full = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
-    return w.astype(np.float32) * full[:w.shape[0], :w.shape[1]]
-
-
-# FP4 (e2m1) code -> value: sign bit 3, two exponent bits, one mantissa bit
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 (OCP microscaling) to float32: ``blocks [..., G, 16]`` uint8, two FP4 codes a
-    byte (low nibble first), ``scales [..., G]`` uint8 exponents (bias 127) shared by each
-    group of 32 values -> ``[..., G * 32]``."""
-    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {blocks.dtype}{blocks.shape} / scales "
-                         f"{scales.dtype}{scales.shape} must be uint8 [..., G, 16] and [..., G]")
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)
-    values = FP4_E2M1[codes]  # [..., G, 32]
-    out = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    return out.reshape(*blocks.shape[:-2], -1).astype(np.float32)
-
-
-def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """DeepSeek-V4's FP4 experts to float32: ``packed [..., out, in / 2]`` int8 or uint8, two
-    e2m1 codes a byte (the low nibble is the even input, the high one the odd), ``scale
-    [..., out, in / B]`` (ue8m0 or float; B = in / scale columns, `FP4_BLOCK` in the release)
-    shared by each run of B inputs of a row -> ``[..., out, in]``."""
-    if packed.dtype not in (np.int8, np.uint8) or scale.shape[:-1] != packed.shape[:-1]:
-        raise ValueError(f"FP4 weight {packed.dtype}{packed.shape} / scale {scale.dtype}"
-                         f"{scale.shape} must be int8 or uint8 [..., out, in / 2] and "
-                         f"[..., out, in / block]")
-    codes = packed.view(np.uint8)
-    values = np.stack([FP4_E2M1[codes & 0x0F], FP4_E2M1[codes >> 4]], axis=-1)
-    values = values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-    groups = scale.shape[-1]
-    if values.shape[-1] % groups:
-        raise ValueError(f"FP4 weight of {values.shape[-1]} inputs a row cannot share "
-                         f"{groups} scales a row evenly")
-    blocks = values.reshape(*values.shape[:-1], groups, -1) * scale.astype(np.float32)[..., None]
-    return blocks.reshape(values.shape)
 
 
 # -- the key map -----------------------------------------------------------------------------

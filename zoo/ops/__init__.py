@@ -5,7 +5,10 @@ reference): masks as values (`zoo.ops.masks`: `Causal`, `SlidingWindow`, `Chunke
 `Document`, `MaskFn`, combined with ``&``/``|``), score modifiers (`ScoreMod`, soft caps, sinks),
 context-parallel strategies (`zoo.ops.ring`) calling pluggable block kernels
 (`zoo.ops.kernels`: `FlashKernel`, `TokamaxKernel`, `register_kernel`). `zoo.ops.moe` holds the
-mixture-of-experts routing and dispatch functions; `zoo.ops.hlo` reads compiled programs' HLO
+mixture-of-experts routing and dispatch functions, beside the experts' grouped products
+(`zoo.ops.grouped`), the all_to_all dispatch's wire (`zoo.ops.moe_wire`), the exact dispatch in
+rounds (`zoo.ops.moe_rounds`), the execution value (`zoo.ops.moe_execution`) and row moves
+inside `jax.shard_map` (`zoo.ops.rows`); `zoo.ops.hlo` reads compiled programs' HLO
 text (executions, collective bytes, FLOPs: the rehearsal's counter).
 """
 

@@ -553,7 +553,7 @@ class Tiles(NamedTuple):
 
     def take(self, idx: jax.Array, move) -> Tiles:
         """The rows `idx` of both: ``values`` by ``move(values)`` (a differentiable row move,
-        e.g. `zoo.ops.moe.take_rows`), ``scale`` by plain indexing (it has no gradient)."""
+        e.g. `zoo.ops.rows.take_rows`), ``scale`` by plain indexing (it has no gradient)."""
         return Tiles(move(self.values), jax.lax.stop_gradient(self.scale)[idx])
 
     def dequantize(self) -> jax.Array:

@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from zoo.ops import fp8
-from zoo.ops.moe import combine_copies, grouped_swiglu, mark_varying, varying_axes
+from zoo.ops.grouped import grouped_swiglu
+from zoo.ops.moe import combine_copies
+from zoo.ops.rows import mark_varying, varying_axes
 
 __all__ = ["all_to_all_rounds"]
 
@@ -77,7 +79,7 @@ class _Cfg:
     cap: int
     impl: str
     transport: str
-    device: Any = None  # the kernels' target device (`zoo.ops.moe.tokamax_dot`)
+    device: Any = None  # the kernels' target device (`zoo.ops.grouped.tokamax_dot`)
     fp8: bool = False  # rows on the wire as FP8 tiles (`zoo.ops.fp8.pack_tiles`)
 
 
