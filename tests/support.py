@@ -81,3 +81,70 @@ def split_indexer_grads(grads) -> tuple[list[float], list[float]]:
     main = [float(np.max(np.abs(v[...]))) for p, v in flat if "indexer" not in p]
     index = [float(np.max(np.abs(v[...]))) for p, v in flat if "indexer" in p]
     return main, index
+
+
+def sown_indexer_loss(m, x, pos, seg):
+    """(out, the layer's sown indexer loss) of an attention layer with an indexer -- popped,
+    so the layer keeps no intermediates."""
+    from flax import nnx
+
+    from zoo.layers.indexer import IndexerLoss
+    out = m(x, positions=pos, segment_ids=seg)
+    (loss,) = jax.tree.leaves(nnx.pop(m, IndexerLoss))
+    return out, loss
+
+
+def lm_and_indexer_losses(r, pos, seg, sown=sown_indexer_loss):
+    """Two losses ``fn(layer, x) -> (loss, out)`` over packed rows: `both`, an LM-like loss
+    ``sum(out * r)`` plus the layer's sown indexer loss (`sown`); `lm`, the LM-like loss of
+    the plain forward."""
+    import jax.numpy as jnp
+
+    def both(m, x):
+        out, loss = sown(m, x, pos, seg)
+        return jnp.sum(out * r) + loss, out
+
+    def lm(m, x):
+        out = m(x, positions=pos, segment_ids=seg)
+        return jnp.sum(out * r), out
+
+    return both, lm
+
+
+def value_and_grads(fn, wrt, has_aux=False):
+    """A jitted ``value_and_grad`` of ``fn(layer, x)`` with respect to ``wrt``."""
+    from flax import nnx
+    return nnx.jit(nnx.value_and_grad(fn, argnums=wrt, has_aux=has_aux))
+
+
+def assert_trees_close(a, b, rtol, atol=0.0):
+    """Two NNX states with the same paths, leaf by leaf within `rtol`/`atol`."""
+    from flax import nnx
+    fa, fb = nnx.to_flat_state(a), nnx.to_flat_state(b)
+    assert [p for p, _ in fa] == [p for p, _ in fb]
+    for (path, va), (_, vb) in zip(fa, fb):
+        np.testing.assert_allclose(np.asarray(va[...]), np.asarray(vb[...]), rtol=rtol,
+                                   atol=atol, err_msg=str(path))
+
+
+def visible_keys(pos, seg, b: int, i: int) -> np.ndarray:
+    """The keys query `i` of row `b` may see in packed rows: causal, same document, neither
+    padding (segment id 0)."""
+    return np.flatnonzero((seg[b] == seg[b, i]) & (pos[b] <= pos[b, i]) & (seg[b] != 0))
+
+
+def visible_mask(idx, pos, seg, window=None) -> np.ndarray:
+    """[B, L, S] bool by a plain loop over each query's selected keys `idx` [B, L, k] (-1:
+    an empty slot): selected, causal, same document, neither is padding, and with `window`
+    fewer than `window` positions back."""
+    B, L = seg.shape
+    vis = np.zeros((B, L, L), bool)
+    for b in range(B):
+        for i in range(L):
+            for j in idx[b, i]:
+                if j < 0 or seg[b, i] == 0 or seg[b, j] != seg[b, i] or pos[b, j] > pos[b, i]:
+                    continue
+                if window is not None and pos[b, i] - pos[b, j] >= window:
+                    continue
+                vis[b, i, j] = True
+    return vis

@@ -31,7 +31,9 @@ import pytest
 from flax import nnx
 
 import zoo
-from support import assert_close, loss_and_grads, split_indexer_grads
+from support import (assert_close, assert_trees_close, lm_and_indexer_losses,
+                     loss_and_grads, sown_indexer_loss, split_indexer_grads,
+                     value_and_grads)
 from zoo.layers import MLA
 from zoo.layers.attention import AttentionBlock
 from zoo.layers.indexer import IndexerLoss
@@ -74,12 +76,7 @@ def inputs():
             jnp.asarray(rng.randn(B, L, D), jnp.float32))
 
 
-@nnx.jit
-def sown(m: MLA, x, pos, seg):
-    """(out, the layer's sown indexer loss) -- popped, so the layer keeps no intermediates."""
-    out = m(x, positions=pos, segment_ids=seg)
-    (loss,) = jax.tree.leaves(nnx.pop(m, IndexerLoss))
-    return out, loss
+sown = nnx.jit(sown_indexer_loss)
 
 
 def index_scores(m: MLA, x, pos):
@@ -134,19 +131,6 @@ def reference_loss(m: MLA, x, pos, targets):
         log_q = jax.nn.log_softmax(scores[b, t, jnp.asarray(keys)])
         total = total + jnp.sum(p * (np.log(p) - log_q))
     return total / len(targets)
-
-
-def assert_trees_close(a, b, rtol, atol):
-    fa, fb = nnx.to_flat_state(a), nnx.to_flat_state(b)
-    assert [p for p, _ in fa] == [p for p, _ in fb]
-    for (path, va), (_, vb) in zip(fa, fb):
-        np.testing.assert_allclose(np.asarray(va[...]), np.asarray(vb[...]), rtol=rtol,
-                                   atol=atol, err_msg=str(path))
-
-
-def value_and_grads(fn, wrt, has_aux=False):
-    """A jitted ``value_and_grad`` of ``fn(layer, x)`` with respect to ``wrt``."""
-    return nnx.jit(nnx.value_and_grad(fn, argnums=wrt, has_aux=has_aux))
 
 
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
@@ -219,14 +203,7 @@ def test_warmup_is_dense_sparse_is_topk_and_the_kl_leaves_the_main_path_alone():
 
     # sparse: off's forward, and (LM-like loss + KL) has the LM-like loss's gradients in x and
     # every main parameter
-    def both(m, x):
-        out, loss = sown(m, x, pos, seg)
-        return jnp.sum(out * r) + loss, out
-
-    def lm(m, x):
-        out = m(x, positions=pos, segment_ids=seg)
-        return jnp.sum(out * r), out
-
+    both, lm = lm_and_indexer_losses(r, pos, seg, sown)
     (_, out_s), (got_main, got_x) = value_and_grads(both, wrt, True)(layers["sparse"], x)
     (_, out_o), (want_main, want_x) = value_and_grads(lm, wrt, True)(layers["off"], x)
     np.testing.assert_allclose(np.asarray(out_s) * valid, np.asarray(out_o) * valid,

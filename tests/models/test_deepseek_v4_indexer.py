@@ -32,9 +32,10 @@ import pytest
 from flax import nnx
 
 import zoo
-from support import assert_close, packed_rows, loss_and_grads, split_indexer_grads
+from support import (assert_close, assert_trees_close, lm_and_indexer_losses,
+                     loss_and_grads, packed_rows, sown_indexer_loss as sown,
+                     split_indexer_grads, value_and_grads)
 from zoo.layers.compressed_attention import CompressedAttention
-from zoo.layers.indexer import IndexerLoss
 from zoo.layers.moe import RouterBias
 from zoo.models import deepseek_v4 as v4
 from zoo.train import step as step_lib
@@ -72,25 +73,6 @@ def inputs():
     rng = np.random.default_rng(2)
     return (rng.standard_normal((B, L, D)).astype(np.float32),
             rng.standard_normal((B, L, D)).astype(np.float32))
-
-
-def sown(m, x, pos, seg):
-    """(out, the layer's sown indexer loss) -- popped, so the layer keeps no intermediates."""
-    out = m(x, positions=pos, segment_ids=seg)
-    (loss,) = jax.tree.leaves(nnx.pop(m, IndexerLoss))
-    return out, loss
-
-
-def value_and_grads(fn, wrt, has_aux=False):
-    return nnx.jit(nnx.value_and_grad(fn, argnums=wrt, has_aux=has_aux))
-
-
-def assert_trees_close(a, b, rtol, atol=0.0):
-    fa, fb = nnx.to_flat_state(a), nnx.to_flat_state(b)
-    assert [p for p, _ in fa] == [p for p, _ in fb]
-    for (path, va), (_, vb) in zip(fa, fb):
-        np.testing.assert_allclose(np.asarray(va[...]), np.asarray(vb[...]), rtol=rtol,
-                                   atol=atol, err_msg=str(path))
 
 
 def assert_leaves_close(a, b, rtol):
@@ -223,15 +205,7 @@ def test_sparse_is_off_and_lm_and_kl_gradients_stay_apart():
     pos, seg = packed()
     x, r = inputs()
     wrt = (nnx.DiffState(0, MAIN), 1)
-
-    def both(m, x):
-        out, loss = sown(m, x, pos, seg)
-        return jnp.sum(out * r) + loss, out
-
-    def lm(m, x):
-        out = m(x, positions=pos, segment_ids=seg)
-        return jnp.sum(out * r), out
-
+    both, lm = lm_and_indexer_losses(r, pos, seg)
     (_, out_s), (got_main, got_x) = value_and_grads(both, wrt, True)(layer("sparse"), x)
     (_, out_o), (want_main, want_x) = value_and_grads(lm, wrt, True)(layer("off"), x)
     assert_close(np.asarray(out_s), np.asarray(out_o), "sparse out", 1e-6)

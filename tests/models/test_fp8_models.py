@@ -134,9 +134,10 @@ def test_mixtral_fp8_close_to_plain():
 
 
 @pytest.mark.slow
-def test_deepseek3_fp8_close_to_plain_unsharded_and_fsdp(devices):
-    check_close_to_plain(DeepSeek3, DEEPSEEK,
-                         [None, Partitioner(make_mesh(fsdp=4, tensor=2), "fsdp")])
+def test_deepseek3_fp8_close_to_plain_unsharded(devices):
+    """Unsharded; under fsdp (and cp, ep_as_cp) in the strategies test below, which builds the
+    same model on the same mesh (it compiled twice when this test also ran fsdp)."""
+    check_close_to_plain(DeepSeek3, DEEPSEEK, [None])
 
 
 # batch 4 over the batch axes, 16 tokens a row over 2 x context (load-balanced halves)

@@ -13,7 +13,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from support import assert_close
+from support import assert_close, packed_rows, visible_keys, visible_mask
 from zoo.data import load_balance
 from zoo.ops import Causal, Document, SlidingWindow, TopK, dot_product_attention
 from zoo.ops.sparse_attention import choose_sparse_implementation, sparse_attention
@@ -23,13 +23,7 @@ DOCS = ([7, 13, 9], [20, 6])  # the rest of each row is padding
 
 
 def packed():
-    pos, seg = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
-    for b, docs in enumerate(DOCS):
-        at = 0
-        for d, n in enumerate(docs, start=1):
-            pos[b, at:at + n], seg[b, at:at + n] = np.arange(n), d
-            at += n
-    return pos, seg
+    return packed_rows(DOCS, L)
 
 
 def selection(seed=0):
@@ -40,27 +34,12 @@ def selection(seed=0):
     idx = np.full((B, L, TOPK), -1, np.int32)
     for b in range(B):
         for i in range(L):
-            seen = np.flatnonzero((seg[b] == seg[b, i]) & (pos[b] <= pos[b, i]) & (seg[b] != 0))
-            mine = list(rng.permutation(seen)[:3])
+            mine = list(rng.permutation(visible_keys(pos, seg, b, i))[:3])
             rest = [j for j in rng.permutation(L) if j not in mine][:TOPK - len(mine)]
             row = np.array(mine + rest, np.int32)
             row[rng.random(TOPK) < 0.15] = -1
             idx[b, i] = rng.permutation(row)
     return idx
-
-
-def visible_ref(idx, pos, seg, window=None):
-    """[B, L, S] bool by a plain loop: selected, causal, same document, neither is padding."""
-    vis = np.zeros((B, L, L), bool)
-    for b in range(B):
-        for i in range(L):
-            for j in idx[b, i]:
-                if j < 0 or seg[b, i] == 0 or seg[b, j] != seg[b, i] or pos[b, j] > pos[b, i]:
-                    continue
-                if window is not None and pos[b, i] - pos[b, j] >= window:
-                    continue
-                vis[b, i, j] = True
-    return vis
 
 
 def reference(q, k, v, vis, scale):
@@ -110,7 +89,7 @@ def test_gather_equals_dense_equals_reference(form):
     idx = selection()
     q, k, v = inputs(form)
     scale = 0.3
-    vis = visible_ref(idx, pos, seg)
+    vis = visible_mask(idx, pos, seg)
     assert vis.sum() > B * L  # the selection is not mostly empty
     ref_v = (lambda k: k[..., :8]) if v is None else None
     want = run(lambda q, k, *vv: reference(q, k, vv[0] if vv else ref_v(k), vis, scale),
@@ -139,9 +118,9 @@ def test_topk_mask_in_dense_reference():
                                 kv_positions=jnp.asarray(pos), q_segment_ids=jnp.asarray(seg),
                                 kv_segment_ids=jnp.asarray(seg),
                                 mask=Causal() & Document() & topk, scale=0.3)
-    assert_close(got, reference(q, k, v, visible_ref(idx, pos, seg), 0.3), "TopK mask")
+    assert_close(got, reference(q, k, v, visible_mask(idx, pos, seg), 0.3), "TopK mask")
     # any elementwise mask composes: a sliding window in both implementations
-    vis = visible_ref(idx, pos, seg, window=4)
+    vis = visible_mask(idx, pos, seg, window=4)
     for impl in ("dense", "gather"):
         got = sparse_attention(q, k, v, jnp.asarray(idx), q_positions=jnp.asarray(pos),
                                kv_positions=jnp.asarray(pos), q_segment_ids=jnp.asarray(seg),
@@ -174,7 +153,7 @@ def test_load_balanced_rows(strategy):
     kw = dict(q_positions=jnp.asarray(pos_r), kv_positions=jnp.asarray(pos_r),
               q_segment_ids=jnp.asarray(seg_r), kv_segment_ids=jnp.asarray(seg_r), scale=0.3,
               v_head_dim=8)
-    want = take(reference(q, k, k[..., :8], visible_ref(idx, pos, seg), 0.3))
+    want = take(reference(q, k, k[..., :8], visible_mask(idx, pos, seg), 0.3))
     for impl in ("dense", "gather"):
         got = sparse_attention(q_r, k_r, None, jnp.asarray(idx_r), implementation=impl, **kw)
         assert_close(got, want, f"{strategy} {impl}")

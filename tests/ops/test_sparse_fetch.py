@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zoo
-from support import assert_close, packed_rows
+from support import assert_close, packed_rows, visible_keys, visible_mask
 from zoo.data import load_balance
 from zoo.ops.sparse_attention import (choose_fetch, fetch_bytes, fetch_plan,
                                       sparse_mla_attention)
@@ -42,7 +42,7 @@ def selection(far: bool, seed=0):
     idx = np.full((B, L, TOPK), -1, np.int32)
     for b in range(B):
         for i in range(L):
-            seen = np.flatnonzero((seg[b] == seg[b, i]) & (pos[b] <= pos[b, i]) & (seg[b] != 0))
+            seen = visible_keys(pos, seg, b, i)
             mine = list(rng.permutation(seen)[:TOPK - 2 if far else TOPK])
             if far:
                 mine += [j for j in rng.permutation(L) if j not in mine][:2]
@@ -51,17 +51,6 @@ def selection(far: bool, seed=0):
             row[rng.random(TOPK) < 0.1] = -1
             idx[b, i] = rng.permutation(row)
     return idx
-
-
-def visible(idx, pos, seg):
-    """[B, L, L] bool by a plain loop: selected, causal, same document, neither is padding."""
-    vis = np.zeros((B, L, L), bool)
-    for b in range(B):
-        for i in range(L):
-            for j in idx[b, i]:
-                if j >= 0 and seg[b, i] != 0 and seg[b, j] == seg[b, i] and pos[b, j] <= pos[b, i]:
-                    vis[b, i, j] = True
-    return vis
 
 
 def reference(q, latent, k_pe, kv_up, vis):
@@ -82,7 +71,7 @@ def wanted(far: bool):
     """The reference's (out, dq, dlatent, dk_pe, dkv_up) in the natural order, numpy."""
     q, latent, k_pe, kv_up, r = tensors()
     pos, seg = packed()
-    vis = visible(selection(far), pos, seg)
+    vis = visible_mask(selection(far), pos, seg)
     assert vis.sum() > B * L
 
     @jax.jit
