@@ -13,9 +13,10 @@ activation; one name for both would make ``("batch", "length", "embed")`` use a 
 
 =================  ==========================================================================
 parameters         ``embed`` ``vocab`` ``heads`` ``kv_heads`` ``head_dim`` ``mlp`` ``experts``
-                   ``q_lora`` ``kv_lora`` ``norm`` ``layers`` (``norm``: small vectors, never
-                   sharded; ``q_lora``/``kv_lora``: MLA's low-rank input to the
-                   up-projections, FSDP-sharded like ``embed``; ``layers``: the leading axis
+                   ``q_lora`` ``kv_lora`` ``o_lora`` ``norm`` ``layers`` (``norm``: small
+                   vectors, never sharded; ``q_lora``/``kv_lora``: MLA's low-rank input to
+                   the up-projections, ``o_lora``: DeepSeek-V4's grouped output rank,
+                   FSDP-sharded like ``embed``; ``layers``: the leading axis
                    of scanned layers' stacked parameters, never sharded -- each scan step
                    needs its whole layer)
 activations        ``batch`` ``length`` ``act_embed`` ``act_heads`` ``act_kv_heads``
@@ -63,7 +64,7 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
 PARAM_AXES = ("embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "experts",
-              "q_lora", "kv_lora", "norm", "layers")
+              "q_lora", "kv_lora", "o_lora", "norm", "layers")
 ACTIVATION_AXES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
                    "act_mlp", "act_vocab", "act_experts")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
@@ -157,21 +158,24 @@ def _strategy_rules(strategy: str) -> dict[Any, dict[str, MeshAxes]]:
         default = dict(common, batch=("data", "fsdp", "expert", "context"), length=None,
                        embed=("fsdp", "context", "expert"),
                        q_lora=("fsdp", "context", "expert"),
-                       kv_lora=("fsdp", "context", "expert"))
+                       kv_lora=("fsdp", "context", "expert"),
+                       o_lora=("fsdp", "context", "expert"))
         moe = dict(batch=("data", "fsdp", "context"), embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     if strategy == "cp":
         default = dict(common, batch=("data", "fsdp", "expert"), length="context",
                        embed=("fsdp", "context", "expert"),
                        q_lora=("fsdp", "context", "expert"),
-                       kv_lora=("fsdp", "context", "expert"))
+                       kv_lora=("fsdp", "context", "expert"),
+                       o_lora=("fsdp", "context", "expert"))
         moe = dict(batch=("data", "fsdp"), embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     if strategy == "ep_as_cp":
         default = dict(common, batch=("data", "fsdp"), length=("context", "expert"),
                        embed=("fsdp", "context", "expert"),
                        q_lora=("fsdp", "context", "expert"),
-                       kv_lora=("fsdp", "context", "expert"))
+                       kv_lora=("fsdp", "context", "expert"),
+                       o_lora=("fsdp", "context", "expert"))
         moe = dict(length="context", embed=("fsdp", "context"))
         return {None: default, "attention": {}, "moe": moe}
     raise ValueError(f"unknown partitioning strategy {strategy!r}; valid strategies are "

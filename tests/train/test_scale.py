@@ -394,3 +394,23 @@ def test_decode_rehearsal_refuses_bad_input_before_compiling(devices, monkeypatc
     monkeypatch.setattr(module, "measure", no_compile)
     with pytest.raises(ValueError, match=match):
         module.rehearse_decode(DS_DECODE, **{**DECODE, **kw})
+
+
+def test_no_large_parameter_of_a_published_preset_is_replicated(devices):
+    """Under FSDP every parameter array of a published preset over 16M values is sharded
+    (built abstractly: shapes and shardings only). Regression: DeepSeek-V4's grouped output
+    projection ``o_a_proj`` ([N*H/G, G, Ro] a layer, 1.4B values in V4-Flash) was replicated on
+    every chip, with its gradient and both Adam moments."""
+    from zoo.models import registry
+    p = Partitioner(make_mesh(fsdp=8), "fsdp")
+    replicated = []
+    for family in registry.families():
+        for name in family.presets:
+            if name == "mini":
+                continue
+            model = family.model_cls.abstract(family.preset(name), partitioner=p)
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+                value = v.get_value()
+                if value.size > 2 ** 24 and all(s is None for s in value.sharding.spec):
+                    replicated.append((name, ".".join(map(str, path)), value.shape))
+    assert not replicated, replicated

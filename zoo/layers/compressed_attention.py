@@ -118,7 +118,7 @@ class GroupedOutputProjection(nnx.Module):
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.o_a_proj = Linear(num_heads * head_dim // o_groups, (o_groups, o_lora_rank),
-                               in_axes=(None,), out_axes=(None, None), **kw)
+                               in_axes=(None,), out_axes=(None, "o_lora"), **kw)
         self.o_b_proj = Linear((o_groups, o_lora_rank), embed, in_axes=(None, None),
                                out_axes=("embed",), **kw)
 
