@@ -301,6 +301,23 @@ def test_window_table_any_order():
     assert np.array_equal(s2, slots[:, perm]) and np.array_equal(n2, nxt[:, perm])
 
 
+def test_lexsort_stable_equals_numpy_lexsort():
+    """`lexsort_stable` (two stable one-key sorts) orders by (major, minor), ties in index
+    order, as numpy's lexsort: heavy ties, -inf and -0.0 among float keys, int keys."""
+    r = np.random.default_rng(3)
+    for dtype in (np.float32, np.int32):
+        major = r.integers(-3, 3, (2, 5, 64)).astype(dtype)
+        minor = r.integers(-2, 2, (2, 5, 64)).astype(dtype)
+        if dtype == np.float32:
+            major[0, 0, :8], minor[0, 1, :8] = -np.inf, -0.0
+        got_major, order = (np.asarray(a) for a in ca.lexsort_stable(jnp.asarray(major),
+                                                                       jnp.asarray(minor)))
+        want = np.stack([np.lexsort((minor[b, i], major[b, i])) for b in range(2)
+                         for i in range(5)]).reshape(order.shape)
+        assert np.array_equal(order, want)
+        assert np.array_equal(got_major, np.take_along_axis(major, want, -1))
+
+
 def test_conjugate_rotation_undoes_rope():
     rope = RoPE(theta=100.0, interleaved=True)
     x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from zoo.layers import hf_keys as hfk
 from zoo.layers.linear import Linear
 from zoo.layers.rope import RoPE
+from zoo.ops.compressed_attention import lexsort_stable
 from zoo.ops.masks import Causal, Document, Mask, attention_mask
 from zoo.ops.sparse_attention import choose_query_chunk, map_query_chunks
 from zoo.partitioning import Partitioner, resolve
@@ -388,9 +389,8 @@ class Indexer(nnx.Module):
         k = min(int(k), S)
         s = jax.lax.stop_gradient(scores).astype(jnp.float32) + 0.0  # -0.0 ties with 0.0
         pos = jnp.broadcast_to(kv_positions[:, None, :], (B, L, S)).astype(jnp.int32)
-        idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, L, S))
         # ascending sort of (-score, -position): best score first, then the larger position
-        neg, _, order = jax.lax.sort((-s, -pos, idx), dimension=-1, num_keys=2)
+        neg, order = lexsort_stable(-s, -pos)
         neg, order = neg[..., :k], order[..., :k]
         return jnp.where(jnp.isfinite(neg), order, -1)
 

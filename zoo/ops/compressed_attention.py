@@ -177,6 +177,18 @@ def entry_visible(q_positions: jax.Array, q_segment_ids: jax.Array, entry_start:
             & (entry_start + rate - 1 <= q_positions))
 
 
+def lexsort_stable(major: jax.Array, minor: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(major sorted, order)``: the indices along the last axis that sort (``major``,
+    ``minor``) ascending, ties in index order, with ``major`` taken in that order -- what
+    ``jax.lax.sort((major, minor, iota), num_keys=2, is_stable=True)`` gives, as two stable
+    one-key sorts (by ``minor``, then by ``major``), which libtpu compiles several times
+    faster than the one two-key, three-operand sort."""
+    idx = jax.lax.broadcasted_iota(jnp.int32, major.shape, major.ndim - 1)
+    _, order = jax.lax.sort((minor, idx), dimension=-1, num_keys=1, is_stable=True)
+    key = jnp.take_along_axis(major, order, axis=-1)
+    return tuple(jax.lax.sort((key, order), dimension=-1, num_keys=1, is_stable=True))
+
+
 def sliding_band(query_index: jax.Array, kv_positions: jax.Array, kv_segment_ids: jax.Array,
                  window: int) -> jax.Array:
     """Each query's sliding-window keys as indices [B, L, window] into the S keys (``-1``:
@@ -188,8 +200,7 @@ def sliding_band(query_index: jax.Array, kv_positions: jax.Array, kv_segment_ids
     big = jnp.iinfo(jnp.int32).max
     seg = jnp.where(kv_segment_ids > 0, kv_segment_ids.astype(jnp.int32), big)
     idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    _, _, order = jax.lax.sort((seg, kv_positions.astype(jnp.int32), idx), dimension=1,
-                               num_keys=2)
+    _, order = lexsort_stable(seg, kv_positions.astype(jnp.int32))
     rank = jnp.zeros((B, S), jnp.int32).at[jnp.arange(B)[:, None], order].set(idx)
     r = jnp.take_along_axis(rank, query_index.astype(jnp.int32), axis=1)  # [B, L]
     back = r[..., None] - jnp.arange(window, dtype=jnp.int32)  # [B, L, W] sorted ranks
