@@ -17,6 +17,12 @@ chip's bf16 peak, or its FP8 peak for ``--set fp8=blockwise`` where it has one: 
 in the "bound by" column). A TPU target needs libtpu (``.[tpu-compile]``), a GPU target the
 CUDA plugin (``.[gpu-compile]``).
 
+``--breakdown N``: each target's compile also dumps the compiler's buffer assignment (about 60 s
+more on a full-size TPU step) and a second table lists the N largest groups of temporaries live
+at their peak, by named scope (`zoo.targets.peak_breakdown`: fwd/bwd, the layer's sublayer,
+``[scan carry]`` for what a loop carries: under fwd, the residuals the forward scan stacks),
+with their share of the temporaries and the largest shapes in each.
+
 The MoE program space, one verdict per cell::
 
     python benchmarks/targets.py --matrix             # every cell: 5 families x 3 strategies x
@@ -65,6 +71,11 @@ def parse_args(argv=None):
            f"field replaces that field's default, the other defaults stay")
     a("--json", default=None, metavar="PATH",
       help="write the table as a record (docs/benchmarks/goal_row_targets.json)")
+    a("--breakdown", type=int, default=0, metavar="N",
+      help="also print the N largest groups of temporaries live at the peak (the compiler's "
+           "buffer assignment, by named scope; costs compile time)")
+    a("--depth", type=int, default=4,
+      help="with --breakdown: named scopes a group keeps (zoo.targets.scope_group)")
     a("--matrix", action="store_true",
       help="compile every cell of the MoE program space (MATRIX_AXES) and print its verdict")
     a("--pairwise", action="store_true",
@@ -315,6 +326,37 @@ def row(r) -> dict:
             "MFU at bound": "-" if bound is None else f"{bound['mfu']:.1%}"}
 
 
+BREAKDOWN_COLUMNS = ("target", "group", "GiB", "share of temp", "count", "largest shapes")
+
+
+def breakdown_rows(target: str, peak, n: int, depth: int = 4) -> list[dict]:
+    """The ``--breakdown`` table's rows of one target: the peak's `n` largest groups
+    (`zoo.targets.PeakBreakdown`, regrouped at ``depth`` scopes), then a row of the live total
+    against the temporaries."""
+    import dataclasses
+
+    from zoo.targets import scope_group
+    gib = 2 ** 30
+    def regroup(b):  # the buffers keep their op_name: regrouped at another depth
+        group = scope_group(b.op_name, depth)
+        carry = b.group.endswith("[scan carry]") and not group.endswith("[scan carry]")
+        return dataclasses.replace(b, group=group + " [scan carry]" if carry else group)
+    if depth != 4:
+        peak = dataclasses.replace(peak, buffers=tuple(map(regroup, peak.buffers)))
+    rows = []
+    for group, nbytes, count in peak.groups()[:n]:
+        shapes = ", ".join(f"{c} x {s} ({b / gib:.2f})" for s, b, c in peak.shapes(group, 2))
+        rows.append({"target": target, "group": group, "GiB": nbytes / gib,
+                     "share of temp": f"{nbytes / peak.temp_bytes:.1%}", "count": count,
+                     "largest shapes": shapes})
+    rows.append({"target": target, "group": f"live at the peak (schedule point {peak.peak_time})",
+                 "GiB": peak.peak_bytes / gib,
+                 "share of temp": f"{peak.peak_bytes / peak.temp_bytes:.1%}",
+                 "count": len(peak.buffers),
+                 "largest shapes": f"temporaries {peak.temp_bytes / gib:.2f} GiB"})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.matrix or args.pairwise:
@@ -332,21 +374,29 @@ def main(argv=None) -> int:
     fields = {f.name for f in dataclasses.fields(registry.resolve(args.model)[1])}
     overrides = merged_overrides(args.overrides, fields)
     remat = None if args.remat in ("none", "None") else args.remat
-    rows = []
+    rows, peaks = [], []
     for target in targets:
         r = rehearse(args.model, mesh=args.mesh, strategy=args.strategy,
                      batch_size=args.batch_size, seq_len=args.seq_len, dtype="bfloat16",
-                     remat=remat, overrides=overrides, target=target)
+                     remat=remat, overrides=overrides, target=target,
+                     breakdown=args.breakdown > 0)
         print(r, file=sys.stderr)
         rows.append({**row(r), "target": target})
+        if r.peak_breakdown is not None:
+            peaks += breakdown_rows(target, r.peak_breakdown, args.breakdown, args.depth)
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from scale import markdown  # benchmarks/, beside this script
     text = (f"## {args.model}, mesh {args.mesh}, {args.batch_size} x {args.seq_len}, "
             f"{' '.join(overrides)}\n\n" + markdown(rows, COLUMNS))
+    if args.breakdown:
+        text += (f"\n\n## Temporaries live at the peak, the {args.breakdown} largest groups by "
+                 f"named scope (the compiler's buffer assignment)\n\n"
+                 + markdown(peaks, BREAKDOWN_COLUMNS))
     print(text)
     if args.json:
         import _record
-        _record.write_tables(args.json, ["goal_row_targets"], _record.markdown_tables(text))
+        _record.write_tables(args.json, ["goal_row_targets"],  # the breakdown is not recorded
+                             _record.markdown_tables(text)[:1])
     return 0
 
 

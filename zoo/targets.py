@@ -26,6 +26,10 @@ slice builds.
   drivers" lines from stderr and passes everything else through.
 * `compile_with_text(lowered, platform)` -- the compiled program and its optimized HLO text;
   a TPU program's text is the compiler's own dump (jaxlib 0.10 cannot read libtpu 0.0.52's).
+* `compile_with_buffers(lowered, platform)` -- the same, with the compiler's buffer assignment
+  dumped and read by `peak_breakdown`: the temporaries live at their peak, grouped by named
+  scope (`scope_group`: fwd/bwd, the layer's sublayer, ``[scan carry]``), with bytes, counts
+  and shapes (`PeakBreakdown`); ``benchmarks/targets.py --breakdown N`` prints it.
 * `hbm_bytes(device_kind)` -- a chip's memory as its compiler counts it (the TPU's
   out-of-memory message; a GPU's description), None when not known; `chip(device_kind)` its
   published peaks (bf16 and, where the chip has it, FP8 FLOP/s, ICI or NVLink, the network
@@ -46,6 +50,7 @@ from typing import Any
 
 __all__ = ["CHIPS", "Chip", "GPUS", "Target", "parse", "target_devices", "configure_process",
            "chip", "compile_with_text", "wraparound", "cpu_unless_accelerator", "gpu_target_config",
+           "compile_with_buffers", "peak_breakdown", "scope_group", "PeakBreakdown", "PeakBuffer",
            "hbm_bytes", "TPU_CHIPS", "quiet_cuda_stub"]
 
 # generation -> chip config name of `get_topology_desc` (megacore chips: one device per chip)
@@ -406,6 +411,268 @@ def compile_with_text(lowered: Any, platform: str) -> tuple[Any, str]:
             return compiled, compiled.as_text()
         with open(found[0]) as f:
             return compiled, f.read()
+
+
+def compile_with_buffers(lowered: Any, platform: str, *, depth: int = 4
+                         ) -> tuple[Any, str, PeakBreakdown]:
+    """``(compiled, the optimized HLO module's text, its peak temporaries grouped)``: like
+    `compile_with_text`, with the compiler's buffer assignment dumped and read by
+    `peak_breakdown` (``depth``: named scopes a group keeps). The analysis costs compile time
+    (about 60 s on a full-size TPU train step), which is why `compile_with_text` does not."""
+    import glob
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="zoo-buffers-") as folder:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+            "xla_dump_buffer_assignment_analysis": True})
+
+        def one(suffix: str) -> str:
+            found = [f for f in glob.glob(os.path.join(folder, f"*{suffix}"))
+                     if "after_optimizations" in f]
+            if len(found) != 1:
+                raise ValueError(f"the {platform} compiler wrote {len(found)} files ending "
+                                 f"{suffix!r} (expected one) with the buffer-assignment dump "
+                                 f"options on; found {sorted(os.listdir(folder))[:20]}")
+            with open(found[0]) as f:
+                return f.read()
+        text = one("after_optimizations.txt")
+        breakdown = peak_breakdown(one("after_optimizations-buffer-assignment.txt"),
+                                   one("after_optimizations-live-range.txt"), text,
+                                   depth=depth)
+    return compiled, text, breakdown
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBuffer:
+    """One temporary buffer live at the peak: its bytes, shape, the value (instruction
+    ``name{shape index}``) that defines it, its op_name metadata and `scope_group`."""
+    bytes: int
+    shape: str
+    value: str
+    op_name: str
+    group: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """The temporaries live at their peak, from the compiler's buffer assignment.
+
+    ``temp_bytes``: the temporaries' allocations (``preallocated-temp``; what
+    ``memory_analysis().temp_size_in_bytes`` counts); ``peak_bytes``: the buffers live at
+    once at the peak of the largest one (below ``temp_bytes`` by the heap's fragmentation and
+    the smaller allocations); ``peak_time``: that point of the schedule; ``buffers``: the live
+    ones, largest first."""
+    temp_bytes: int
+    peak_bytes: int
+    peak_time: int
+    buffers: tuple[PeakBuffer, ...]
+
+    def groups(self) -> list[tuple[str, int, int]]:
+        """``(group, bytes, count)`` of the live buffers by `PeakBuffer.group`, largest
+        first."""
+        out: dict[str, list[int]] = {}
+        for b in self.buffers:
+            g = out.setdefault(b.group, [0, 0])
+            g[0] += b.bytes
+            g[1] += 1
+        return sorted(((k, v[0], v[1]) for k, v in out.items()), key=lambda r: (-r[1], r[0]))
+
+    def shapes(self, group: str, n: int = 3) -> list[tuple[str, int, int]]:
+        """``(shape, bytes, count)`` of a group's live buffers by shape, largest first."""
+        out: dict[str, list[int]] = {}
+        for b in self.buffers:
+            if b.group == group:
+                g = out.setdefault(b.shape, [0, 0])
+                g[0] += b.bytes
+                g[1] += 1
+        return sorted(((k, v[0], v[1]) for k, v in out.items()), key=lambda r: -r[1])[:n]
+
+
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
+                    r"\(size=(\d+),offset=(\d+)\): (\S+)")
+_LIVE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"(?<![=\w])%([\w.\-]+)")
+# named scopes that say how a computation was reached, not what it computes
+_PLUMBING = re.compile(r"^(jit\(.*\)|while|body|cond|closed_call|checkpoint|"
+                       r"rematted_computation|shard_map|branch_\d+_fun|pjit|remat|"
+                       r"layers_\d+_to_\d+)$")
+
+
+def scope_group(op_name: str, depth: int = 4) -> str:
+    """The group of an op_name (``jit(train_step)/transpose(jvp(deepseekv4))/layers_0_to_41/
+    while/body/closed_call/checkpoint/layer_3/moe/experts/gather``): ``"bwd"`` (under a
+    ``transpose(...)``, the backward pass), ``"fwd"`` (under ``jvp``) or nothing, then the
+    first ``depth`` named scopes (the model's own first: ``deepseekv4``) with the plumbing left
+    out (jit, while/body, checkpoint, shard_map, a scan's ``layers_I_to_J``), ``layer_N`` as
+    ``layer`` (every layer together) -- the primitive itself (the last name) is left out.
+    A loop's own value (the primitive ``while``) is ``... [scan carry]``: under ``fwd`` the
+    residuals a forward scan stacks for the backward one, under ``bwd`` what the backward scan
+    carries (the stacked parameters' gradients, the cotangent). No op_name:
+    ``"(no op_name)"``; an op_name that is no scope path: ``"param model.layers[*]...``" (a
+    copy of an argument: its path) or ``"(compiler: broadcast)"`` (made by the compiler)."""
+    if not op_name:
+        return "(no op_name)"
+    if "/" not in op_name:
+        if re.fullmatch(r"[\w\-]+\.\d+", op_name):  # named by the compiler after an op
+            return f"(compiler: {op_name.rsplit('.', 1)[0]})"
+        # an argument's path: a copy of a parameter (its bf16 cast, a layout change)
+        return "param " + re.sub(r"\[\d+\]", "[*]", op_name.removesuffix(".value"))
+    parts = op_name.split("/")
+    primitive = parts[-1]
+    phase = "bwd" if "transpose(" in op_name else "fwd" if "jvp(" in op_name else ""
+    scopes = []
+    for part in parts[:-1]:
+        inner = re.sub(r"^(?:transpose\()?(?:jvp\()?(.*?)\)*$", r"\1", part)
+        if _PLUMBING.match(part) or _PLUMBING.match(inner):
+            continue
+        scopes.append(re.sub(r"^layer_\d+$", "layer", inner))
+    name = " ".join(x for x in (phase, "/".join(scopes[:depth]) or "(top)") if x)
+    return f"{name} [scan carry]" if primitive == "while" else name
+
+
+def peak_breakdown(assignment: str, live_ranges: str, hlo: str, depth: int = 4
+                   ) -> PeakBreakdown:
+    """The temporaries live at their peak, from what XLA dumps with
+    ``xla_dump_buffer_assignment_analysis``: ``assignment`` the
+    ``*after_optimizations-buffer-assignment.txt`` (allocations and the values each holds, at
+    offsets), ``live_ranges`` the ``*after_optimizations-live-range.txt`` (each value's
+    ``start-end`` in the schedule) and ``hlo`` the optimized module's text (op_name metadata).
+
+    The largest ``preallocated-temp`` allocation of the device memory (the heap; not a TPU's
+    VMEM) is swept: values at
+    the same offset and size whose live ranges touch or overlap are one buffer (an in-place
+    update, a loop's carry); the point where the live buffers' bytes are largest is the peak
+    and those buffers are grouped by `scope_group` of the op_name of the instruction that
+    defines the buffer's value live there (an asynchronous copy's or other instruction
+    without one: its first operand's); ``[scan carry]`` is added when a loop carries the
+    buffer there (one of its live values is a ``while``'s), whose group it takes when no
+    live value has a scope path (a loop body's parameter; a zero-filled accumulator the
+    compiler made), else the values that held the buffer before name it."""
+    temp_bytes, heaps, current = 0, [], None
+    for line in assignment.splitlines():
+        m = _ALLOCATION.match(line)
+        if m:
+            current = None
+            # the device memory's (color 0) heap; another color is another memory (a TPU's
+            # VMEM, SMEM), which memory_analysis does not count
+            if "preallocated-temp" in m.group(3) and not re.match(r"color [1-9]", m.group(3)):
+                temp_bytes += int(m.group(2))
+                current = []
+                heaps.append((int(m.group(2)), current))
+            continue
+        if current is not None:
+            v = _VALUE.match(line)
+            if v:
+                current.append((v.group(1) + (v.group(2) or "{}"), int(v.group(3)),
+                                int(v.group(4)), v.group(5)))
+    if not heaps:
+        raise ValueError("no 'preallocated-temp' allocation in the buffer assignment: pass "
+                         "the *after_optimizations-buffer-assignment.txt XLA dumps with "
+                         "xla_dump_buffer_assignment_analysis on")
+    values = max(heaps, key=lambda h: h[0])[1]
+    live = {m.group(1): (int(m.group(2)), int(m.group(3)))
+            for m in map(_LIVE.match, live_ranges.splitlines()) if m}
+    # one buffer: the values at one offset and size whose live ranges touch
+    chunks = []
+    by_place: dict[tuple[int, int], list] = {}
+    for name, size, offset, shape in values:
+        if name in live and size:
+            by_place.setdefault((offset, size), []).append((*live[name], name, shape))
+    for (_, size), vs in by_place.items():
+        vs.sort()
+        start, end, members = vs[0][0], vs[0][1], [vs[0]]
+        for v in vs[1:]:
+            if v[0] <= end:
+                end = max(end, v[1])
+                members.append(v)
+            else:
+                chunks.append((start, end, size, members))
+                start, end, members = v[0], v[1], [v]
+        chunks.append((start, end, size, members))
+    # live over [start, end): a buffer handed on at ``end`` is not counted twice there
+    events: dict[int, int] = {}
+    for start, end, size, _ in chunks:
+        end = max(end, start + 1)
+        events[start] = events.get(start, 0) + size
+        events[end] = events.get(end, 0) - size
+    peak = total = 0
+    peak_time = 0
+    for t in sorted(events):
+        total += events[t]
+        if total > peak:
+            peak, peak_time = total, t
+    at_peak = [c for c in chunks if c[0] <= peak_time < max(c[1], c[0] + 1)]
+    op_names, operands = _hlo_names(hlo)
+    buffers = []
+    for _, _, size, members in sorted(at_peak, key=lambda c: -c[2]):
+        buffers.append(_named(size, members, peak_time, op_names, operands, depth))
+    return PeakBreakdown(temp_bytes=temp_bytes, peak_bytes=peak, peak_time=peak_time,
+                         buffers=tuple(buffers))
+
+
+def _named(size: int, members: list, peak_time: int, op_names: dict[str, str],
+           operands: dict[str, str], depth: int) -> PeakBuffer:
+    """A buffer at the peak named by its values live there (the one with a scope path first,
+    else the loop's that carries the buffer, else the values that held it before, nearest
+    first)."""
+    live = [m for m in members if m[0] <= peak_time <= m[1]] or \
+        [max((m for m in members if m[0] <= peak_time), key=lambda m: m[0])]
+    before = [m for m in reversed(members) if m[1] < peak_time and m not in live]
+    after = [m for m in members if m[0] > peak_time]
+    ops = [(m, _origin(m[2].split("{")[0], op_names, operands)) for m in live + before]
+    later = [(m, _origin(m[2].split("{")[0], op_names, operands)) for m in after]
+
+    def is_loop(op):
+        return op.rsplit("/", 1)[-1] == "while"
+    plain = next(((m, op) for m, op in ops[:len(live)] if "/" in op and not is_loop(op)), None)
+    loop = next(((m, op) for m, op in ops + later if is_loop(op)), None)
+    if plain is not None:
+        (m, op), group = plain, scope_group(plain[1], depth)
+        if any(is_loop(o) for _, o in ops[:len(live)]):
+            group += " [scan carry]"
+    elif loop is not None:
+        (m, op), group = loop, scope_group(loop[1], depth)
+    else:
+        m, op = next(((m, op) for m, op in ops if op), ops[0])
+        group = scope_group(op, depth)
+    return PeakBuffer(bytes=size, shape=_shape(m[3]), value=m[2], op_name=op, group=group)
+
+
+def _shape(text: str) -> str:
+    """``f32[256,1024]`` of a value's shape with its layout; ``(tuple)`` for a tuple's (the
+    pointers an asynchronous op keeps)."""
+    return "(tuple)" if text.startswith("(") else text.split("{")[0]
+
+
+def _hlo_names(hlo: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Every instruction's op_name, and its first operand (for the instructions without
+    one)."""
+    op_names, operands = {}, {}
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        name, rhs = m.groups()
+        o = _OP_NAME.search(rhs)
+        op_names[name] = o.group(1) if o else ""
+        if not o:
+            first = _OPERAND.search(rhs.split(", metadata=")[0])
+            if first:
+                operands[name] = first.group(1)
+    return op_names, operands
+
+
+def _origin(name: str, op_names: dict[str, str], operands: dict[str, str]) -> str:
+    for _ in range(8):  # copy-start -> copy-done -> ... -> the instruction that has one
+        if op_names.get(name):
+            return op_names[name]
+        if name not in operands:
+            return ""
+        name = operands[name]
+    return ""
 
 
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "

@@ -96,6 +96,9 @@ class Rehearsal:
     # GPU targets: the part of collective_bytes whose device groups span hosts (the network)
     cross_host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     fp8: str | None = None         # the model's ``fp8`` mode: "blockwise" (FP8 GEMMs) or None
+    # the temporaries live at their peak, grouped by named scope (`zoo.targets.PeakBreakdown`),
+    # when asked for (``breakdown=True``: the compiler's buffer assignment, more compile time)
+    peak_breakdown: Any = None
 
     @property
     def device_memory_bytes(self) -> int | None:
@@ -274,10 +277,12 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
                   expert_bias_rate: float = 0.0, flops_per_token: float | None = None,
                   label: str = "model", mesh_text: str = "", remat: str | None = None,
                   dtype: Any = None, param_dtype: Any = None,
-                  train_step: Callable | None = None, fp8: str | None = None) -> Rehearsal:
+                  train_step: Callable | None = None, fp8: str | None = None,
+                  breakdown: bool = False) -> Rehearsal:
     """Compile a train step (`train_step`, default `make_train_step(donate=True)` with the
     given weights) for `partitioner`'s mesh from abstract state and measure it; see the
-    module docstring. ``fp8``: the model's FP8 mode, for the roofline's peak."""
+    module docstring. ``fp8``: the model's FP8 mode, for the roofline's peak; ``breakdown``:
+    also read the compiler's buffer assignment (`Rehearsal.peak_breakdown`)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -302,7 +307,7 @@ def rehearse_step(*, make_model: Callable[[], Any], tx: Any, partitioner: Any,
         state_bytes=param_b + opt_b, label=label, mesh=mesh_text, strategy=partitioner.strategy,
         batch_size=batch_size, seq_len=seq_len, dtype=dtype_name(dtype),
         param_dtype=dtype_name(param_dtype), remat=remat, param_bytes=param_b,
-        optimizer_bytes=opt_b, fp8=check_mode(fp8),
+        optimizer_bytes=opt_b, fp8=check_mode(fp8), breakdown=breakdown,
         model_flops=(flops_per_token or 0.0) * batch_size * seq_len / mesh.devices.size)
 
 
@@ -313,11 +318,13 @@ def dtype_name(dtype: Any) -> str:
 
 
 def measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
-             **fields: Any) -> Rehearsal:
+            breakdown: bool = False, **fields: Any) -> Rehearsal:
     """Lower (``lower()``) and compile a program for `partitioner`'s mesh and read what the
     compiler says into a `Rehearsal` (`fields`: the ones that describe the program; compile
     seconds include the lowering). ``state_bytes``: the arguments' bytes from their shardings,
-    reported when the compiler refuses the program for lack of memory."""
+    reported when the compiler refuses the program for lack of memory. ``breakdown``: compile
+    with the buffer-assignment dump and group the peak's temporaries
+    (`zoo.targets.compile_with_buffers`; None when the compiler refuses the program)."""
     import jax
     start = time.perf_counter()
     mesh = partitioner.mesh
@@ -330,7 +337,7 @@ def measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
     with (jax.default_device(target) if target is not None else contextlib.nullcontext()):
         lowered = lower()
     lowered_stats = hlo_stats(lowered.as_text(dialect="hlo", debug_info=True), hosts)
-    compiled, text, mem, oom = _compile(lowered, partitioner.platform)
+    compiled, text, mem, oom, peak = _compile(lowered, partitioner.platform, breakdown)
     compile_s = time.perf_counter() - start
     stats = hlo_stats(text, hosts) if compiled is not None else lowered_stats
     cost = compiled.cost_analysis() if compiled is not None else None
@@ -350,7 +357,7 @@ def measure(lower: Callable[[], Any], partitioner: Any, *, state_bytes: int,
         alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
         hlo_flops=stats.flops, xla_flops=float((cost or {}).get("flops", 0.0)),
         collective_bytes=stats.collective_bytes, dots_by_dtype=lowered_stats.dots_by_dtype,
-        dot_names=lowered_stats.dot_names, **fields)
+        dot_names=lowered_stats.dot_names, peak_breakdown=peak, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,19 +368,23 @@ class _Memory:  # the figures of a program the compiler refused (out of device m
     temp_size_in_bytes: int
 
 
-def _compile(lowered, platform: str):
-    """``(compiled or None, its HLO text, memory analysis, out of memory?)``: a TPU
-    out-of-memory refusal is a result (temporaries from the compiler's message), any other
-    error propagates."""
-    from zoo.targets import compile_with_text, out_of_memory
+def _compile(lowered, platform: str, breakdown: bool = False):
+    """``(compiled or None, its HLO text, memory analysis, out of memory?, the peak's
+    breakdown or None)``: a TPU out-of-memory refusal is a result (temporaries from the
+    compiler's message), any other error propagates."""
+    from zoo.targets import compile_with_buffers, compile_with_text, out_of_memory
+    peak = None
     try:
-        compiled, text = compile_with_text(lowered, platform)
+        if breakdown:
+            compiled, text, peak = compile_with_buffers(lowered, platform)
+        else:
+            compiled, text = compile_with_text(lowered, platform)
     except Exception as e:
         oom = out_of_memory(e)
         if oom is None:
             raise
-        return None, "", _Memory(0, 0, 0, oom[0]), True
-    return compiled, text, compiled.memory_analysis(), False
+        return None, "", _Memory(0, 0, 0, oom[0]), True, None
+    return compiled, text, compiled.memory_analysis(), False, peak
 
 
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -388,16 +399,17 @@ def _custom_calls(text: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def rehearse_built(built: Any, *, label: str = "model") -> Rehearsal:
+def rehearse_built(built: Any, *, label: str = "model", breakdown: bool = False) -> Rehearsal:
     """Compile and measure the train step of a `zoo.train.build` result (built with
-    ``donate=True``: the program an accelerator run compiles)."""
+    ``donate=True``: the program an accelerator run compiles); ``breakdown``: see
+    `rehearse_step`."""
     c, cfg = built.config, built.model_config
     return rehearse_step(make_model=built.make_model, tx=built.tx,
                          partitioner=built.partitioner, batch_size=c.batch_size,
                          seq_len=c.seq_len, flops_per_token=built.flops_per_token, label=label,
                          mesh_text=c.mesh, remat=cfg.remat_policy, dtype=cfg.dtype,
                          param_dtype=cfg.param_dtype, train_step=built.train_step,
-                         fp8=cfg.fp8)
+                         fp8=cfg.fp8, breakdown=breakdown)
 
 
 def presets() -> tuple[str, ...]:
@@ -431,7 +443,8 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
              param_dtype: Any = "float32", remat: Any = _KEEP,
              overrides: Mapping[str, Any] | Sequence[str] | None = None,
              aux_loss_weight: float | None = None,
-             expert_bias_rate: float | None = None, target: str = "cpu") -> Rehearsal:
+             expert_bias_rate: float | None = None, target: str = "cpu",
+             breakdown: bool = False) -> Rehearsal:
     """Rehearse a preset (a name of `zoo.models.registry.preset_names`) or a model config at
     scale, through `zoo.train.build`; see the module docstring.
 
@@ -451,12 +464,14 @@ def rehearse(model: str | Any, *, mesh: str | Mapping[str, int] | None = None,
       target: ``"cpu"`` (this host's devices), ``"cpu-N"``, or a TPU slice such as
         ``"tpu-v5p-256"`` / ``"tpu:v5p:4x8x8"`` (`zoo.targets.target_devices`): compiled by
         the TPU compiler here, with its memory verdict.
+      breakdown: also dump and read the compiler's buffer assignment: the temporaries live at
+        their peak, grouped by named scope (`Rehearsal.peak_breakdown`; more compile time).
     """
     label, built = build_for_rehearsal(
         model, mesh=mesh, strategy=strategy, batch_size=batch_size, seq_len=seq_len,
         dtype=dtype, param_dtype=param_dtype, remat=remat, overrides=overrides,
         aux_loss_weight=aux_loss_weight, expert_bias_rate=expert_bias_rate, target=target)
-    return rehearse_built(built, label=label)
+    return rehearse_built(built, label=label, breakdown=breakdown)
 
 
 def build_for_rehearsal(model: str | Any, *, mesh, strategy: str, batch_size: int,
