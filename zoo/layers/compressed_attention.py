@@ -117,8 +117,11 @@ class GroupedOutputProjection(nnx.Module):
         self.num_heads, self.head_dim = num_heads, head_dim
         self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         kw = dict(partitioner=p, scope=SCOPE, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # the rank is FSDP-sharded (``o_lora``) where the shards divide it (every published
+        # size); a small rank that they do not divide stays whole
+        rank_axis = "o_lora" if o_lora_rank % p.size("o_lora", SCOPE) == 0 else None
         self.o_a_proj = Linear(num_heads * head_dim // o_groups, (o_groups, o_lora_rank),
-                               in_axes=(None,), out_axes=(None, "o_lora"), **kw)
+                               in_axes=(None,), out_axes=(None, rank_axis), **kw)
         self.o_b_proj = Linear((o_groups, o_lora_rank), embed, in_axes=(None, None),
                                out_axes=("embed",), **kw)
 
