@@ -483,7 +483,7 @@ class CompressedAttention(nnx.Module):
             return jnp.stack(distillation_kl(lg.entries, scores, lg.entry_visible, seg_c != 0,
                                              log_norm=lg.log_norm()), axis=-1)
 
-        return map_query_chunks(jax.checkpoint(chunk), query_chunk,
+        return map_query_chunks(chunk, query_chunk,
                                 (q, iq, iw, positions, segment_ids, band, indices),
                                 what="CompressedAttention.local_distillation")
 

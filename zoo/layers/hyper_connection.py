@@ -45,12 +45,17 @@ STREAMS = ("batch", "length", None, "act_embed")
 
 def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
     """Sinkhorn-Knopp on positive matrices ``[..., n, n]`` as DeepSeek-V4 runs it: columns
-    normalised first, then ``iters - 1`` rounds of rows then columns, each sum ``+ eps``."""
-    comb = comb / (comb.sum(-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(-2, keepdims=True) + eps)
-    return comb
+    normalised first, then ``iters - 1`` rounds of rows then columns, each sum ``+ eps``.
+
+    The rounds are a loop in the program (`jax.lax.fori_loop`), not unrolled in Python: on
+    the unrolled chain XLA:GPU's priority fusion runs for hours (see CHANGELOG). The loop
+    runs the same operations in the same order."""
+    def normalise(m, axis):
+        return m / (m.sum(axis, keepdims=True) + eps)
+
+    comb = normalise(comb, -2)
+    return jax.lax.fori_loop(0, iters - 1,
+                             lambda _, m: normalise(normalise(m, -1), -2), comb)
 
 
 def expand_streams(x: jax.Array, hc_mult: int) -> jax.Array:

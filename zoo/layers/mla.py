@@ -429,7 +429,7 @@ class MLA(AttentionBlock):
 
         per_query = (iq, iw, q_abs, positions, segment_ids) + (
             () if indices is None else (indices,))
-        return map_query_chunks(jax.checkpoint(chunk), query_chunk, per_query,
+        return map_query_chunks(chunk, query_chunk, per_query,
                                 what="MLA.distillation")
 
     def absorbed_target(self, q: jax.Array, k_pe: jax.Array, latent: jax.Array

@@ -388,7 +388,11 @@ def map_query_chunks(fn, query_chunk: int | None, per_query: tuple, *,
     """``fn(per_query)`` over chunks of ``query_chunk`` queries (a `jax.lax.map`, so only one
     chunk's intermediates live at a time; None: one call): each array of ``per_query`` is
     [B, L, ...] (None passes through), and so is ``fn``'s result, reassembled. ``what`` names
-    the caller in the error for a chunk that does not divide L."""
+    the caller in the error for a chunk that does not divide L.
+
+    Each chunk is rematerialised (`jax.checkpoint`): differentiated, the map keeps only its
+    inputs and the backward recomputes one chunk's intermediates at a time, rather than
+    stacking every chunk's (gathered keys, scores, masks) for the backward."""
     B, L = next(a for a in per_query if a is not None).shape[:2]
     if query_chunk is None or query_chunk >= L:
         return fn(per_query)
@@ -401,7 +405,7 @@ def map_query_chunks(fn, query_chunk: int | None, per_query: tuple, *,
         return None if a is None else jnp.moveaxis(a.reshape(B, c, query_chunk, *a.shape[2:]),
                                                    1, 0)
 
-    out = jax.lax.map(fn, tuple(split(a) for a in per_query))
+    out = jax.lax.map(jax.checkpoint(fn, prevent_cse=False), tuple(split(a) for a in per_query))
     return jnp.moveaxis(out, 0, 1).reshape(B, L, *out.shape[3:])
 
 
