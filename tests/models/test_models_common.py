@@ -9,6 +9,7 @@
 """
 
 import dataclasses
+import warnings
 
 import jax.numpy as jnp
 import pytest
@@ -46,6 +47,19 @@ def test_flops_per_token():
     assert mtp.flops_per_token(4096) > d.flops_per_token(4096)
     assert d.flops_per_token(4096, causal=False) > d.flops_per_token(4096)
 
+
+
+def test_counting_does_not_meet_a_mesh_choice():
+    """Counting builds an unsharded abstract model: a mesh's MoE buffer factor (the goal
+    row's ``moe_buffer_factor=2``) neither warns there nor changes the counts."""
+    from zoo.models.deepseek_v4 import DeepSeekV4Config
+    plain = DeepSeekV4Config.mini()
+    buffered = dataclasses.replace(plain, moe_buffer_factor=2.0, moe_overflow="drop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert buffered.num_params() == plain.num_params()
+        assert buffered.flops_per_token(256) == plain.flops_per_token(256)
+    assert buffered.for_counting().moe_buffer_factor is None
 
 def test_dense_only_model_has_empty_expert_counts():
     cfg = DeepSeek3Config.mini(num_hidden_layers=1, first_k_dense_replace=1, vocab_size=64)

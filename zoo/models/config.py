@@ -256,8 +256,15 @@ class DecoderConfig:
         """Routed experts per MoE layer (``aux["expert_counts"]`` has this many columns)."""
         raise NotImplementedError(f"{type(self).__name__} must define num_experts")
 
+    def for_counting(self):
+        """This config with no MoE buffer factor: what an unsharded abstract model built only
+        to count parameters or FLOPs uses (``Model.abstract(config.for_counting())``), so a
+        mesh's MoE choice (``moe_buffer_factor``) meeting no mesh warns nothing. The
+        parameters are the same."""
+        return dataclasses.replace(self, moe_buffer_factor=None)
+
     def num_params(self) -> int:
-        """Exact parameter count (``count_params(Model.abstract(self))``)."""
+        """Exact parameter count (``count_params(Model.abstract(self.for_counting()))``)."""
         raise NotImplementedError(f"{type(self).__name__} must define num_params")
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:

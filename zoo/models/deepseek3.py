@@ -229,7 +229,7 @@ class DeepSeek3Config(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing; bias buffers excluded)."""
-        return count_params(DeepSeek3.abstract(self))
+        return count_params(DeepSeek3.abstract(self.for_counting()))
 
     @property
     def mtp_depth(self) -> int:

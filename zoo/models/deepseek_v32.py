@@ -139,7 +139,7 @@ class DeepSeekV32Config(DeepSeek3Config):
 
     # -- derived quantities --------------------------------------------------------------------
     def num_params(self) -> int:
-        return count_params(DeepSeekV32.abstract(self))
+        return count_params(DeepSeekV32.abstract(self.for_counting()))
 
     def index_params(self) -> int:
         """One layer's indexer weights (``wq_b``, ``wk``, ``weights_proj``; norms excluded)."""

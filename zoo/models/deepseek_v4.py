@@ -404,13 +404,13 @@ class DeepSeekV4Config(DecoderConfig):
         """Parameter count from `nnx.eval_shape` (allocates nothing; buffers excluded), the
         MTP modules' included (transformers' count has none: ``num_nextn_predict_layers=0``
         gives it)."""
-        return count_params(DeepSeekV4.abstract(self))
+        return count_params(DeepSeekV4.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with, from the abstract model: everything but the
         embedding and the routed experts, plus k routed experts per layer (the MTP layers'
         too) and the head once more per MTP module."""
-        model = DeepSeekV4.abstract(self)
+        model = DeepSeekV4.abstract(self.for_counting())
         total = count_params(model)
         F, D = self.moe_intermediate_size, self.hidden_size
         layers = self.num_hidden_layers + self.mtp_depth

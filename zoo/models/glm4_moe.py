@@ -155,7 +155,7 @@ class Glm4MoeConfig(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing; bias buffers excluded)."""
-        return count_params(Glm4Moe.abstract(self))
+        return count_params(Glm4Moe.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (top-k + shared experts; no embedding lookup)."""

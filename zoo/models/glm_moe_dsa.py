@@ -193,7 +193,7 @@ class GlmMoeDsaConfig(DeepSeekV32Config):
 
     # -- derived quantities --------------------------------------------------------------------
     def num_params(self) -> int:
-        return count_params(GlmMoeDsa.abstract(self))
+        return count_params(GlmMoeDsa.abstract(self.for_counting()))
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
         """`DeepSeekV32Config.flops_per_token` with the indexer's work only in the full layers

@@ -147,7 +147,7 @@ class GptOssConfig(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing)."""
-        return count_params(GptOss.abstract(self))
+        return count_params(GptOss.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (the top-k experts; no embedding lookup)."""

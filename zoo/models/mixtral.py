@@ -108,7 +108,7 @@ class MixtralConfig(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing)."""
-        return count_params(Mixtral.abstract(self))
+        return count_params(Mixtral.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (routed: top-k experts; embedding lookup excluded)."""

@@ -103,7 +103,7 @@ class Qwen3_5MoeConfig(Qwen3NextConfig):
         return out
 
     def num_params(self) -> int:
-        return count_params(Qwen3_5Moe.abstract(self))
+        return count_params(Qwen3_5Moe.abstract(self.for_counting()))
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3NextDecoderLayer):

@@ -136,7 +136,7 @@ class Qwen3MoeConfig(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing)."""
-        return count_params(Qwen3Moe.abstract(self))
+        return count_params(Qwen3Moe.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (routed: the top-k experts; embedding lookup

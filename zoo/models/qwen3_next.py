@@ -182,7 +182,7 @@ class Qwen3NextConfig(DecoderConfig):
 
     def num_params(self) -> int:
         """Parameter count from `nnx.eval_shape` (allocates nothing)."""
-        return count_params(Qwen3Next.abstract(self))
+        return count_params(Qwen3Next.abstract(self.for_counting()))
 
     def active_matmul_params(self) -> int:
         """Weights one token multiplies with (the top-k experts, the shared one and its gate;
