@@ -61,12 +61,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -294,6 +296,50 @@ def fetch_table(lengths, cps, d: Dims, dtype, mean: int):
                           f"| {wire['hops'] / wire['all_gather']:.3f} | {take} |", flush=True)
 
 
+def v4_select_table(lengths: list[int], iters: int) -> int:
+    """DeepSeek-V4's CSA selection (`CompressedIndexer.select_entries`) at V4-Flash's indexer
+    widths on one device, one document: one query a step over all entries at once (the
+    program before `select_entries` went through `Indexer.select_keys`) against its
+    ``"auto"`` chunks and entry blocks."""
+    from zoo.layers.compressor import CompressedIndexer
+    from zoo.layers.indexer import KEY_BLOCK, SELECT_VALUES, SORT_VALUES
+    from zoo.models.deepseek_v4 import DeepSeekV4Config
+    from zoo.ops.sparse_attention import choose_query_chunk
+    c = DeepSeekV4Config.deepseek_v4_flash()
+    N, H, k, rate = c.index_n_heads, c.index_head_dim, c.index_topk, c.compress_rate_csa
+    print(f"## DeepSeek-V4 CSA selection, one device ({N} index heads x {H}, top-{k}, "
+          f"entries every {rate} tokens; bfloat16 queries)\n")
+    print("| length | entries | program | queries a step | steps | temp MiB | CPU ms | "
+          "CPU ms / one query a step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for L in lengths:
+        E = L // rate
+        ix = CompressedIndexer(num_heads=N, head_dim=H, rope_head_dim=c.qk_rope_head_dim,
+                               q_lora_rank=8, rate=rate, inputs_shape=(1, L, 8),
+                               partitioner=None, rngs=nnx.Rngs(0))
+        rng = np.random.default_rng(0)
+        pos, seg = jnp.arange(L)[None], jnp.ones((1, L), jnp.int32)
+        args = (jnp.asarray(rng.standard_normal((1, L, N, H)), jnp.bfloat16),
+                jnp.asarray(rng.random((1, L, N)), jnp.float32),
+                jnp.asarray(rng.standard_normal((1, E, H)), jnp.bfloat16),
+                jnp.arange(E, dtype=jnp.int32)[None] * rate, jnp.ones((1, E), jnp.int32))
+        auto = choose_query_chunk(L, N * min(KEY_BLOCK, E) + SORT_VALUES * E, SELECT_VALUES)
+        base = None
+        for name, chunk, block in (("one query a step", 1, E), ("auto", "auto", "auto")):
+            fn = jax.jit(functools.partial(ix.select_entries, k=k, positions=pos,
+                                           segment_ids=seg, query_chunk=chunk,
+                                           key_block=block))
+            compiled = fn.lower(*args).compile()
+            ms = cpu_ms(Program(fn=None, args=None, make=lambda a=args: a, formula=0.0),
+                        compiled, iters)
+            base = base or ms
+            q = 1 if chunk == 1 else auto
+            print(f"| {L} | {E} | {name} | {q} | {L // q} | "
+                  f"{compiled.memory_analysis().temp_size_in_bytes / 2**20:.0f} | {ms:.0f} | "
+                  f"{ms / base:.3f} |", flush=True)
+    return 0
+
+
 def _num(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.4g}"
 
@@ -323,7 +369,13 @@ def main():
     ap.add_argument("--fetch-lengths", default="32768,131072")
     ap.add_argument("--document-tokens", type=int, default=2048,
                     help="median document length of the --fetch rows")
+    ap.add_argument("--v4-select", action="store_true",
+                    help="print only DeepSeek-V4's CSA selection table (v4_select_table) at "
+                         "--v4-select-lengths")
+    ap.add_argument("--v4-select-lengths", default="8192,16384")
     args = ap.parse_args()
+    if args.v4_select:
+        return v4_select_table(_ints(args.v4_select_lengths), args.iters)
     set_cpu_devices(None)  # importing jax started no backend: still in time
     d = Dims(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Dims)})
     lengths, cps = _ints(args.lengths), _ints(args.cps)

@@ -278,6 +278,27 @@ def test_packed_documents_match_a_loop(kind):
 _forward = jax.jit(lambda m, x, p, s: m(x, positions=p, segment_ids=s))
 
 
+
+def test_indexer_selection_in_chunks_and_blocks_equals_dense_topk():
+    """`CompressedIndexer.select_entries` (queries in chunks, entries in blocks through
+    `Indexer.select_keys`; blocks no query of a chunk sees skipped) picks the same entries in
+    the same order as the top-k of the dense entry scores, on packed rows with padding."""
+    m = make("csa")
+    randomise(m, 3)
+    ix = m.compressor.indexer
+    pos, seg = (jnp.asarray(a) for a in packed())
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((B, L, D)), jnp.float32)
+    q, w = ix.queries(x, m.q_latent(x), pos)
+    entries, start, eseg = ix.keys(x, pos, seg)
+    dense = ix.topk(ix.entry_scores(q, w, entries, start, eseg, positions=pos,
+                                    segment_ids=seg), TOPK, start)
+    for chunk, block in ((2, 2), (11, 3)):
+        got = jax.jit(functools.partial(
+            ix.select_entries, k=TOPK, positions=pos, segment_ids=seg, query_chunk=chunk,
+            key_block=block))(q, w, entries, start, eseg)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), str((chunk, block)))
+    assert (np.asarray(dense) >= 0).any() and (np.asarray(dense) < 0).any()
+
 def test_window_table_any_order():
     """Windows per document, from positions and segment ids only: the same entries for a
     shuffled row; padding and partial windows make none."""

@@ -381,19 +381,10 @@ class CompressedAttention(nnx.Module):
                 ipooled = ix.compressor.pool(ikv, igate, pos, slots, nxt, bias=params["ibias"],
                                              num_entries=E, axes=axes)
                 ikeys = ix.compressor.finish(ipooled, start, params["inorm"], ikv.dtype)
-                L = pos.shape[1]
-
-                def select(args):  # one chunk of queries: dense scores [B, c, E], top-k
-                    q_c, w_c, pos_c, seg_c = args
-                    scores = ix.entry_scores(q_c, w_c, ikeys, start, eseg, positions=pos_c,
-                                             segment_ids=seg_c)
-                    return ix.topk(scores, self.index_topk, start)
-
-                chunk = self.query_chunk if self.query_chunk != "auto" else \
-                    choose_query_chunk(L, ix.num_heads * E)
                 if index_stage != "warmup":  # the warm-up attends to every visible entry
-                    indices = jax.lax.stop_gradient(map_query_chunks(select, chunk,
-                                                                        (iq, iw, pos, seg)))
+                    indices = ix.select_entries(iq, iw, ikeys, start, eseg, self.index_topk,
+                                                positions=pos, segment_ids=seg,
+                                                query_chunk=self.query_chunk)
         L = pos.shape[1]
         chunk = self.query_chunk
         if chunk == "auto":

@@ -281,12 +281,29 @@ class CompressedIndexer(Indexer):
         """The row's compressed index keys: (entries [B, E, Hi], entry_start, entry_segment_ids)."""
         return self.compressor(x, positions=positions, segment_ids=segment_ids)
 
+    def entry_last(self, entry_start: jax.Array, entry_segment_ids: jax.Array) -> jax.Array:
+        """[B, E] the position of each entry's last token (0 for an unused slot): a query sees
+        the entry from there on (`Indexer.score`'s causal mask on these key positions)."""
+        return jnp.where(entry_segment_ids > 0, entry_start + self.rate - 1, 0)
+
     def entry_scores(self, q, w, entries, entry_start, entry_segment_ids, *, positions,
                      segment_ids):
         """Scores [B, L, E] of queries against entries, ``-inf`` where not visible."""
-        last = jnp.where(entry_segment_ids > 0, entry_start + self.rate - 1, 0)
-        return self.score(q, w, entries, q_positions=positions, kv_positions=last,
+        return self.score(q, w, entries, q_positions=positions,
+                          kv_positions=self.entry_last(entry_start, entry_segment_ids),
                           q_segment_ids=segment_ids, kv_segment_ids=entry_segment_ids)
+
+    def select_entries(self, q, w, entries, entry_start, entry_segment_ids, k: int, *,
+                       positions, segment_ids, query_chunk: int | str | None = "auto",
+                       key_block: int | str = "auto") -> jax.Array:
+        """``topk(entry_scores(...), k, entry_start)`` -- the same indices [B, L, min(k, E)]
+        -- in bounded memory, through `Indexer.select_keys` (queries in chunks, entries in
+        blocks, blocks no query of a chunk sees not scored); under ``stop_gradient``."""
+        return jax.lax.stop_gradient(self.select_keys(
+            q, w, entries, k, q_positions=positions,
+            kv_positions=self.entry_last(entry_start, entry_segment_ids),
+            q_segment_ids=segment_ids, kv_segment_ids=entry_segment_ids,
+            query_chunk=query_chunk, key_block=key_block))
 
     def __call__(self, x: jax.Array, q_latent: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -303,9 +320,11 @@ class CompressedIndexer(Indexer):
         under ``stop_gradient``; ties: the later entry first."""
         x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
         seg = jnp.ones(positions.shape, jnp.int32) if segment_ids is None else segment_ids
-        scores = self(x, q_latent, positions=positions, segment_ids=seg)
-        table = ca.window_table(positions, seg, self.rate)
-        return self.topk(scores, k, table.entry_start)
+        with jax.named_scope("compressed_indexer"):
+            q, w = self.queries(x, q_latent, positions)
+            entries, start, eseg = self.keys(x, positions, seg)
+            return self.select_entries(q, w, entries, start, eseg, k, positions=positions,
+                                       segment_ids=seg)
 
     def hf_keys(self, prefix: str) -> list[hfk.Tensor]:
         """The compressor's keys directly under ``prefix``, ``q_b_proj``,
